@@ -1,0 +1,86 @@
+// NVFP4 matrices and MoE expert weights in NVIDIA ModelOpt's checkpoint layout
+// (DESIGN.md §3): quantisation of float weights, dequantisation, and loading
+// an MoE layer's experts from a safetensors file or a sharded checkpoint
+// directory. Tested in tests/format/test_modelopt.cpp.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fp4moe/safetensors.hpp"
+
+namespace fp4moe {
+
+// One NVFP4 weight matrix W [rows = N, cols = K] in ModelOpt layout.
+struct Nvfp4Matrix {
+  int64_t rows = 0;                 // N (output features)
+  int64_t cols = 0;                 // K (input features), a multiple of 16
+  std::vector<uint8_t> packed;      // [rows, cols/2]; even element in the low nibble
+  std::vector<uint8_t> scales;      // [rows, cols/16] float8 e4m3fn block scales
+  float global_scale = 1.0f;        // weight_scale_2
+  float input_scale = 1.0f;         // activation scale (used by the W4A4 mode only)
+
+  uint8_t code(int64_t r, int64_t c) const {
+    const uint8_t byte = packed[static_cast<size_t>(r * (cols / 2) + c / 2)];
+    return (c & 1) ? (byte >> 4) : (byte & 0xF);
+  }
+  uint8_t scale(int64_t r, int64_t c) const {
+    return scales[static_cast<size_t>(r * (cols / 16) + c / 16)];
+  }
+  float value(int64_t r, int64_t c) const;  // dequantised element
+  // The whole matrix dequantised to float, row-major [rows, cols].
+  std::vector<float> dequantize() const;
+};
+
+// Absolute maximum of a float array (NaN ignored).
+float abs_max(const float* data, size_t count);
+
+// Quantises W [rows, cols] (row-major float) the way ModelOpt does. The global
+// scale is amax/2688 of this matrix unless `global_scale` is given (gate and
+// up share one: pass the one computed from both). cols % 16 != 0 throws.
+Nvfp4Matrix quantize_nvfp4(const float* weights, int64_t rows, int64_t cols,
+                           std::optional<float> global_scale = std::nullopt);
+
+// The three projections of one expert. gate and up have the same
+// global_scale (ModelOpt shares weight_scale_2 between them).
+struct ExpertWeights {
+  Nvfp4Matrix gate;  // [inter, hidden]
+  Nvfp4Matrix up;    // [inter, hidden]
+  Nvfp4Matrix down;  // [hidden, inter]
+  // Optional biases (gpt-oss): empty when the checkpoint has none.
+  std::vector<float> gate_bias;  // [inter]
+  std::vector<float> up_bias;    // [inter]
+  std::vector<float> down_bias;  // [hidden]
+};
+
+struct MoeWeights {
+  int64_t num_experts = 0;
+  int64_t hidden = 0;  // H
+  int64_t inter = 0;   // I (moe_intermediate_size)
+  std::vector<ExpertWeights> experts;
+
+  bool has_bias() const { return !experts.empty() && !experts[0].gate_bias.empty(); }
+};
+
+// The ModelOpt tensor name of expert `expert_idx`'s projection `proj`
+// ("gate_proj", "up_proj", "down_proj") field ("weight", "weight_scale",
+// "weight_scale_2", "input_scale", "bias"), under `prefix` such as
+// "model.layers.3.mlp.": "<prefix>experts.<e>.<proj>.<field>".
+std::string expert_tensor_name(const std::string& prefix, int64_t expert_idx,
+                               const std::string& proj, const std::string& field);
+
+// Loads every expert under `prefix` from a .safetensors file or a checkpoint
+// directory (model.safetensors.index.json for shards; hf_quant_config.json,
+// when present, must say quant_algo NVFP4 with group_size 16). The expert
+// count is discovered from the tensor names. Missing or mismatched tensors
+// are reported by name with the expected and found shape/dtype.
+MoeWeights load_moe_weights(const std::string& path, const std::string& prefix);
+
+// Adds the layer's tensors in ModelOpt layout to a writer (the inverse of
+// load_moe_weights), e.g. to make test checkpoints.
+void add_moe_weights(SafetensorsWriter& writer, const MoeWeights& weights,
+                     const std::string& prefix);
+
+}  // namespace fp4moe

@@ -1,0 +1,4 @@
+#include "commands.hpp"
+namespace fp4moe::cli {
+void add_bench_command(CLI::App&) {}
+}  // namespace fp4moe::cli
