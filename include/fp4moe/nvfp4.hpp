@@ -54,7 +54,8 @@ FP4MOE_HD uint32_t float_to_bits(float f) {
 FP4MOE_HD float e2m1_to_float(uint8_t code) {
   const uint32_t mag = code & 7u;
   // 2 * value for magnitudes 0..7: 0 1 2 3 4 6 8 12.
-  const uint32_t twice = mag < 4 ? mag : (mag - 2u) * 2u;  // 4->4, 5->6, 6->8, 7->12
+  // From 4 on, mantissa bit m and exponent e = mag >> 1 give (2 + m) << (e - 1).
+  const uint32_t twice = mag < 4 ? mag : (2u + (mag & 1u)) << ((mag >> 1) - 1u);  // 4 6 8 12
   const float value = 0.5f * static_cast<float>(twice);
   return (code & 8u) ? -value : value;
 }
