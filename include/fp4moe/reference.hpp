@@ -36,9 +36,31 @@ struct Routing {
 };
 
 // Routes router_logits [num_tokens, num_experts]. correction_bias
-// [num_experts] is used by kNoauxTc only (may be null: zeros). Ties between
-// equal scores go to the lower expert index. Throws on top_k > num_experts,
-// groups that do not divide the experts, etc.
+// [num_experts] is used by kNoauxTc only (may be null: zeros). All scores are
+// computed in double from the float inputs; weights are rounded to float last.
+//
+//   kSoftmaxTopK  p = softmax(logits) (max-subtracted); the k largest p; with
+//                 renormalize, w = p / sum of the k chosen p, else w = p.
+//   kNoauxTc      s = sigmoid(logits); c = s + correction_bias (the choice
+//                 score). Experts form num_groups contiguous groups; a group
+//                 scores the sum of its two largest c; the topk_groups best
+//                 groups are kept; the k largest c among their experts are
+//                 chosen; w = s / (sum of the k chosen s + 1e-20) *
+//                 routed_scaling_factor (the unbiased s; the 1e-20 is
+//                 DeepSeek-V3's, so a token whose scores all underflow gets
+//                 zero weights instead of NaN).
+//   kGptOss       the k largest logits; w = softmax over those k logits.
+//
+// Tie rule (the contract GPU routing kernels must match): whenever two
+// experts, or two groups, have exactly equal scores (in double), the one with
+// the lower index ranks first. A token's ids are listed in selection order:
+// descending score, ties by ascending index.
+//
+// Throws fp4moe::Error naming the parameter when top_k is outside
+// [1, num_experts], num_tokens < 1, a logit or bias is not finite, or (for
+// kNoauxTc) num_groups does not divide num_experts, a group has fewer than 2
+// experts, topk_groups is outside [1, num_groups], the kept groups hold fewer
+// than top_k experts, or routed_scaling_factor is not finite and positive.
 Routing route(const float* router_logits, int64_t num_tokens, int64_t num_experts,
               const float* correction_bias, const RoutingParams& params);
 
@@ -57,7 +79,16 @@ RoutingMode parse_routing_mode(const std::string& name);  // "softmax", "noaux_t
 // output [num_tokens, hidden] = sum_j w_j * down_e(act(gate_e x, up_e x)) for the
 // token's top-k experts e with weights w_j; biases added where present.
 // hidden_states [num_tokens, hidden] row-major float. Uses all hardware threads.
+// The result is bitwise independent of the thread count: every (token, slot)
+// contribution is computed by one sequential dot product per output element,
+// and a token's contributions are summed in slot order. Throws on shape
+// mismatches between weights, routing and the layer.
 void moe_reference(const MoeWeights& weights, const float* hidden_states,
                    const Routing& routing, Activation activation, float* output);
+// As above with an explicit thread count; num_threads <= 0 means all hardware
+// threads.
+void moe_reference(const MoeWeights& weights, const float* hidden_states,
+                   const Routing& routing, Activation activation, float* output,
+                   int num_threads);
 
 }  // namespace fp4moe

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -91,6 +92,7 @@ class SafetensorsWriter {
     std::vector<uint8_t> bytes;
   };
   std::vector<Entry> tensors_;
+  std::set<std::string, std::less<>> names_;  // for add()'s duplicate check in O(log n)
   std::map<std::string, std::string> metadata_;
 };
 

@@ -1,1 +1,460 @@
-// placeholder: being written
+// NVFP4 quantisation in ModelOpt's order of operations, and the MoE expert
+// tensors of a ModelOpt checkpoint: naming, loading from a .safetensors file
+// or a (sharded) checkpoint directory with validation of every tensor's dtype
+// and shape, and writing them back (DESIGN.md §3).
+//
+// Tested in tests/format/test_modelopt.cpp: quantise/dequantise error bounds
+// on random data, idempotence, hand-computed bytes, save/load round trips
+// (single file, sharded directory) and one test per error message.
+#include "fp4moe/modelopt.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "fp4moe/error.hpp"
+#include "fp4moe/nvfp4.hpp"
+
+namespace fp4moe {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// ------------------------------------------------------------ quantisation
+
+float Nvfp4Matrix::value(int64_t r, int64_t c) const {
+  return nvfp4_dequantize_value(code(r, c), scale(r, c), global_scale);
+}
+
+std::vector<float> Nvfp4Matrix::dequantize() const {
+  std::vector<float> out(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[static_cast<size_t>(r * cols + c)] = value(r, c);
+  return out;
+}
+
+float abs_max(const float* data, size_t count) {
+  float amax = 0.0f;
+  for (size_t i = 0; i < count; ++i) {
+    const float a = std::fabs(data[i]);
+    if (a > amax) amax = a;  // false for NaN, which is thereby ignored
+  }
+  return amax;
+}
+
+Nvfp4Matrix quantize_nvfp4(const float* weights, int64_t rows, int64_t cols,
+                           std::optional<float> global_scale) {
+  FP4MOE_CHECK(rows >= 0 && cols >= 0, "quantize_nvfp4: shape [", rows, ", ", cols,
+               "] has a negative dimension");
+  FP4MOE_CHECK(cols % kNvfp4BlockSize == 0, "quantize_nvfp4: cols (K) = ", cols,
+               " is not a multiple of the NVFP4 block size ", kNvfp4BlockSize);
+  const size_t count = static_cast<size_t>(rows * cols);
+  FP4MOE_CHECK(weights != nullptr || count == 0, "quantize_nvfp4: weights is null for a [", rows,
+               ", ", cols, "] matrix");
+  // A non-finite weight would make the global scale (or a block scale)
+  // meaningless; no checkpoint should contain one.
+  for (size_t i = 0; i < count; ++i)
+    FP4MOE_CHECK(std::isfinite(weights[i]), "quantize_nvfp4: weight [", i / cols, ", ",
+                 i % cols, "] is ", weights[i], "; expected finite values");
+
+  const float amax = abs_max(weights, count);
+  const float s2 = global_scale ? *global_scale : nvfp4_global_scale(amax);
+  FP4MOE_CHECK(std::isfinite(s2) && s2 >= 0.0f, "quantize_nvfp4: global scale ", s2,
+               " is not a finite non-negative number");
+  FP4MOE_CHECK(s2 > 0.0f || amax == 0.0f, "quantize_nvfp4: global scale 0 given for a matrix "
+               "with abs max ", amax, "; expected amax / 2688 or more");
+
+  Nvfp4Matrix m;
+  m.rows = rows;
+  m.cols = cols;
+  m.global_scale = s2;
+  m.packed.assign(count / 2, 0);
+  m.scales.assign(count / kNvfp4BlockSize, 0);
+  for (size_t block = 0; block < m.scales.size(); ++block) {
+    const float* x = weights + block * kNvfp4BlockSize;
+    const uint8_t ws = nvfp4_block_scale(abs_max(x, kNvfp4BlockSize), s2);
+    m.scales[block] = ws;
+    uint8_t* out = m.packed.data() + block * (kNvfp4BlockSize / 2);
+    for (int i = 0; i < kNvfp4BlockSize; i += 2) {
+      const uint8_t even = nvfp4_quantize_value(x[i], ws, s2);
+      const uint8_t odd = nvfp4_quantize_value(x[i + 1], ws, s2);
+      out[i / 2] = static_cast<uint8_t>(even | (odd << 4));
+    }
+  }
+  return m;
+}
+
+// ------------------------------------------------------------ tensor names
+
+std::string expert_tensor_name(const std::string& prefix, int64_t expert_idx,
+                               const std::string& proj, const std::string& field) {
+  return prefix + "experts." + std::to_string(expert_idx) + "." + proj + "." + field;
+}
+
+namespace {
+
+constexpr const char* kProjNames[3] = {"gate_proj", "up_proj", "down_proj"};
+constexpr const char* kRequiredFields[3] = {"weight", "weight_scale", "weight_scale_2"};
+
+std::string describe(DType dtype, const std::vector<int64_t>& shape) {
+  return std::string(dtype_name(dtype)) + " " + shape_to_string(shape);
+}
+
+// The expert index of "<prefix>experts.<e>.<rest>", or -1 when `name` is not
+// shaped like that. Only canonical decimal indices count ("7", not "07").
+int64_t parse_expert_index(const std::string& name, const std::string& prefix) {
+  const std::string head = prefix + "experts.";
+  if (name.size() <= head.size() || name.compare(0, head.size(), head) != 0) return -1;
+  size_t pos = head.size();
+  const size_t digits_begin = pos;
+  while (pos < name.size() && name[pos] >= '0' && name[pos] <= '9') ++pos;
+  const size_t num_digits = pos - digits_begin;
+  if (num_digits == 0 || num_digits > 9) return -1;
+  if (num_digits > 1 && name[digits_begin] == '0') return -1;
+  if (pos + 1 >= name.size() || name[pos] != '.') return -1;
+  return std::stoll(name.substr(digits_begin, num_digits));
+}
+
+json read_json_file(const fs::path& path) {
+  std::ifstream in(path);
+  FP4MOE_CHECK(in.good(), path.string(), ": cannot open");
+  try {
+    return json::parse(in);
+  } catch (const json::exception& e) {
+    FP4MOE_THROW(path.string(), ": not valid JSON: ", e.what());
+  }
+}
+
+// hf_quant_config.json as ModelOpt writes it:
+//   {"quantization": {"quant_algo": "NVFP4", "group_size": 16, ...}, ...}
+void check_quant_config(const fs::path& path) {
+  const json config = read_json_file(path);
+  const std::string where = path.string();
+  FP4MOE_CHECK(config.is_object() && config.contains("quantization") &&
+                   config["quantization"].is_object(),
+               where, ": expected an object with a \"quantization\" object");
+  const json& q = config["quantization"];
+  FP4MOE_CHECK(q.contains("quant_algo"), where, ": quantization.quant_algo is missing; expected \"NVFP4\"");
+  FP4MOE_CHECK(q["quant_algo"].is_string() && q["quant_algo"].get<std::string>() == "NVFP4", where,
+               ": quantization.quant_algo is ", q["quant_algo"].dump(),
+               "; fp4moe loads only \"NVFP4\" checkpoints");
+  FP4MOE_CHECK(q.contains("group_size"), where, ": quantization.group_size is missing; expected 16");
+  FP4MOE_CHECK(q["group_size"].is_number_integer() && q["group_size"].get<int64_t>() == kNvfp4BlockSize,
+               where, ": quantization.group_size is ", q["group_size"].dump(), "; expected ",
+               kNvfp4BlockSize);
+}
+
+// Every tensor of a checkpoint, wherever it lives: one .safetensors file, the
+// shards named by model.safetensors.index.json, or all *.safetensors files of
+// a directory. Shards are opened (memory-mapped) only when a tensor in them
+// is asked for, so loading one layer touches only its shards.
+class TensorSource {
+ public:
+  explicit TensorSource(const std::string& path) : path_(path) {
+    std::error_code ec;
+    const fs::file_status status = fs::status(path, ec);
+    FP4MOE_CHECK(!ec && fs::exists(status), path, ": no such file or directory");
+    if (fs::is_directory(status)) {
+      open_directory(path);
+    } else {
+      add_file(path, true);
+    }
+  }
+
+  const std::string& path() const { return path_; }
+  // Every tensor name, in a stable order (sorted).
+  const std::vector<std::string>& names() const { return names_; }
+  bool contains(const std::string& name) const { return shard_of_.count(name) != 0; }
+
+  // The tensor and the file it is in; the view lives as long as this source.
+  std::pair<const TensorView*, const std::string*> get(const std::string& name) {
+    const auto it = shard_of_.find(name);
+    FP4MOE_CHECK(it != shard_of_.end(), path_, ": no tensor named '", name, "'");
+    Shard& shard = shards_[it->second];
+    if (!shard.file) shard.file = std::make_unique<SafetensorsFile>(SafetensorsFile::open(shard.path));
+    FP4MOE_CHECK(shard.file->contains(name), shard.path, ": has no tensor '", name, "', but ",
+                 path_, " lists it in this shard");
+    return {&shard.file->get(name), &shard.path};
+  }
+
+ private:
+  struct Shard {
+    std::string path;
+    std::unique_ptr<SafetensorsFile> file;  // opened on first use
+  };
+
+  void open_directory(const fs::path& dir) {
+    if (fs::exists(dir / "hf_quant_config.json")) check_quant_config(dir / "hf_quant_config.json");
+    const fs::path index_path = dir / "model.safetensors.index.json";
+    if (fs::exists(index_path)) {
+      const json index = read_json_file(index_path);
+      const std::string where = index_path.string();
+      FP4MOE_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(),
+                   where, ": expected an object with a \"weight_map\" object (tensor name -> shard file)");
+      std::map<std::string, size_t> shard_idx;
+      for (const auto& [name, file] : index["weight_map"].items()) {
+        FP4MOE_CHECK(file.is_string(), where, ": weight_map[\"", name, "\"] is ", file.dump(),
+                     "; expected a shard file name");
+        const std::string shard_path = (dir / file.get<std::string>()).string();
+        auto [it, inserted] = shard_idx.emplace(shard_path, shards_.size());
+        if (inserted) shards_.push_back(Shard{shard_path, nullptr});
+        shard_of_.emplace(name, it->second);
+        names_.push_back(name);
+      }
+      std::sort(names_.begin(), names_.end());
+      return;
+    }
+    std::vector<fs::path> files;
+    for (const fs::directory_entry& entry : fs::directory_iterator(dir))
+      if (entry.is_regular_file() && entry.path().extension() == ".safetensors")
+        files.push_back(entry.path());
+    FP4MOE_CHECK(!files.empty(), dir.string(),
+                 ": no *.safetensors file and no model.safetensors.index.json");
+    std::sort(files.begin(), files.end());
+    for (const fs::path& file : files) add_file(file.string(), false);
+    std::sort(names_.begin(), names_.end());
+  }
+
+  void add_file(const std::string& file, bool sort_names) {
+    const size_t idx = shards_.size();
+    shards_.push_back(Shard{file, std::make_unique<SafetensorsFile>(SafetensorsFile::open(file))});
+    for (const std::string& name : shards_[idx].file->names()) {
+      const auto [it, inserted] = shard_of_.emplace(name, idx);
+      FP4MOE_CHECK(inserted, path_, ": tensor '", name, "' is in both ", shards_[it->second].path,
+                   " and ", file, "; add a model.safetensors.index.json to say which to use");
+      names_.push_back(name);
+    }
+    if (sort_names) std::sort(names_.begin(), names_.end());
+  }
+
+  std::string path_;
+  std::vector<Shard> shards_;
+  std::map<std::string, size_t> shard_of_;  // tensor name -> index into shards_
+  std::vector<std::string> names_;
+};
+
+// A 0-d or [1] F32 tensor (dtype and shape already checked).
+float read_f32_scalar(const TensorView& view, const std::string& path) {
+  float value;
+  std::memcpy(&value, view.data, sizeof value);  // safetensors data is little-endian, as is the host
+  FP4MOE_CHECK(std::isfinite(value), path, ": tensor '", view.name, "' is ", value,
+               "; expected a finite scale");
+  return value;
+}
+
+// Collects dtype/shape mismatches so one error can list all of them.
+class Problems {
+ public:
+  void add(std::string problem) { list_.push_back(std::move(problem)); }
+  void throw_if_any(const std::string& path, const std::string& prefix) const {
+    if (list_.empty()) return;
+    constexpr size_t kMaxShown = 20;
+    std::ostringstream os;
+    os << path << ": " << list_.size() << " expert tensor(s) under prefix '" << prefix
+       << "' do not match the ModelOpt NVFP4 layout:";
+    for (size_t i = 0; i < std::min(list_.size(), kMaxShown); ++i) os << "\n  " << list_[i];
+    if (list_.size() > kMaxShown) os << "\n  ... and " << list_.size() - kMaxShown << " more";
+    FP4MOE_THROW(os.str());
+  }
+
+ private:
+  std::vector<std::string> list_;
+};
+
+}  // namespace
+
+// ------------------------------------------------------------------ loading
+
+MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) {
+  TensorSource source(path);
+
+  // Discover the experts: the largest index under the prefix sets the count.
+  int64_t max_expert_idx = -1;
+  bool any_bias = false;
+  for (const std::string& name : source.names()) {
+    const int64_t e = parse_expert_index(name, prefix);
+    if (e < 0) continue;
+    max_expert_idx = std::max(max_expert_idx, e);
+    if (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0) any_bias = true;
+  }
+  if (max_expert_idx < 0) {
+    std::string example;
+    for (const std::string& name : source.names()) {
+      const size_t at = name.find("experts.");
+      if (at != std::string::npos && (at == 0 || name[at - 1] == '.')) {
+        example = "; a tensor that looks like an expert's: '" + name + "' (prefix '" +
+                  name.substr(0, at) + "'?)";
+        break;
+      }
+    }
+    FP4MOE_THROW(path, ": no expert tensors under prefix '", prefix, "' (looked for '",
+                 expert_tensor_name(prefix, 0, "gate_proj", "weight"), "')",
+                 example.empty() ? std::string("; no tensor name contains 'experts.'") : example);
+  }
+  const int64_t num_experts = max_expert_idx + 1;
+
+  // Every expert 0..E-1 must have every required tensor; report the first gap.
+  for (int64_t e = 0; e < num_experts; ++e)
+    for (const char* proj : kProjNames) {
+      for (const char* field : kRequiredFields) {
+        const std::string name = expert_tensor_name(prefix, e, proj, field);
+        FP4MOE_CHECK(source.contains(name), path, ": missing tensor '", name, "' (found ",
+                     num_experts, " experts under prefix '", prefix, "', 0..", max_expert_idx, ")");
+      }
+      if (any_bias) {
+        const std::string name = expert_tensor_name(prefix, e, proj, "bias");
+        FP4MOE_CHECK(source.contains(name), path, ": missing tensor '", name,
+                     "' (other experts under prefix '", prefix, "' have biases)");
+      }
+    }
+
+  // Shapes follow from expert 0's gate weight, U8 [inter, hidden / 2].
+  const std::string shape_source = expert_tensor_name(prefix, 0, "gate_proj", "weight");
+  const TensorView& gate0 = *source.get(shape_source).first;
+  FP4MOE_CHECK(gate0.dtype == DType::U8 && gate0.shape.size() == 2, path, ": tensor '",
+               shape_source, "' is ", describe(gate0.dtype, gate0.shape),
+               "; expected U8 [inter, hidden / 2] (packed fp4)");
+  MoeWeights weights;
+  weights.num_experts = num_experts;
+  weights.inter = gate0.shape[0];
+  weights.hidden = gate0.shape[1] * 2;
+  FP4MOE_CHECK(weights.hidden % kNvfp4BlockSize == 0 && weights.inter % kNvfp4BlockSize == 0 &&
+                   weights.hidden > 0 && weights.inter > 0,
+               path, ": tensor '", shape_source, "' ", shape_to_string(gate0.shape), " gives hidden = ",
+               weights.hidden, " and inter = ", weights.inter,
+               "; both must be positive multiples of ", kNvfp4BlockSize);
+
+  Problems problems;
+  // Checks dtype and shape; returns the view when they match, else null.
+  auto checked = [&](const std::string& name, std::initializer_list<DType> dtypes,
+                     std::vector<std::vector<int64_t>> shapes) -> const TensorView* {
+    const auto [view, file] = source.get(name);
+    const bool dtype_ok = std::find(dtypes.begin(), dtypes.end(), view->dtype) != dtypes.end();
+    const bool shape_ok = std::find(shapes.begin(), shapes.end(), view->shape) != shapes.end();
+    if (dtype_ok && shape_ok) return view;
+    std::string expected;
+    for (DType dtype : dtypes) expected += (expected.empty() ? "" : " or ") + std::string(dtype_name(dtype));
+    expected += " ";
+    for (size_t i = 0; i < shapes.size(); ++i)
+      expected += (i ? " or " : "") + shape_to_string(shapes[i]);
+    problems.add("'" + name + "' (in " + *file + "): expected " + expected + ", found " +
+                 describe(view->dtype, view->shape));
+    return nullptr;
+  };
+
+  const int64_t H = weights.hidden, I = weights.inter;
+  weights.experts.resize(static_cast<size_t>(num_experts));
+  for (int64_t e = 0; e < num_experts; ++e) {
+    ExpertWeights& expert = weights.experts[static_cast<size_t>(e)];
+    Nvfp4Matrix* matrices[3] = {&expert.gate, &expert.up, &expert.down};
+    std::vector<float>* biases[3] = {&expert.gate_bias, &expert.up_bias, &expert.down_bias};
+    std::optional<float> scale_2[3];  // as read, for the gate/up comparison
+    for (int p = 0; p < 3; ++p) {
+      const std::string proj = kProjNames[p];
+      Nvfp4Matrix& m = *matrices[p];
+      m.rows = p < 2 ? I : H;
+      m.cols = p < 2 ? H : I;
+      auto name = [&](const char* field) { return expert_tensor_name(prefix, e, proj, field); };
+
+      if (const TensorView* v = checked(name("weight"), {DType::U8}, {{m.rows, m.cols / 2}}))
+        m.packed.assign(v->data, v->data + v->nbytes);
+      if (const TensorView* v = checked(name("weight_scale"), {DType::F8_E4M3},
+                                        {{m.rows, m.cols / kNvfp4BlockSize}})) {
+        m.scales.assign(v->data, v->data + v->nbytes);
+        const auto nan = std::find_if(m.scales.begin(), m.scales.end(), e4m3_is_nan);
+        if (nan != m.scales.end())
+          problems.add("'" + name("weight_scale") + "': element " +
+                       std::to_string(nan - m.scales.begin()) + " is an e4m3 NaN");
+      }
+      // ModelOpt writes 0-d scalars; other exporters write shape [1].
+      if (const TensorView* v = checked(name("weight_scale_2"), {DType::F32}, {{}, {1}})) {
+        m.global_scale = read_f32_scalar(*v, path);
+        scale_2[p] = m.global_scale;
+      }
+      // input_scale is optional: 1.0 (no activation scaling) when absent.
+      if (source.contains(name("input_scale"))) {
+        if (const TensorView* v = checked(name("input_scale"), {DType::F32}, {{}, {1}}))
+          m.input_scale = read_f32_scalar(*v, path);
+      }
+      if (any_bias) {
+        if (const TensorView* v = checked(name("bias"), {DType::F32, DType::BF16}, {{m.rows}})) {
+          biases[p]->resize(static_cast<size_t>(m.rows));
+          for (int64_t i = 0; i < m.rows; ++i) {
+            float& out = (*biases[p])[static_cast<size_t>(i)];
+            if (v->dtype == DType::F32) {
+              std::memcpy(&out, v->data + i * 4, 4);
+            } else {
+              uint16_t h;
+              std::memcpy(&h, v->data + i * 2, 2);
+              out = bf16_to_float(h);
+            }
+          }
+        }
+      }
+    }
+    if (scale_2[0] && scale_2[1] && *scale_2[0] != *scale_2[1])
+      problems.add("'" + expert_tensor_name(prefix, e, "gate_proj", "weight_scale_2") + "' = " +
+                   std::to_string(expert.gate.global_scale) + " differs from '" +
+                   expert_tensor_name(prefix, e, "up_proj", "weight_scale_2") + "' = " +
+                   std::to_string(expert.up.global_scale) +
+                   "; ModelOpt shares one weight_scale_2 between gate and up");
+  }
+  problems.throw_if_any(path, prefix);
+  return weights;
+}
+
+// ------------------------------------------------------------------ writing
+
+void add_moe_weights(SafetensorsWriter& writer, const MoeWeights& weights,
+                     const std::string& prefix) {
+  FP4MOE_CHECK(static_cast<int64_t>(weights.experts.size()) == weights.num_experts,
+               "add_moe_weights: num_experts is ", weights.num_experts, " but ",
+               weights.experts.size(), " experts are given");
+  const bool with_bias = weights.has_bias();
+  for (int64_t e = 0; e < weights.num_experts; ++e) {
+    const ExpertWeights& expert = weights.experts[static_cast<size_t>(e)];
+    FP4MOE_CHECK(expert.gate.global_scale == expert.up.global_scale, "add_moe_weights: expert ", e,
+                 ": gate global_scale ", expert.gate.global_scale, " differs from up global_scale ",
+                 expert.up.global_scale, "; ModelOpt shares one weight_scale_2 between gate and up "
+                 "(quantise both with the scale of their joint amax)");
+    const Nvfp4Matrix* matrices[3] = {&expert.gate, &expert.up, &expert.down};
+    const std::vector<float>* biases[3] = {&expert.gate_bias, &expert.up_bias, &expert.down_bias};
+    for (int p = 0; p < 3; ++p) {
+      const Nvfp4Matrix& m = *matrices[p];
+      const std::string proj = kProjNames[p];
+      const int64_t rows = p < 2 ? weights.inter : weights.hidden;
+      const int64_t cols = p < 2 ? weights.hidden : weights.inter;
+      FP4MOE_CHECK(m.rows == rows && m.cols == cols, "add_moe_weights: expert ", e, " ", proj,
+                   " is [", m.rows, ", ", m.cols, "], expected [", rows, ", ", cols, "]");
+      FP4MOE_CHECK(cols % kNvfp4BlockSize == 0, "add_moe_weights: K = ", cols,
+                   " is not a multiple of ", kNvfp4BlockSize);
+      FP4MOE_CHECK(m.packed.size() == static_cast<size_t>(rows * cols / 2) &&
+                       m.scales.size() == static_cast<size_t>(rows * cols / kNvfp4BlockSize),
+                   "add_moe_weights: expert ", e, " ", proj, " has ", m.packed.size(),
+                   " packed bytes and ", m.scales.size(), " scales, expected ", rows * cols / 2,
+                   " and ", rows * cols / kNvfp4BlockSize);
+      auto name = [&](const char* field) { return expert_tensor_name(prefix, e, proj, field); };
+      writer.add(name("weight"), DType::U8, {rows, cols / 2}, m.packed.data(), m.packed.size());
+      writer.add(name("weight_scale"), DType::F8_E4M3, {rows, cols / kNvfp4BlockSize},
+                 m.scales.data(), m.scales.size());
+      writer.add(name("weight_scale_2"), DType::F32, {}, &m.global_scale, sizeof(float));
+      writer.add(name("input_scale"), DType::F32, {}, &m.input_scale, sizeof(float));
+      if (with_bias) {
+        const std::vector<float>& bias = *biases[p];
+        FP4MOE_CHECK(static_cast<int64_t>(bias.size()) == rows, "add_moe_weights: expert ", e, " ",
+                     proj, " bias has ", bias.size(), " elements, expected ", rows,
+                     " (expert 0 has biases, so every expert needs them)");
+        writer.add(name("bias"), DType::F32, {rows}, bias.data(), bias.size() * sizeof(float));
+      }
+    }
+  }
+}
+
+}  // namespace fp4moe

@@ -1,1 +1,261 @@
-// placeholder
+// Host side of the portable grouped GEMM: the compiled kernel table (from the
+// X-macro in plan/compiled_configs.hpp), input validation, planning for the
+// local GPU, workspace sizing and the launch.
+// Tested in tests/kernels/test_grouped_gemm.cpp.
+#include <algorithm>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include "fp4moe/cuda_check.hpp"
+#include "fp4moe/grouped_gemm.hpp"
+#include "kernels/portable_grouped_gemm.cuh"
+#include "plan/compiled_configs.hpp"
+
+namespace fp4moe {
+
+namespace {
+
+using KernelFn = void (*)(kernels::PortableGemmParams);
+
+struct KernelEntry {
+  TileConfig config;
+  KernelFn fn;
+  int64_t smem_bytes;  // from the shared-memory model, the launch size
+};
+
+const std::vector<KernelEntry>& kernel_table() {
+  static const std::vector<KernelEntry> table = {
+#define FP4MOE_X(BN, BM, BK, S, W)                                           \
+  {TileConfig{BN, BM, BK, S, W, Epilogue::kNone},                            \
+   &kernels::portable_grouped_gemm_kernel<BN, BM, BK, S, W>,                 \
+   portable_smem_layout(BN, BM, BK, S).total_bytes},
+      FP4MOE_PORTABLE_CONFIGS(FP4MOE_X)
+#undef FP4MOE_X
+  };
+  return table;
+}
+
+const KernelEntry& find_kernel(const TileConfig& config) {
+  for (const auto& entry : kernel_table())
+    if (entry.config == config) return entry;
+  std::string compiled;
+  for (const auto& entry : kernel_table())
+    compiled += (compiled.empty() ? "" : ", ") + entry.config.to_string();
+  FP4MOE_THROW("tile config ", config.to_string(), " is not compiled into this build; compiled: ",
+               compiled);
+}
+
+struct DeviceInfo {
+  int device = 0;
+  int num_sms = 0;
+  int64_t smem_per_block = 0;  // opt-in limit
+};
+
+DeviceInfo current_device() {
+  DeviceInfo info;
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&info.device));
+  int value = 0;
+  FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, info.device));
+  info.num_sms = value;
+  FP4MOE_CUDA_CHECK(
+      cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, info.device));
+  info.smem_per_block = value;
+  return info;
+}
+
+// Raises the kernel's dynamic shared-memory limit to the model's size, once
+// per (device, kernel).
+void ensure_smem_attribute(const KernelEntry& entry, int device) {
+  static std::mutex mutex;
+  static std::set<std::pair<int, const void*>> done;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device, reinterpret_cast<const void*>(entry.fn));
+  if (done.count(key)) return;
+  FP4MOE_CUDA_CHECK(cudaFuncSetAttribute(entry.fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(entry.smem_bytes)));
+  done.insert(key);
+}
+
+int occupancy(const KernelEntry& entry, int device) {
+  ensure_smem_attribute(entry, device);
+  int blocks = 0;
+  FP4MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks, entry.fn, entry.config.warps * 32, static_cast<size_t>(entry.smem_bytes)));
+  return blocks;
+}
+
+// Refuses, before any launch, a config that does not fit the device, with the
+// region-by-region breakdown.
+void check_fits_device(const TileConfig& config, const DeviceInfo& dev) {
+  const FitReport fit = check_fit(config, dev.smem_per_block);
+  if (!fit.fits)
+    FP4MOE_THROW("tile config ", config.to_string(), " needs ", fit.total_bytes,
+                 " B of shared memory per block but this GPU allows ", dev.smem_per_block,
+                 " B:\n", format_layout(config, dev.smem_per_block));
+}
+
+GemmProblem problem_of(const GroupedGemmArgs& a) {
+  GemmProblem p;
+  p.num_experts = a.num_experts;
+  p.n = a.n;
+  p.k = a.k;
+  p.num_rows = a.num_rows;
+  return p;
+}
+
+size_t align16(size_t v) { return (v + 15) / 16 * 16; }
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+void validate_args(const GroupedGemmArgs& a) {
+  FP4MOE_CHECK(a.num_experts >= 1 && a.num_experts <= kMaxExperts, "grouped_gemm: num_experts = ",
+               a.num_experts, "; expected 1..", kMaxExperts);
+  FP4MOE_CHECK(a.n >= 16 && a.n % 16 == 0, "grouped_gemm: n = ", a.n,
+               "; expected a positive multiple of 16");
+  FP4MOE_CHECK(a.k >= 16 && a.k % 16 == 0, "grouped_gemm: k = ", a.k,
+               "; expected a positive multiple of 16 (the NVFP4 block size)");
+  FP4MOE_CHECK(a.num_rows >= 0 && a.num_rows < (int64_t{1} << 31), "grouped_gemm: num_rows = ",
+               a.num_rows, "; expected 0..2^31-1");
+  FP4MOE_CHECK(a.n * a.k < (int64_t{1} << 40), "grouped_gemm: n * k too large");
+  if (a.num_rows == 0) return;
+  const std::pair<const void*, const char*> required[] = {
+      {a.weights, "weights"}, {a.scales, "scales"},   {a.global_scales, "global_scales"},
+      {a.x, "x"},             {a.y, "y"},             {a.expert_offsets, "expert_offsets"},
+      {a.workspace, "workspace"}};
+  for (const auto& [ptr, name] : required)
+    FP4MOE_CHECK(ptr != nullptr, "grouped_gemm: ", name, " is null but num_rows = ", a.num_rows);
+  const std::pair<const void*, const char*> vectors[] = {
+      {a.weights, "weights"}, {a.scales, "scales"}, {a.x, "x"}, {a.y, "y"}};
+  for (const auto& [ptr, name] : vectors)
+    FP4MOE_CHECK(aligned16(ptr), "grouped_gemm: ", name, " = ", ptr,
+                 " is not 16-byte aligned (the kernel uses 16-byte loads and stores)");
+  if (a.host_expert_offsets) {
+    const int32_t* off = a.host_expert_offsets;
+    FP4MOE_CHECK(off[0] == 0, "grouped_gemm: expert_offsets[0] = ", off[0], "; expected 0");
+    for (int64_t e = 0; e < a.num_experts; ++e)
+      FP4MOE_CHECK(off[e + 1] >= off[e], "grouped_gemm: expert_offsets not monotone: offsets[",
+                   e + 1, "] = ", off[e + 1], " < offsets[", e, "] = ", off[e]);
+    FP4MOE_CHECK(off[a.num_experts] == a.num_rows, "grouped_gemm: expert_offsets[",
+                 a.num_experts, "] = ", off[a.num_experts], "; expected num_rows = ", a.num_rows);
+  }
+}
+
+}  // namespace
+
+GemmPlan plan_grouped_gemm(const GroupedGemmArgs& args, const std::optional<TileConfig>& forced) {
+  validate_args(args);
+  const DeviceInfo dev = current_device();
+  const GemmProblem problem = problem_of(args);
+  if (forced) {
+    const KernelEntry& entry = find_kernel(*forced);
+    check_fits_device(*forced, dev);
+    return plan_gemm_with(problem, *forced, dev.num_sms, occupancy(entry, dev.device));
+  }
+  const GemmPlan first = plan_gemm(problem, dev.smem_per_block, dev.num_sms);
+  const KernelEntry& entry = find_kernel(first.config);
+  return plan_gemm_with(problem, first.config, dev.num_sms, occupancy(entry, dev.device));
+}
+
+size_t grouped_gemm_workspace_bytes(const GemmPlan& plan) {
+  size_t bytes = 16;  // error flags
+  if (plan.split_k > 1) {
+    bytes += align16(static_cast<size_t>(plan.max_tiles) * sizeof(int32_t));
+    bytes += static_cast<size_t>(plan.max_tiles) * plan.split_k * plan.config.block_n *
+             plan.config.block_m * sizeof(float);
+  }
+  return bytes;
+}
+
+void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_t stream) {
+  validate_args(args);
+  const KernelEntry& entry = find_kernel(plan.config);
+  const DeviceInfo dev = current_device();
+  check_fits_device(plan.config, dev);
+  const GemmPlan needed = plan_gemm_with(problem_of(args), plan.config, dev.num_sms);
+  FP4MOE_CHECK(plan.max_tiles >= needed.max_tiles, "grouped_gemm: the plan covers ",
+               plan.max_tiles, " tiles but ", args.num_rows, " rows may need ", needed.max_tiles,
+               "; plan again for this problem");
+  FP4MOE_CHECK(plan.split_k >= 1 && plan.split_k <= 64, "grouped_gemm: split_k = ", plan.split_k);
+  if (args.num_rows == 0) return;
+  const size_t workspace_needed = grouped_gemm_workspace_bytes(plan);
+  FP4MOE_CHECK(args.workspace_bytes >= workspace_needed, "grouped_gemm: workspace of ",
+               args.workspace_bytes, " B; this plan needs ", workspace_needed, " B");
+  FP4MOE_CHECK(reinterpret_cast<uintptr_t>(args.workspace) % 16 == 0,
+               "grouped_gemm: workspace is not 16-byte aligned");
+
+  kernels::PortableGemmParams p{};
+  p.weights = args.weights;
+  p.scales = args.scales;
+  p.global_scales = args.global_scales;
+  p.x = static_cast<const __nv_bfloat16*>(args.x);
+  p.expert_offsets = args.expert_offsets;
+  p.y = static_cast<__nv_bfloat16*>(args.y);
+  auto* ws = static_cast<uint8_t*>(args.workspace);
+  p.error_flags = reinterpret_cast<int32_t*>(ws);
+  p.tile_counters = reinterpret_cast<int32_t*>(ws + 16);
+  p.partials = reinterpret_cast<float*>(
+      ws + 16 + align16(static_cast<size_t>(plan.max_tiles) * sizeof(int32_t)));
+  p.num_experts = static_cast<int>(args.num_experts);
+  p.n = static_cast<int>(args.n);
+  p.k = static_cast<int>(args.k);
+  p.n_groups = static_cast<int>((args.n + layout::kPadN - 1) / layout::kPadN * layout::kPadN / 16);
+  p.k_frags = static_cast<int>((args.k + layout::kPadK - 1) / layout::kPadK * layout::kPadK / 64);
+  p.num_rows = static_cast<int>(args.num_rows);
+  p.split_k = plan.split_k;
+
+  const int blocks_per_sm = std::max(1, occupancy(entry, dev.device));
+  const int64_t max_units = plan.max_tiles * plan.split_k;
+  const int grid = static_cast<int>(std::min<int64_t>(max_units, int64_t{dev.num_sms} * blocks_per_sm));
+  if (grid == 0) return;
+  entry.fn<<<grid, entry.config.warps * 32, static_cast<size_t>(entry.smem_bytes), stream>>>(p);
+  FP4MOE_CHECK_LAUNCH();
+}
+
+std::string grouped_gemm_device_errors(const void* workspace, cudaStream_t stream) {
+  FP4MOE_CHECK(workspace != nullptr, "grouped_gemm_device_errors: workspace is null");
+  int32_t flags = 0;
+  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(&flags, workspace, sizeof flags, cudaMemcpyDeviceToHost, stream));
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::string out;
+  if (flags & kernels::kErrorOffsetsNotMonotone) out += "expert_offsets not monotone; ";
+  if (flags & kernels::kErrorOffsetsOutOfRange) out += "expert_offsets outside [0, num_rows]; ";
+  return out;
+}
+
+KernelAttributes grouped_gemm_kernel_attributes(const TileConfig& config) {
+  const KernelEntry& entry = find_kernel(config);
+  const DeviceInfo dev = current_device();
+  check_fits_device(config, dev);
+  KernelAttributes out;
+  out.blocks_per_sm = occupancy(entry, dev.device);  // also sets the dynamic limit
+  cudaFuncAttributes attr{};
+  FP4MOE_CUDA_CHECK(cudaFuncGetAttributes(&attr, entry.fn));
+  out.static_smem_bytes = static_cast<int64_t>(attr.sharedSizeBytes);
+  out.max_dynamic_smem_bytes = attr.maxDynamicSharedSizeBytes;
+  out.num_regs = attr.numRegs;
+  out.local_bytes = static_cast<int64_t>(attr.localSizeBytes);
+  return out;
+}
+
+bool local_arch_limits(ArchLimits* limits, std::string* device_name) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();  // clear the sticky "no device" error
+    return false;
+  }
+  int device = 0;
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  FP4MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  limits->name = "sm" + std::to_string(prop.major * 10 + prop.minor);
+  limits->compute_capability = prop.major * 10 + prop.minor;
+  limits->smem_per_block = static_cast<int64_t>(prop.sharedMemPerBlockOptin);
+  limits->smem_per_sm = static_cast<int64_t>(prop.sharedMemPerMultiprocessor);
+  limits->smem_reserved_per_block = static_cast<int64_t>(prop.reservedSharedMemPerBlock);
+  if (device_name) *device_name = prop.name;
+  return true;
+}
+
+}  // namespace fp4moe

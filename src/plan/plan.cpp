@@ -1,1 +1,286 @@
-// placeholder: being written
+// Architecture limits, tile configs, the shared-memory layout tables and the
+// planner (see include/fp4moe/plan.hpp). Host-only; tested in
+// tests/plan/test_plan.cpp.
+#include "fp4moe/plan.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "fp4moe/error.hpp"
+#include "plan/compiled_configs.hpp"
+#include "plan/smem_model.hpp"
+
+namespace fp4moe {
+
+// ------------------------------------------------------------- architectures
+
+namespace {
+// NOTE: per-SM capacities from the CUDA programming guide's compute
+// capability table; each resident block also costs 1 KB reserved by the system.
+const std::vector<ArchLimits>& arch_table() {
+  static const std::vector<ArchLimits> table = {
+      {"sm80", 80, kSmemLimitSm80, 167936, 1024},
+      {"sm86", 86, kSmemLimitSm86, 102400, 1024},
+      {"sm89", 89, kSmemLimitSm86, 102400, 1024},
+      {"sm90", 90, kSmemLimitSm90, 233472, 1024},
+      {"sm100", 100, kSmemLimitSm90, 233472, 1024},
+      {"sm120", 120, kSmemLimitSm120, 102400, 1024},
+  };
+  return table;
+}
+}  // namespace
+
+std::vector<std::string> known_archs() {
+  std::vector<std::string> names;
+  for (const auto& a : arch_table()) names.push_back(a.name);
+  return names;
+}
+
+ArchLimits arch_limits(std::string_view name) {
+  for (const auto& a : arch_table())
+    if (a.name == name) return a;
+  std::string valid;
+  for (const auto& a : arch_table()) valid += (valid.empty() ? "" : ", ") + a.name;
+  FP4MOE_THROW("unknown architecture '", name, "': expected one of ", valid);
+}
+
+// ---------------------------------------------------------------- configs
+
+std::string to_string(Epilogue epilogue) {
+  switch (epilogue) {
+    case Epilogue::kNone: return "none";
+  }
+  return "?";
+}
+
+std::string TileConfig::to_string() const {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "n%dm%dk%ds%dw%d", block_n, block_m, block_k, stages, warps);
+  return buf;
+}
+
+TileConfig TileConfig::parse(std::string_view name) {
+  TileConfig c;
+  const std::string s(name);
+  int consumed = 0;
+  if (std::sscanf(s.c_str(), "n%dm%dk%ds%dw%d%n", &c.block_n, &c.block_m, &c.block_k, &c.stages,
+                  &c.warps, &consumed) != 5 ||
+      consumed != static_cast<int>(s.size()))
+    FP4MOE_THROW("malformed tile config '", name,
+                 "': expected n<BLOCK_N>m<BLOCK_M>k<BLOCK_K>s<STAGES>w<WARPS>, e.g. n128m8k256s4w4");
+  FP4MOE_CHECK(c.block_n > 0 && c.block_m > 0 && c.block_k > 0 && c.stages > 0 && c.warps > 0,
+               "tile config '", name, "' has a zero field");
+  return c;
+}
+
+const std::vector<TileConfig>& compiled_configs() {
+  static const std::vector<TileConfig> configs = {
+#define FP4MOE_X(BN, BM, BK, S, W) TileConfig{BN, BM, BK, S, W, Epilogue::kNone},
+      FP4MOE_PORTABLE_CONFIGS(FP4MOE_X)
+#undef FP4MOE_X
+  };
+  return configs;
+}
+
+bool is_compiled(const TileConfig& config) {
+  const auto& all = compiled_configs();
+  return std::find(all.begin(), all.end(), config) != all.end();
+}
+
+// ---------------------------------------------------------- shared memory
+
+SmemLayout smem_layout(const TileConfig& c) {
+  FP4MOE_CHECK(c.block_n % kFragRows == 0 && c.block_k % kFragK == 0,
+               "tile config ", c.to_string(), ": BLOCK_N must be a multiple of ", kFragRows,
+               " and BLOCK_K of ", kFragK);
+  const PortableSmemLayout l = portable_smem_layout(c.block_n, c.block_m, c.block_k, c.stages);
+  const std::string stages = "STAGES=" + std::to_string(c.stages);
+  auto dims = [](std::initializer_list<std::string> parts) {
+    std::string s = "(";
+    for (const auto& p : parts) s += (s.size() > 1 ? ", " : "") + p;
+    return s + ")";
+  };
+  const std::string bn = "BLOCK_N=" + std::to_string(c.block_n);
+  const std::string bm = "BLOCK_M=" + std::to_string(c.block_m);
+  SmemLayout out;
+  out.regions = {
+      {"weights", dims({stages, bn, "BLOCK_K/2=" + std::to_string(c.block_k / 2)}) + " packed fp4",
+       l.weight_offset, l.weight_bytes, false},
+      {"scales", dims({stages, bn, "BLOCK_K/16=" + std::to_string(c.block_k / 16)}) + " e4m3",
+       l.scale_offset, l.scale_bytes, false},
+      {"activations", dims({stages, bm, "BLOCK_K=" + std::to_string(c.block_k)}) + " bf16",
+       l.act_offset, l.act_bytes, false},
+      {"alignment", "padding to 128 B", l.act_offset + l.act_bytes,
+       l.mainloop_end - (l.act_offset + l.act_bytes), false},
+      {"epilogue", dims({bm, "BLOCK_N+8=" + std::to_string(l.epi_row_elems)}) +
+                       " bf16, reuses the drained pipeline",
+       l.epilogue_offset, l.epilogue_bytes, true},
+      {"schedule", "(" + std::to_string(kMaxExperts + 1) + " + 32) int32 m-tile prefix per expert",
+       l.schedule_offset, l.schedule_bytes, false},
+      {"split-k flag", "(4) int32 + padding", l.flag_offset, l.total_bytes - l.flag_offset, false},
+  };
+  out.total_bytes = l.total_bytes;
+  return out;
+}
+
+FitReport check_fit(const TileConfig& config, int64_t budget) {
+  FitReport r;
+  r.total_bytes = smem_layout(config).total_bytes;
+  r.limit_bytes = budget;
+  r.fits = r.total_bytes <= budget;
+  if (r.fits) return r;
+  std::ostringstream advice;
+  advice << "needs " << r.total_bytes - budget << " B more than the limit; ";
+  TileConfig t = config;
+  for (t.stages = config.stages - 1; t.stages >= 2; --t.stages)
+    if (smem_layout(t).total_bytes <= budget) break;
+  if (t.stages >= 2) {
+    advice << "fits with stages=" << t.stages << " (" << t.to_string() << ", "
+           << smem_layout(t).total_bytes << " B)";
+    r.advice = advice.str();
+    return r;
+  }
+  t = config;
+  while (t.block_k > kFragK && smem_layout(t).total_bytes > budget) t.block_k /= 2;
+  if (smem_layout(t).total_bytes <= budget) {
+    advice << "fits with block_k=" << t.block_k << " (" << t.to_string() << ", "
+           << smem_layout(t).total_bytes << " B)";
+  } else {
+    advice << "no stage count or block_k makes it fit; use a smaller block_m or block_n";
+  }
+  r.advice = advice.str();
+  return r;
+}
+
+std::string format_layout(const TileConfig& config, int64_t budget) {
+  const SmemLayout layout = smem_layout(config);
+  const FitReport fit = check_fit(config, budget);
+  std::ostringstream os;
+  char line[256];
+  os << "config " << config.to_string() << "  (block_n " << config.block_n << ", block_m "
+     << config.block_m << ", block_k " << config.block_k << ", " << config.stages << " stages, "
+     << config.warps << " warps, epilogue " << to_string(config.epilogue) << ")\n";
+  std::snprintf(line, sizeof line, "  %-13s %-62s %8s %8s\n", "region", "shape", "offset", "bytes");
+  os << line;
+  for (const auto& r : layout.regions) {
+    std::snprintf(line, sizeof line, "  %-13s %-62s %8lld %8lld%s\n", r.name.c_str(),
+                  r.shape.c_str(), static_cast<long long>(r.offset),
+                  static_cast<long long>(r.bytes), r.overlaps_mainloop ? "  (union)" : "");
+    os << line;
+  }
+  std::snprintf(line, sizeof line, "  %-13s %-62s %8s %8lld\n", "total", "", "",
+                static_cast<long long>(layout.total_bytes));
+  os << line;
+  std::snprintf(line, sizeof line, "  %-13s %-62s %8s %8lld\n", "limit", "", "",
+                static_cast<long long>(budget));
+  os << line;
+  os << "  " << (fit.fits ? "FITS" : "DOES NOT FIT") << " (" << layout.total_bytes << " of "
+     << budget << " B, " << (fit.fits ? budget - layout.total_bytes : 0) << " B spare)";
+  if (!fit.fits) os << ": " << fit.advice;
+  os << "\n";
+  return os.str();
+}
+
+// ----------------------------------------------------------------- planner
+
+double expected_active_experts(int64_t num_experts, int top_k, int64_t num_tokens) {
+  if (num_experts <= 0) return 0.0;
+  const double p_miss = 1.0 - static_cast<double>(top_k) / static_cast<double>(num_experts);
+  return static_cast<double>(num_experts) *
+         (1.0 - std::pow(std::max(p_miss, 0.0), static_cast<double>(num_tokens)));
+}
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+void validate_problem(const GemmProblem& p) {
+  FP4MOE_CHECK(p.num_experts >= 1 && p.num_experts <= kMaxExperts, "num_experts = ",
+               p.num_experts, ": expected 1..", kMaxExperts);
+  FP4MOE_CHECK(p.n >= 16 && p.n % 16 == 0, "n = ", p.n, ": expected a positive multiple of 16");
+  FP4MOE_CHECK(p.k >= 16 && p.k % 16 == 0, "k = ", p.k, ": expected a positive multiple of 16");
+  FP4MOE_CHECK(p.num_rows >= 0, "num_rows = ", p.num_rows, ": expected >= 0");
+}
+
+// Upper bound of sum_e ceil(rows_e / block_m) over any routing of num_rows
+// rows onto num_experts experts.
+int64_t max_m_tiles(int64_t num_rows, int64_t num_experts, int block_m) {
+  const int64_t active = std::min(num_experts, num_rows);
+  return (num_rows + active * (block_m - 1)) / block_m;
+}
+
+}  // namespace
+
+GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_sms,
+                        int blocks_per_sm) {
+  validate_problem(p);
+  GemmPlan plan;
+  plan.config = config;
+  const int64_t n_tiles = ceil_div(p.n, config.block_n);
+  plan.max_tiles = max_m_tiles(p.num_rows, p.num_experts, config.block_m) * n_tiles;
+  if (p.num_rows == 0) {
+    plan.reason = "no rows";
+    return plan;
+  }
+  const double active = p.expected_active_experts > 0
+                            ? static_cast<double>(p.expected_active_experts)
+                            : std::min<double>(p.num_experts, p.num_rows);
+  const double rows_per_expert = static_cast<double>(p.num_rows) / active;
+  const double tiles =
+      std::ceil(rows_per_expert / config.block_m) * active * static_cast<double>(n_tiles);
+  const int64_t k_tiles = ceil_div(p.k, config.block_k);
+  const double slots = static_cast<double>(std::max(1, num_sms) * std::max(1, blocks_per_sm));
+  // Time model in units of one k-tile: waves * (k-tiles per unit + the
+  // pipeline fill and epilogue of one unit, about 1.5 k-tiles).
+  constexpr double kUnitOverhead = 1.5;
+  double best_time = 0.0;
+  for (int split = 1; split <= 8; ++split) {
+    if (split > 1 && k_tiles / split < 2) break;
+    const double waves = std::ceil(tiles * split / slots);
+    const double time = waves * (static_cast<double>(k_tiles) / split + kUnitOverhead);
+    if (split == 1 || time < best_time * 0.97) {
+      best_time = time;
+      plan.split_k = split;
+    }
+  }
+  std::ostringstream why;
+  why.precision(3);
+  why << "block_m " << config.block_m << " for ~" << rows_per_expert << " rows per active expert ("
+      << active << " of " << p.num_experts << " experts); ~" << tiles << " tiles x split_k "
+      << plan.split_k << " over " << slots << " block slots, " << k_tiles << " k-tiles each";
+  plan.reason = why.str();
+  return plan;
+}
+
+GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
+                   int blocks_per_sm) {
+  validate_problem(p);
+  std::vector<TileConfig> fitting;
+  for (const auto& c : compiled_configs())
+    if (check_fit(c, smem_budget_bytes).fits) fitting.push_back(c);
+  if (fitting.empty()) {
+    std::ostringstream os;
+    os << "no compiled tile config fits " << smem_budget_bytes << " B of shared memory per block:";
+    for (const auto& c : compiled_configs())
+      os << "\n  " << c.to_string() << ": " << check_fit(c, smem_budget_bytes).advice;
+    FP4MOE_THROW(os.str());
+  }
+  const double active = p.expected_active_experts > 0
+                            ? static_cast<double>(p.expected_active_experts)
+                            : std::min<double>(p.num_experts, std::max<int64_t>(p.num_rows, 1));
+  const double rows_per_expert = static_cast<double>(std::max<int64_t>(p.num_rows, 1)) / active;
+  // The smallest token tile that holds the expected rows of an expert; the
+  // largest one when experts get more rows than any tile holds.
+  const TileConfig* pick = &fitting.back();
+  for (const auto& c : fitting) {
+    if (c.block_m >= rows_per_expert) {
+      pick = &c;
+      break;
+    }
+  }
+  return plan_gemm_with(p, *pick, num_sms, blocks_per_sm);
+}
+
+}  // namespace fp4moe

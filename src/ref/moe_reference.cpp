@@ -1,1 +1,269 @@
-// placeholder: being written
+// CPU reference MoE layer (DESIGN.md §3): for every (token, slot) the expert
+// MLP down(act(gate·x, up·x)) in double, weighted and summed per token in slot
+// order. Weights are dequantised exactly (e2m1 · e4m3 · global_scale has at
+// most 2 + 4 + 24 significant bits, so it is exact in double), one row at a
+// time, only for experts that received tokens. Work is spread over threads by
+// (expert, row range); every output element is one sequential dot product, so
+// the result does not depend on the thread count.
+// Tested in tests/ref/test_reference.cpp against a naive independent path.
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "fp4moe/error.hpp"
+#include "fp4moe/nvfp4.hpp"
+#include "fp4moe/reference.hpp"
+
+namespace fp4moe {
+namespace {
+
+// Rows of one projection handled by one work unit: small enough to balance
+// a few active experts over all threads, large enough to amortise the unit.
+constexpr int64_t kRowsPerUnit = 32;
+// Upper bound on the per-chunk double buffers (activations, intermediate and
+// per-slot outputs); long inputs are processed in token chunks of this size.
+constexpr size_t kChunkBufferBytes = size_t{64} << 20;
+
+struct CodeTables {
+  std::array<double, 16> e2m1;
+  std::array<double, 256> e4m3;
+};
+
+const CodeTables& code_tables() {
+  static const CodeTables tables = [] {
+    CodeTables t{};
+    for (int c = 0; c < 16; ++c) t.e2m1[c] = e2m1_to_float(static_cast<uint8_t>(c));
+    for (int c = 0; c < 256; ++c) t.e4m3[c] = e4m3_to_float(static_cast<uint8_t>(c));
+    return t;
+  }();
+  return tables;
+}
+
+// Row r of m, dequantised exactly into row[0, m.cols).
+void dequantize_row(const Nvfp4Matrix& m, int64_t r, double* row) {
+  const CodeTables& tables = code_tables();
+  const uint8_t* packed = m.packed.data() + r * (m.cols / 2);
+  const uint8_t* scales = m.scales.data() + r * (m.cols / kNvfp4BlockSize);
+  const double global_scale = m.global_scale;
+  for (int64_t b = 0; b < m.cols / kNvfp4BlockSize; ++b) {
+    const double scale = tables.e4m3[scales[b]] * global_scale;
+    for (int i = 0; i < kNvfp4BlockSize / 2; ++i) {
+      const uint8_t byte = packed[b * (kNvfp4BlockSize / 2) + i];
+      row[b * kNvfp4BlockSize + 2 * i] = tables.e2m1[byte & 0xF] * scale;  // even: low nibble
+      row[b * kNvfp4BlockSize + 2 * i + 1] = tables.e2m1[byte >> 4] * scale;
+    }
+  }
+}
+
+// Dot product in a fixed order (four interleaved partial sums: lets the
+// compiler use vector registers without reassociating). n % 16 == 0.
+double dot(const double* a, const double* b, int64_t n) {
+  double acc[4] = {0.0, 0.0, 0.0, 0.0};
+  for (int64_t k = 0; k < n; k += 4)
+    for (int l = 0; l < 4; ++l) acc[l] += a[k + l] * b[k + l];
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
+
+double activate(Activation activation, double gate, double up) {
+  switch (activation) {
+    case Activation::kSwiGLU:
+      return gate * sigmoid(gate) * up;
+    case Activation::kGptOss: {
+      const double g = std::min(gate, 7.0);
+      const double l = std::clamp(up, -7.0, 7.0);
+      return g * sigmoid(1.702 * g) * (l + 1.0);
+    }
+  }
+  return 0.0;  // unreachable: the activation is validated up front
+}
+
+// Runs fn(item) for item in [0, num_items) on up to num_threads threads,
+// handing out items dynamically. Rethrows the first exception of any worker.
+template <typename Fn>
+void parallel_for(int64_t num_items, int num_threads, const Fn& fn) {
+  const int workers = static_cast<int>(std::min<int64_t>(num_threads, num_items));
+  if (workers <= 1) {
+    for (int64_t i = 0; i < num_items; ++i) fn(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  auto work = [&] {
+    try {
+      for (int64_t i = next++; i < num_items; i = next++) fn(i);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+      next = num_items;  // stop the others early
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(workers - 1));
+  for (int w = 1; w < workers; ++w) threads.emplace_back(work);
+  work();
+  for (std::thread& t : threads) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+void check_matrix(const Nvfp4Matrix& m, int64_t expert_idx, const char* name, int64_t rows,
+                  int64_t cols) {
+  FP4MOE_CHECK(m.rows == rows && m.cols == cols, "moe_reference: expert ", expert_idx, " ", name,
+               " is [", m.rows, ", ", m.cols, "]; expected [", rows, ", ", cols, "]");
+  FP4MOE_CHECK(m.packed.size() == static_cast<size_t>(rows * cols / 2), "moe_reference: expert ",
+               expert_idx, " ", name, " packed has ", m.packed.size(), " bytes; expected ",
+               rows * cols / 2, " ([", rows, ", ", cols / 2, "])");
+  FP4MOE_CHECK(m.scales.size() == static_cast<size_t>(rows * cols / kNvfp4BlockSize),
+               "moe_reference: expert ", expert_idx, " ", name, " scales has ", m.scales.size(),
+               " entries; expected ", rows * cols / kNvfp4BlockSize, " ([", rows, ", ",
+               cols / kNvfp4BlockSize, "])");
+  FP4MOE_CHECK(std::isfinite(m.global_scale), "moe_reference: expert ", expert_idx, " ", name,
+               " global_scale = ", m.global_scale, "; expected finite");
+}
+
+void check_bias(const std::vector<float>& bias, int64_t expert_idx, const char* name,
+                int64_t size) {
+  FP4MOE_CHECK(bias.empty() || bias.size() == static_cast<size_t>(size), "moe_reference: expert ",
+               expert_idx, " ", name, " has ", bias.size(), " entries; expected 0 (none) or ",
+               size);
+}
+
+void validate_weights(const MoeWeights& w) {
+  FP4MOE_CHECK(w.num_experts >= 1, "moe_reference: num_experts = ", w.num_experts,
+               "; expected >= 1");
+  FP4MOE_CHECK(w.experts.size() == static_cast<size_t>(w.num_experts), "moe_reference: ",
+               w.experts.size(), " experts given; expected num_experts = ", w.num_experts);
+  FP4MOE_CHECK(w.hidden >= kNvfp4BlockSize && w.hidden % kNvfp4BlockSize == 0,
+               "moe_reference: hidden = ", w.hidden, "; expected a positive multiple of ",
+               kNvfp4BlockSize);
+  FP4MOE_CHECK(w.inter >= kNvfp4BlockSize && w.inter % kNvfp4BlockSize == 0,
+               "moe_reference: inter = ", w.inter, "; expected a positive multiple of ",
+               kNvfp4BlockSize);
+  for (int64_t e = 0; e < w.num_experts; ++e) {
+    const ExpertWeights& ex = w.experts[static_cast<size_t>(e)];
+    check_matrix(ex.gate, e, "gate", w.inter, w.hidden);
+    check_matrix(ex.up, e, "up", w.inter, w.hidden);
+    check_matrix(ex.down, e, "down", w.hidden, w.inter);
+    check_bias(ex.gate_bias, e, "gate_bias", w.inter);
+    check_bias(ex.up_bias, e, "up_bias", w.inter);
+    check_bias(ex.down_bias, e, "down_bias", w.hidden);
+  }
+}
+
+// One unit of work: rows [row_begin, row_end) of one expert's projection(s).
+struct WorkUnit {
+  int64_t expert_idx;
+  int64_t row_begin;
+  int64_t row_end;
+};
+
+std::vector<WorkUnit> split_rows(const std::vector<int64_t>& active_experts, int64_t rows) {
+  std::vector<WorkUnit> units;
+  for (int64_t e : active_experts)
+    for (int64_t r = 0; r < rows; r += kRowsPerUnit)
+      units.push_back({e, r, std::min(rows, r + kRowsPerUnit)});
+  return units;
+}
+
+}  // namespace
+
+void moe_reference(const MoeWeights& weights, const float* hidden_states,
+                   const Routing& routing, Activation activation, float* output) {
+  moe_reference(weights, hidden_states, routing, activation, output, 0);
+}
+
+void moe_reference(const MoeWeights& weights, const float* hidden_states,
+                   const Routing& routing, Activation activation, float* output,
+                   int num_threads) {
+  validate_weights(weights);
+  validate_routing(routing, weights.num_experts);
+  FP4MOE_CHECK(activation == Activation::kSwiGLU || activation == Activation::kGptOss,
+               "moe_reference: unknown Activation ", static_cast<int>(activation));
+  if (routing.num_tokens == 0) return;
+  FP4MOE_CHECK(hidden_states != nullptr, "moe_reference: hidden_states is null");
+  FP4MOE_CHECK(output != nullptr, "moe_reference: output is null");
+  if (num_threads <= 0) num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+
+  const int64_t hidden = weights.hidden;
+  const int64_t inter = weights.inter;
+  const int top_k = routing.top_k;
+  // Per token: its activations, and per slot the intermediate and the output.
+  const size_t bytes_per_token = sizeof(double) * static_cast<size_t>(hidden + top_k * (inter + hidden));
+  const int64_t chunk_tokens = std::max<int64_t>(1, static_cast<int64_t>(kChunkBufferBytes / bytes_per_token));
+
+  std::vector<double> x;     // [chunk, hidden]
+  std::vector<double> act;   // [chunk * top_k, inter]   act(gate x, up x) per (token, slot)
+  std::vector<double> y;     // [chunk * top_k, hidden]  down(act) per (token, slot)
+  for (int64_t t0 = 0; t0 < routing.num_tokens; t0 += chunk_tokens) {
+    const int64_t num_tokens = std::min(chunk_tokens, routing.num_tokens - t0);
+    const int64_t num_pairs = num_tokens * top_k;
+    x.assign(hidden_states + t0 * hidden, hidden_states + (t0 + num_tokens) * hidden);
+    act.resize(static_cast<size_t>(num_pairs * inter));
+    y.resize(static_cast<size_t>(num_pairs * hidden));
+
+    // (token, slot) pairs of this chunk grouped by expert, in pair order.
+    std::vector<std::vector<int64_t>> pairs_of(static_cast<size_t>(weights.num_experts));
+    for (int64_t p = 0; p < num_pairs; ++p)
+      pairs_of[static_cast<size_t>(routing.topk_ids[static_cast<size_t>(t0 * top_k + p)])].push_back(p);
+    std::vector<int64_t> active_experts;
+    for (int64_t e = 0; e < weights.num_experts; ++e)
+      if (!pairs_of[static_cast<size_t>(e)].empty()) active_experts.push_back(e);
+
+    // act[p, i] = act(gate_e[i]·x_t + gate_bias, up_e[i]·x_t + up_bias).
+    const std::vector<WorkUnit> gate_up_units = split_rows(active_experts, inter);
+    parallel_for(static_cast<int64_t>(gate_up_units.size()), num_threads, [&](int64_t u) {
+      const WorkUnit& unit = gate_up_units[static_cast<size_t>(u)];
+      const ExpertWeights& ex = weights.experts[static_cast<size_t>(unit.expert_idx)];
+      std::vector<double> gate_row(static_cast<size_t>(hidden)), up_row(static_cast<size_t>(hidden));
+      for (int64_t i = unit.row_begin; i < unit.row_end; ++i) {
+        dequantize_row(ex.gate, i, gate_row.data());
+        dequantize_row(ex.up, i, up_row.data());
+        const double gate_bias = ex.gate_bias.empty() ? 0.0 : ex.gate_bias[static_cast<size_t>(i)];
+        const double up_bias = ex.up_bias.empty() ? 0.0 : ex.up_bias[static_cast<size_t>(i)];
+        for (int64_t p : pairs_of[static_cast<size_t>(unit.expert_idx)]) {
+          const double* xt = x.data() + (p / top_k) * hidden;
+          const double g = dot(gate_row.data(), xt, hidden) + gate_bias;
+          const double v = dot(up_row.data(), xt, hidden) + up_bias;
+          act[static_cast<size_t>(p * inter + i)] = activate(activation, g, v);
+        }
+      }
+    });
+
+    // y[p, n] = down_e[n]·act[p] + down_bias.
+    const std::vector<WorkUnit> down_units = split_rows(active_experts, hidden);
+    parallel_for(static_cast<int64_t>(down_units.size()), num_threads, [&](int64_t u) {
+      const WorkUnit& unit = down_units[static_cast<size_t>(u)];
+      const ExpertWeights& ex = weights.experts[static_cast<size_t>(unit.expert_idx)];
+      std::vector<double> down_row(static_cast<size_t>(inter));
+      for (int64_t n = unit.row_begin; n < unit.row_end; ++n) {
+        dequantize_row(ex.down, n, down_row.data());
+        const double down_bias = ex.down_bias.empty() ? 0.0 : ex.down_bias[static_cast<size_t>(n)];
+        for (int64_t p : pairs_of[static_cast<size_t>(unit.expert_idx)])
+          y[static_cast<size_t>(p * hidden + n)] =
+              dot(down_row.data(), act.data() + p * inter, inter) + down_bias;
+      }
+    });
+
+    // output[t] = sum over slots j, in slot order, of w_j * y[(t, j)].
+    parallel_for(num_tokens, num_threads, [&](int64_t t) {
+      float* out = output + (t0 + t) * hidden;
+      for (int64_t n = 0; n < hidden; ++n) {
+        double sum = 0.0;
+        for (int j = 0; j < top_k; ++j) {
+          const int64_t p = t * top_k + j;
+          sum += static_cast<double>(routing.topk_weights[static_cast<size_t>(t0 * top_k + p)]) *
+                 y[static_cast<size_t>(p * hidden + n)];
+        }
+        out[n] = static_cast<float>(sum);
+      }
+    });
+  }
+}
+
+}  // namespace fp4moe

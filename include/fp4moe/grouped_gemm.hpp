@@ -1,0 +1,103 @@
+// The NVFP4 grouped GEMM: Y[rows, n] = X[rows, k] . W_e[n, k]^T for the rows
+// of each expert e, with W in NVFP4 and X, Y in bf16 (W4A16).
+//
+//   1. prepare_gemm_weights(): once, on the host, ModelOpt matrices -> the
+//      kernel's fragment-ordered layout (upload the three arrays as they are).
+//   2. plan_grouped_gemm(): picks a tile config and split-K for the problem
+//      and the local GPU; grouped_gemm_workspace_bytes() sizes the workspace.
+//   3. grouped_gemm(): one asynchronous launch for all experts. Per-expert row
+//      offsets are read on the device; nothing synchronises with the host, so
+//      the call can be captured in a CUDA graph.
+//
+// Tested in tests/kernels/test_grouped_gemm.cpp (GPU) and
+// tests/kernels/test_prepare.cpp (host packing).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "fp4moe/modelopt.hpp"
+#include "fp4moe/plan.hpp"
+
+namespace fp4moe {
+
+// Weights of one grouped GEMM in the kernel's layout (host memory).
+struct PreparedGemmWeights {
+  int64_t num_experts = 0;
+  int64_t n = 0;         // output features
+  int64_t k = 0;         // reduction length
+  int64_t n_padded = 0;  // n rounded up to 128 (zero codes past n)
+  int64_t k_padded = 0;  // k rounded up to 256 (zero codes past k)
+  std::vector<uint8_t> weights;       // [E][n_padded/16][k_padded/64][512] fp4 fragments
+  std::vector<uint8_t> scales;        // [E][n_padded/16][k_padded/64][64] scale codes
+  std::vector<float> global_scales;   // [E] weight_scale_2
+
+  // Dequantised element (r, c) of expert e, read back from the packed form.
+  float value(int64_t e, int64_t r, int64_t c) const;
+};
+
+// Packs experts' matrices, all [n, k]. Throws if shapes differ, k % 16 != 0,
+// n % 16 != 0, a scale is NaN or negative, or there are more experts than a
+// launch supports.
+PreparedGemmWeights prepare_gemm_weights(std::span<const Nvfp4Matrix* const> experts);
+
+// Device pointers and sizes of one grouped GEMM call.
+struct GroupedGemmArgs {
+  // Prepared weights in device memory (PreparedGemmWeights' arrays, uploaded).
+  const uint8_t* weights = nullptr;
+  const uint8_t* scales = nullptr;
+  const float* global_scales = nullptr;
+  int64_t num_experts = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+  // Activations, bf16 [num_rows, k] row-major, rows grouped by expert.
+  const void* x = nullptr;
+  // Device int32 [num_experts + 1]: rows of expert e are
+  // [offsets[e], offsets[e+1]); offsets[0] = 0, offsets[E] = num_rows.
+  const int32_t* expert_offsets = nullptr;
+  int64_t num_rows = 0;
+  // Output, bf16 [num_rows, n] row-major.
+  void* y = nullptr;
+  // Zero-initialised once at allocation (cudaMemset); the kernel leaves it
+  // ready for the next call. grouped_gemm_workspace_bytes() says how much.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  // Optional host copy of expert_offsets: when given, it is validated
+  // (monotone, starting at 0, ending at num_rows) before launch.
+  const int32_t* host_expert_offsets = nullptr;
+};
+
+// Plans for the local GPU (its SM count and shared-memory limit). A forced
+// config must be compiled and fit the device, else the call throws with the
+// region-by-region breakdown.
+GemmPlan plan_grouped_gemm(const GroupedGemmArgs& args,
+                           const std::optional<TileConfig>& forced = std::nullopt);
+
+size_t grouped_gemm_workspace_bytes(const GemmPlan& plan);
+
+// Validates the arguments, then launches on `stream`. Throws fp4moe::Error
+// before any launch on bad input (with what was expected), and after the
+// launch if CUDA reports an error.
+void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_t stream);
+
+// Device-side input errors seen by earlier launches using `workspace`
+// (offsets not monotone, or outside [0, num_rows]); synchronises the stream.
+// Returns an empty string when there were none.
+std::string grouped_gemm_device_errors(const void* workspace, cudaStream_t stream);
+
+// The kernel's static shared memory and the dynamic size it is launched
+// with, as the CUDA runtime reports them, for a compiled config.
+struct KernelAttributes {
+  int64_t static_smem_bytes = 0;
+  int64_t max_dynamic_smem_bytes = 0;
+  int num_regs = 0;
+  int64_t local_bytes = 0;  // spills and stack
+  int blocks_per_sm = 0;
+};
+KernelAttributes grouped_gemm_kernel_attributes(const TileConfig& config);
+
+}  // namespace fp4moe

@@ -1,0 +1,126 @@
+// Tile configurations, their shared-memory model, architecture limits and
+// the planner that picks a configuration per problem (DESIGN.md §5).
+//
+// Every byte of shared memory a kernel uses is described by SmemLayout; the
+// kernels carve their shared memory from the same description (see
+// src/plan/smem_model.hpp), so what `fp4moe plan` prints is what runs.
+// Tested in tests/plan/test_plan.cpp and, against the compiled kernels, in
+// tests/kernels/test_grouped_gemm.cpp.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace fp4moe {
+
+// ------------------------------------------------------------- architectures
+
+struct ArchLimits {
+  std::string name;            // "sm90"
+  int compute_capability;      // 90
+  int64_t smem_per_block;      // opt-in dynamic shared memory per block, bytes
+  int64_t smem_per_sm;         // shared memory per multiprocessor, bytes
+  int64_t smem_reserved_per_block;  // reserved by the system per resident block
+};
+
+// sm80, sm86, sm89, sm90, sm100, sm120. Throws with the list of valid names.
+ArchLimits arch_limits(std::string_view name);
+std::vector<std::string> known_archs();
+// Limits of the local GPU (from the CUDA runtime); false if there is none.
+bool local_arch_limits(ArchLimits* limits, std::string* device_name = nullptr);
+
+// ---------------------------------------------------------------- configs
+
+enum class Epilogue {
+  kNone,  // bf16 rows in expert-sorted order
+};
+std::string to_string(Epilogue epilogue);
+
+// One tile configuration of the portable grouped GEMM (swap AB: weight rows
+// are the MMA's M side, tokens its N side).
+struct TileConfig {
+  int block_n = 128;  // weight rows (output features) per tile
+  int block_m = 8;    // token rows per tile
+  int block_k = 256;  // K per pipeline stage
+  int stages = 4;     // pipeline depth
+  int warps = 4;      // warps per block; each owns block_n / warps weight rows
+  Epilogue epilogue = Epilogue::kNone;
+
+  // "n128m8k256s4w4"
+  std::string to_string() const;
+  // Inverse of to_string; throws with the expected form on a malformed name.
+  static TileConfig parse(std::string_view name);
+  bool operator==(const TileConfig&) const = default;
+};
+
+// The configurations compiled into the library, in the order the planner
+// considers them.
+const std::vector<TileConfig>& compiled_configs();
+bool is_compiled(const TileConfig& config);
+
+// ---------------------------------------------------------- shared memory
+
+struct SmemRegion {
+  std::string name;         // "weights"
+  std::string shape;        // "(STAGES=4, BLOCK_N=128, BLOCK_K/2=128) packed fp4"
+  int64_t offset = 0;       // bytes from the start of dynamic shared memory
+  int64_t bytes = 0;
+  bool overlaps_mainloop = false;  // reuses drained pipeline buffers
+};
+
+struct SmemLayout {
+  std::vector<SmemRegion> regions;
+  int64_t total_bytes = 0;  // dynamic shared memory the kernel is launched with
+};
+
+// The layout the kernel for `config` carves its shared memory from.
+SmemLayout smem_layout(const TileConfig& config);
+
+// Whether a config fits a per-block budget, and if not, why and what would
+// make it fit.
+struct FitReport {
+  bool fits = false;
+  int64_t total_bytes = 0;
+  int64_t limit_bytes = 0;
+  std::string advice;  // empty when it fits
+};
+FitReport check_fit(const TileConfig& config, int64_t smem_budget_bytes);
+
+// The table `fp4moe plan` prints for one config: regions, total, limit,
+// verdict.
+std::string format_layout(const TileConfig& config, int64_t smem_budget_bytes);
+
+// ----------------------------------------------------------------- planner
+
+// One grouped GEMM: Y[rows, n] = X[rows, k] . W_e[n, k]^T per expert.
+struct GemmProblem {
+  int64_t num_experts = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+  int64_t num_rows = 0;  // routed rows over all experts (tokens * top_k)
+  int64_t expected_active_experts = 0;  // 0: estimate from uniform routing
+};
+
+struct GemmPlan {
+  TileConfig config;
+  int split_k = 1;        // K slices per tile, reduced in a fixed order
+  int64_t max_tiles = 0;  // upper bound of (m-tile, n-tile) pairs
+  std::string reason;     // why this config and split
+};
+
+// Picks a config for `problem` among those fitting `smem_budget_bytes`.
+// num_sms and blocks_per_sm size the split-K choice (waves of work).
+GemmPlan plan_gemm(const GemmProblem& problem, int64_t smem_budget_bytes, int num_sms,
+                   int blocks_per_sm = 2);
+
+// Plans with a given config (split-K still chosen by the planner).
+GemmPlan plan_gemm_with(const GemmProblem& problem, const TileConfig& config, int num_sms,
+                        int blocks_per_sm = 2);
+
+// Expected number of experts that receive at least one of `num_tokens`
+// tokens with uniform top-k routing.
+double expected_active_experts(int64_t num_experts, int top_k, int64_t num_tokens);
+
+}  // namespace fp4moe

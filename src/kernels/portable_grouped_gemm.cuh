@@ -1,0 +1,407 @@
+// The portable NVFP4 grouped GEMM (SM80 ... SM120): mma.sync + cp.async,
+// <= 99 KB of shared memory in every compiled configuration.
+//
+// Swap AB: per expert e it computes Y^T[n, rows] = W_e[n, k] . X^T[k, rows],
+// so weight rows fill the MMA's M side (16) and tokens its N side (8 per
+// MMA): a tile of 1..8 tokens wastes no weight bandwidth. Weights arrive
+// fragment-ordered (fragment_layout.hpp), are dequantised to bf16 in
+// registers (fp4 x block scale, exact), and the fp32 global scale is applied
+// in the epilogue.
+//
+// One persistent launch covers all experts. Work units are (expert, n-tile,
+// k-slice, m-tile), enumerated from device-side expert offsets: each block
+// turns the offsets into a prefix sum of m-tiles in shared memory, then
+// strides over units. No host synchronisation anywhere, so the launch can be
+// captured in a CUDA graph; experts with no rows produce no units.
+//
+// Split-K (k-slices > 1) writes fp32 partial tiles to the workspace; the last
+// block to finish a tile (an atomic counter, reset to zero afterwards) sums the
+// slices in slice order, so the result is deterministic.
+//
+// Tested in tests/kernels/test_grouped_gemm.cpp against the CPU reference.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/fragment_layout.hpp"
+#include "kernels/ptx/cp_async.cuh"
+#include "kernels/ptx/mma.cuh"
+#include "plan/smem_model.hpp"
+
+namespace fp4moe::kernels {
+
+// Bits of the device-side error word at the start of the workspace.
+inline constexpr int kErrorOffsetsNotMonotone = 1;
+inline constexpr int kErrorOffsetsOutOfRange = 2;
+
+struct PortableGemmParams {
+  const uint8_t* weights;         // [E][n_pad/16][k_pad/64][512] fragment-ordered fp4
+  const uint8_t* scales;          // [E][n_pad/16][k_pad/64][64] scale codes
+  const float* global_scales;     // [E] weight_scale_2
+  const __nv_bfloat16* x;         // [num_rows, k] activations, rows sorted by expert
+  const int32_t* expert_offsets;  // [E + 1] first row of each expert; [E] = num_rows
+  __nv_bfloat16* y;               // [num_rows, n] output
+  int32_t* error_flags;           // workspace: kError* bits, sticky
+  int32_t* tile_counters;         // workspace: split-K arrivals per tile, zero at rest
+  float* partials;                // workspace: split-K fp32 tiles [tile][slice][BLOCK_N][BLOCK_M]
+  int num_experts;
+  int n;                          // output features (logical)
+  int k;                          // reduction length (logical)
+  int n_groups;                   // n_pad / 16
+  int k_frags;                    // k_pad / 64
+  int num_rows;
+  int split_k;                    // k-slices per tile
+};
+
+namespace detail {
+
+// Builds s_prefix[e] = number of m-tiles of experts < e (e = 0..E) from the
+// device offsets; flags malformed offsets. All threads participate.
+template <int THREADS, int BLOCK_M>
+__device__ __forceinline__ void build_schedule(const PortableGemmParams& p, int32_t* s_prefix,
+                                               int32_t* s_warp_sums) {
+  constexpr int kPerThread = (kMaxExperts + THREADS - 1) / THREADS;
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  int counts[kPerThread];
+  int local_sum = 0;
+  int bad = 0;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = tid * kPerThread + i;
+    int tiles = 0;
+    if (e < p.num_experts) {
+      const int begin = __ldg(p.expert_offsets + e);
+      const int end = __ldg(p.expert_offsets + e + 1);
+      if (end < begin) bad |= kErrorOffsetsNotMonotone;
+      if (begin < 0 || end > p.num_rows) bad |= kErrorOffsetsOutOfRange;
+      // Malformed offsets produce no work rather than out-of-bounds accesses.
+      const int rows = (end > begin && begin >= 0 && end <= p.num_rows) ? end - begin : 0;
+      tiles = (rows + BLOCK_M - 1) / BLOCK_M;
+    }
+    counts[i] = tiles;
+    local_sum += tiles;
+  }
+  if (bad && p.error_flags) atomicOr(p.error_flags, bad);
+  // Exclusive scan of local sums: within the warp, then across warps.
+  int inclusive = local_sum;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += v;
+  }
+  if (lane == 31) s_warp_sums[warp] = inclusive;
+  __syncthreads();
+  int warp_base = 0;
+  for (int w = 0; w < warp; ++w) warp_base += s_warp_sums[w];
+  int running = warp_base + inclusive - local_sum;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = tid * kPerThread + i;
+    if (e <= kMaxExperts) s_prefix[e] = running;
+    running += counts[i];
+  }
+  if (tid == THREADS - 1) s_prefix[kMaxExperts] = running;
+  __syncthreads();
+}
+
+// Finds the expert owning unit `unit`: the largest e with prefix[e] * units_per_mtile <= unit.
+__device__ __forceinline__ int find_expert(const int32_t* s_prefix, int num_experts,
+                                           int64_t unit, int units_per_mtile) {
+  int lo = 0, hi = num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (static_cast<int64_t>(s_prefix[mid]) * units_per_mtile <= unit) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Eight fp4 codes (fragment order) and the two rows' bf16x2 scales -> the
+// four A registers of one m16n8k16 MMA.
+__device__ __forceinline__ void dequant_a_fragment(uint32_t codes, uint32_t scale_row_g,
+                                                   uint32_t scale_row_g8, uint32_t (&a)[4]) {
+  // Sign to bit 15/31, exponent+mantissa (3 bits) to bits 6..8 / 22..24.
+  auto place = [](uint32_t v) { return (v & 0x80008000u) | ((v >> 6) & 0x01C001C0u); };
+  a[0] = ptx::mul_bf16x2(place(codes), scale_row_g);
+  a[1] = ptx::mul_bf16x2(place(codes << 4), scale_row_g8);
+  a[2] = ptx::mul_bf16x2(place(codes << 8), scale_row_g);
+  a[3] = ptx::mul_bf16x2(place(codes << 12), scale_row_g8);
+}
+
+// Scale byte `ks` of a word of four scale codes -> bf16x2 {scale, scale}.
+__device__ __forceinline__ uint32_t scale_pair(uint32_t codes4, int ks) {
+  const uint32_t dup = ptx::prmt(codes4, 0u, 0x4040u | (ks * 0x0101u));  // 0x00cc00cc
+  return dup * 16u + (layout::kScaleBf16Bias | (layout::kScaleBf16Bias << 16));
+}
+
+}  // namespace detail
+
+template <int BLOCK_N, int BLOCK_M, int BLOCK_K, int STAGES, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    portable_grouped_gemm_kernel(const PortableGemmParams p) {
+  constexpr PortableSmemLayout L = portable_smem_layout(BLOCK_N, BLOCK_M, BLOCK_K, STAGES);
+  static_assert(L.total_bytes <= kPortableSmemLimit, "config exceeds the 99 KB portable budget");
+  constexpr int THREADS = WARPS * 32;
+  constexpr int WARP_ROWS = BLOCK_N / WARPS;      // weight rows per warp
+  constexpr int M_TILES = WARP_ROWS / 16;         // m16 tiles per warp
+  constexpr int N8_TILES = BLOCK_M / 8;           // token tiles of 8
+  constexpr int K_FRAGS = BLOCK_K / kFragK;       // 64-wide K fragments per stage
+  constexpr int N_GROUPS = BLOCK_N / kFragRows;   // 16-row groups per tile
+  constexpr int X_CHUNKS = BLOCK_K / 8;           // 16-byte chunks per activation row
+  static_assert(WARP_ROWS % 16 == 0 && BLOCK_M % 8 == 0 && layout::kPadN % BLOCK_N == 0 &&
+                    layout::kPadK % BLOCK_K == 0,
+                "unsupported tile shape");
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* s_weights = smem + L.weight_offset;      // (STAGES, N_GROUPS, K_FRAGS, 512 B)
+  uint8_t* s_scales = smem + L.scale_offset;        // (STAGES, N_GROUPS, K_FRAGS, 64 B)
+  uint8_t* s_act = smem + L.act_offset;             // (STAGES, BLOCK_M, BLOCK_K) bf16, swizzled
+  __nv_bfloat16* s_out = reinterpret_cast<__nv_bfloat16*>(smem + L.epilogue_offset);  // (BLOCK_M, epi_row_elems)
+  int32_t* s_prefix = reinterpret_cast<int32_t*>(smem + L.schedule_offset);  // (kMaxExperts + 1)
+  int32_t* s_warp_sums = s_prefix + kMaxExperts + 1;                           // (32)
+  int32_t* s_flag = reinterpret_cast<int32_t*>(smem + L.flag_offset);
+
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+
+  detail::build_schedule<THREADS, BLOCK_M>(p, s_prefix, s_warp_sums);
+
+  const int n_tiles = (p.n + BLOCK_N - 1) / BLOCK_N;
+  const int units_per_mtile = n_tiles * p.split_k;
+  const int64_t num_units = static_cast<int64_t>(s_prefix[p.num_experts]) * units_per_mtile;
+  const int k_tiles_total = p.k_frags / K_FRAGS;
+  const size_t frag_row_stride = static_cast<size_t>(p.k_frags);  // fragments per 16-row group
+
+  for (int64_t unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
+    // ---- decode the unit: m-tiles fastest, so blocks running side by side
+    // share a weight tile in L2 when an expert has many rows.
+    const int e = detail::find_expert(s_prefix, p.num_experts, unit, units_per_mtile);
+    const int64_t local = unit - static_cast<int64_t>(s_prefix[e]) * units_per_mtile;
+    const int m_tiles_e = s_prefix[e + 1] - s_prefix[e];
+    const int ns = static_cast<int>(local / m_tiles_e);
+    const int m_tile = static_cast<int>(local % m_tiles_e);
+    const int n_tile = ns / p.split_k;
+    const int slice = ns % p.split_k;
+    const int row_begin = __ldg(p.expert_offsets + e) + m_tile * BLOCK_M;
+    const int rows_valid = min(BLOCK_M, __ldg(p.expert_offsets + e + 1) - row_begin);
+    const int kt_begin = slice * k_tiles_total / p.split_k;
+    const int kt_end = (slice + 1) * k_tiles_total / p.split_k;
+    const int num_k_tiles = kt_end - kt_begin;
+
+    const size_t group_base = static_cast<size_t>(e) * p.n_groups + n_tile * N_GROUPS;
+    const uint8_t* g_weights = p.weights + group_base * frag_row_stride * kFragBytes;
+    const uint8_t* g_scales = p.scales + group_base * frag_row_stride * kFragScaleBytes;
+
+    // ---- producer: one pipeline stage of weights, scales and activations.
+    auto load_stage = [&](int stage, int kt) {
+      const int frag0 = kt * K_FRAGS;
+      const uint32_t sw = ptx::smem_u32(s_weights + stage * L.weight_stage_bytes);
+      constexpr int W_CHUNKS = N_GROUPS * K_FRAGS * (kFragBytes / 16);
+#pragma unroll
+      for (int j = 0; j < (W_CHUNKS + THREADS - 1) / THREADS; ++j) {
+        const int i = tid + j * THREADS;
+        if (W_CHUNKS % THREADS != 0 && i >= W_CHUNKS) break;
+        const int group = i / (K_FRAGS * 32);
+        const int rem = i % (K_FRAGS * 32);
+        const uint8_t* src =
+            g_weights + (group * frag_row_stride + frag0) * kFragBytes + rem * 16;
+        ptx::cp_async_16(sw + i * 16, src, 16);
+      }
+      const uint32_t ss = ptx::smem_u32(s_scales + stage * L.scale_stage_bytes);
+      constexpr int S_CHUNKS = N_GROUPS * K_FRAGS * (kFragScaleBytes / 16);
+#pragma unroll
+      for (int j = 0; j < (S_CHUNKS + THREADS - 1) / THREADS; ++j) {
+        const int i = tid + j * THREADS;
+        if (S_CHUNKS % THREADS != 0 && i >= S_CHUNKS) break;
+        const int group = i / (K_FRAGS * 4);
+        const int rem = i % (K_FRAGS * 4);
+        const uint8_t* src =
+            g_scales + (group * frag_row_stride + frag0) * kFragScaleBytes + rem * 16;
+        ptx::cp_async_16(ss + i * 16, src, 16);
+      }
+      const uint32_t sa = ptx::smem_u32(s_act + stage * L.act_stage_bytes);
+      constexpr int A_CHUNKS = BLOCK_M * X_CHUNKS;
+#pragma unroll
+      for (int j = 0; j < (A_CHUNKS + THREADS - 1) / THREADS; ++j) {
+        const int i = tid + j * THREADS;
+        if (A_CHUNKS % THREADS != 0 && i >= A_CHUNKS) break;
+        const int r = i / X_CHUNKS;
+        const int c = i % X_CHUNKS;
+        const int kk = kt * BLOCK_K + c * 8;
+        // Rows past the expert's end reuse its last row: their columns of the
+        // result are never stored. K past the end is zero-filled.
+        const int row = row_begin + min(r, rows_valid - 1);
+        const bool in_k = kk < p.k;
+        const __nv_bfloat16* src = p.x + static_cast<size_t>(row) * p.k + (in_k ? kk : 0);
+        ptx::cp_async_16(sa + (r * X_CHUNKS + (c ^ (r % 8))) * 16, src, in_k ? 16 : 0);
+      }
+    };
+
+    float acc[M_TILES][N8_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < N8_TILES; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+
+    // ---- mainloop: STAGES-deep cp.async ring.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < num_k_tiles) load_stage(s, kt_begin + s);
+      ptx::cp_async_commit();
+    }
+    for (int it = 0; it < num_k_tiles; ++it) {
+      ptx::cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      {
+        const int next = it + STAGES - 1;
+        if (next < num_k_tiles) load_stage(next % STAGES, kt_begin + next);
+        ptx::cp_async_commit();
+      }
+      const int stage = it % STAGES;
+      const uint8_t* w_stage = s_weights + stage * L.weight_stage_bytes;
+      const uint8_t* s_stage = s_scales + stage * L.scale_stage_bytes;
+      const uint32_t a_stage = ptx::smem_u32(s_act + stage * L.act_stage_bytes);
+#pragma unroll
+      for (int kf = 0; kf < K_FRAGS; ++kf) {
+        uint4 codes[M_TILES];
+        uint2 scales[M_TILES];
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          const int group = warp * M_TILES + mt;
+          codes[mt] = *reinterpret_cast<const uint4*>(
+              w_stage + (group * K_FRAGS + kf) * kFragBytes + lane * 16);
+          scales[mt] = *reinterpret_cast<const uint2*>(
+              s_stage + (group * K_FRAGS + kf) * kFragScaleBytes + (lane / 4) * 8);
+        }
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+          // B fragments: tokens x (k 0..7, k 8..15) of this k-step.
+          uint32_t b[N8_TILES][2];
+          const int chunk0 = (kf * kFragK + ks * 16) / 8;
+#pragma unroll
+          for (int nt = 0; nt < N8_TILES; nt += 2) {
+            if constexpr (N8_TILES == 1) {
+              const int r = lane % 8;
+              const int c = chunk0 + (lane / 8) % 2;
+              uint32_t v[2];
+              ptx::ldmatrix_x2(v, a_stage + (r * X_CHUNKS + (c ^ (r % 8))) * 16);
+              b[nt][0] = v[0];
+              b[nt][1] = v[1];
+            } else {
+              const int mat = lane / 8;
+              const int r = (nt + mat / 2) * 8 + lane % 8;
+              const int c = chunk0 + mat % 2;
+              uint32_t v[4];
+              ptx::ldmatrix_x4(v, a_stage + (r * X_CHUNKS + (c ^ (r % 8))) * 16);
+              b[nt][0] = v[0];
+              b[nt][1] = v[1];
+              b[nt + 1][0] = v[2];
+              b[nt + 1][1] = v[3];
+            }
+          }
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt) {
+            const uint32_t word = ks == 0   ? codes[mt].x
+                                  : ks == 1 ? codes[mt].y
+                                  : ks == 2 ? codes[mt].z
+                                            : codes[mt].w;
+            uint32_t a[4];
+            detail::dequant_a_fragment(word, detail::scale_pair(scales[mt].x, ks),
+                                       detail::scale_pair(scales[mt].y, ks), a);
+#pragma unroll
+            for (int nt = 0; nt < N8_TILES; ++nt)
+              ptx::mma_m16n8k16_bf16(acc[mt][nt], a, b[nt][0], b[nt][1]);
+          }
+        }
+      }
+    }
+    ptx::cp_async_wait<0>();
+    __syncthreads();  // the pipeline buffers are drained: the epilogue may reuse them
+
+    // ---- epilogue. Accumulator element i of (mt, nt) sits at weight row
+    // g (+8 for i >= 2) of the warp's m-tile and token 2t (+1 for odd i).
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const float out_scale = __ldg(p.global_scales + e) * layout::kEpilogueScale;
+    bool store_tile = true;
+    if (p.split_k > 1) {
+      const int64_t tile_idx = static_cast<int64_t>(s_prefix[e] + m_tile) * n_tiles + n_tile;
+      float* tile_partials = p.partials + tile_idx * p.split_k * (BLOCK_N * BLOCK_M);
+      float* mine = tile_partials + slice * (BLOCK_N * BLOCK_M);  // (BLOCK_N, BLOCK_M) fp32
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < N8_TILES; ++nt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int f = warp * WARP_ROWS + mt * 16 + g + h * 8;
+            const int tok = nt * 8 + 2 * t;
+            __stcg(reinterpret_cast<float2*>(mine + f * BLOCK_M + tok),
+                   make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]));
+          }
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) {
+        const int arrived = atomicAdd(p.tile_counters + tile_idx, 1);
+        const bool last = arrived == p.split_k - 1;
+        if (last) p.tile_counters[tile_idx] = 0;  // ready for the next launch
+        *s_flag = last;
+      }
+      __syncthreads();
+      store_tile = *s_flag != 0;
+      if (store_tile) {
+        __threadfence();
+        // Sum the slices in slice order (deterministic), into the bf16 staging tile.
+        for (int i = tid; i < BLOCK_N * BLOCK_M / 4; i += THREADS) {
+          const int f = i / (BLOCK_M / 4);
+          const int tok = (i % (BLOCK_M / 4)) * 4;
+          float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+          for (int s = 0; s < p.split_k; ++s) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(
+                tile_partials + s * (BLOCK_N * BLOCK_M) + f * BLOCK_M + tok));
+            sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+          }
+          s_out[(tok + 0) * L.epi_row_elems + f] = __float2bfloat16_rn(sum.x * out_scale);
+          s_out[(tok + 1) * L.epi_row_elems + f] = __float2bfloat16_rn(sum.y * out_scale);
+          s_out[(tok + 2) * L.epi_row_elems + f] = __float2bfloat16_rn(sum.z * out_scale);
+          s_out[(tok + 3) * L.epi_row_elems + f] = __float2bfloat16_rn(sum.w * out_scale);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < N8_TILES; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int f = warp * WARP_ROWS + mt * 16 + g + (i / 2) * 8;
+            const int tok = nt * 8 + 2 * t + i % 2;
+            s_out[tok * L.epi_row_elems + f] = __float2bfloat16_rn(acc[mt][nt][i] * out_scale);
+          }
+    }
+    __syncthreads();
+    if (store_tile) {
+      // (rows_valid, BLOCK_N) bf16 -> Y rows, 16-byte stores; N % 16 == 0 so
+      // a chunk is either wholly inside N or wholly past it.
+      constexpr int OUT_CHUNKS = BLOCK_N / 8;
+      const int n0 = n_tile * BLOCK_N;
+      for (int i = tid; i < rows_valid * OUT_CHUNKS; i += THREADS) {
+        const int r = i / OUT_CHUNKS;
+        const int c = i % OUT_CHUNKS;
+        if (n0 + c * 8 >= p.n) continue;
+        const uint4 v = *reinterpret_cast<const uint4*>(s_out + r * L.epi_row_elems + c * 8);
+        *reinterpret_cast<uint4*>(p.y + static_cast<size_t>(row_begin + r) * p.n + n0 + c * 8) = v;
+      }
+    }
+    __syncthreads();  // the staging tile is read before the next unit's loads land
+  }
+}
+
+}  // namespace fp4moe::kernels

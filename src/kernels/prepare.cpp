@@ -1,0 +1,117 @@
+// Host packer: ModelOpt NVFP4 matrices -> the portable kernel's
+// fragment-ordered layout (see fragment_layout.hpp for the layout and why).
+// Tested in tests/kernels/test_prepare.cpp.
+#include <cmath>
+
+#include "fp4moe/error.hpp"
+#include "fp4moe/grouped_gemm.hpp"
+#include "kernels/fragment_layout.hpp"
+#include "plan/smem_model.hpp"
+
+namespace fp4moe {
+
+namespace {
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// Byte offsets of fragment (e, group, kf) in the packed arrays.
+size_t fragment_index(const PreparedGemmWeights& p, int64_t e, int64_t group, int64_t kf) {
+  return static_cast<size_t>((e * (p.n_padded / kFragRows) + group) * (p.k_padded / kFragK) + kf);
+}
+}  // namespace
+
+PreparedGemmWeights prepare_gemm_weights(std::span<const Nvfp4Matrix* const> experts) {
+  FP4MOE_CHECK(!experts.empty(), "prepare_gemm_weights: no experts given");
+  FP4MOE_CHECK(static_cast<int64_t>(experts.size()) <= kMaxExperts, "prepare_gemm_weights: ",
+               experts.size(), " experts, but one launch supports at most ", kMaxExperts);
+  PreparedGemmWeights p;
+  p.num_experts = static_cast<int64_t>(experts.size());
+  p.n = experts[0]->rows;
+  p.k = experts[0]->cols;
+  FP4MOE_CHECK(p.n > 0 && p.n % 16 == 0, "prepare_gemm_weights: n = ", p.n,
+               " rows; expected a positive multiple of 16");
+  FP4MOE_CHECK(p.k > 0 && p.k % 16 == 0, "prepare_gemm_weights: k = ", p.k,
+               " columns; expected a positive multiple of 16");
+  p.n_padded = round_up(p.n, layout::kPadN);
+  p.k_padded = round_up(p.k, layout::kPadK);
+  const int64_t groups = p.n_padded / kFragRows;
+  const int64_t frags = p.k_padded / kFragK;
+  p.weights.assign(static_cast<size_t>(p.num_experts * groups * frags * kFragBytes), 0);
+  p.scales.assign(static_cast<size_t>(p.num_experts * groups * frags * kFragScaleBytes), 0);
+  p.global_scales.resize(static_cast<size_t>(p.num_experts));
+
+  for (int64_t e = 0; e < p.num_experts; ++e) {
+    const Nvfp4Matrix& m = *experts[static_cast<size_t>(e)];
+    FP4MOE_CHECK(m.rows == p.n && m.cols == p.k, "prepare_gemm_weights: expert ", e, " is [",
+                 m.rows, ", ", m.cols, "], expected [", p.n, ", ", p.k, "] like expert 0");
+    FP4MOE_CHECK(m.packed.size() == static_cast<size_t>(m.rows * m.cols / 2) &&
+                     m.scales.size() == static_cast<size_t>(m.rows * m.cols / 16),
+                 "prepare_gemm_weights: expert ", e, " has ", m.packed.size(), " packed bytes and ",
+                 m.scales.size(), " scales; expected ", m.rows * m.cols / 2, " and ",
+                 m.rows * m.cols / 16);
+    FP4MOE_CHECK(std::isfinite(m.global_scale), "prepare_gemm_weights: expert ", e,
+                 " has a non-finite weight_scale_2 (", m.global_scale, ")");
+    p.global_scales[static_cast<size_t>(e)] = m.global_scale;
+    for (int64_t scale_idx = 0; scale_idx < static_cast<int64_t>(m.scales.size()); ++scale_idx) {
+      const uint8_t s = m.scales[static_cast<size_t>(scale_idx)];
+      FP4MOE_CHECK(!(s & 0x80) && !e4m3_is_nan(s), "prepare_gemm_weights: expert ", e,
+                   " block scale #", scale_idx, " is ", e4m3_to_float(s),
+                   "; block scales must be finite and non-negative");
+    }
+    for (int64_t group = 0; group < groups; ++group) {
+      for (int64_t kf = 0; kf < frags; ++kf) {
+        const size_t frag = fragment_index(p, e, group, kf);
+        uint8_t* wdst = p.weights.data() + frag * kFragBytes;
+        uint8_t* sdst = p.scales.data() + frag * kFragScaleBytes;
+        for (int lane = 0; lane < 32; ++lane) {
+          const int g = lane / 4;
+          const int t = lane % 4;
+          for (int ks = 0; ks < 4; ++ks) {
+            uint32_t word = 0;
+            for (int r : {g, g + 8}) {
+              for (int kk : {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9}) {
+                const int64_t row = group * kFragRows + r;
+                const int64_t col = kf * kFragK + ks * 16 + kk;
+                const uint32_t code = (row < p.n && col < p.k) ? m.code(row, col) : 0u;
+                word |= code << (4 * layout::nibble_position(r, kk));
+              }
+            }
+            uint8_t* dst = wdst + lane * 16 + ks * 4;
+            for (int b = 0; b < 4; ++b) dst[b] = static_cast<uint8_t>(word >> (8 * b));
+          }
+        }
+        for (int g = 0; g < 8; ++g) {
+          for (int ks = 0; ks < 4; ++ks) {
+            for (int half = 0; half < 2; ++half) {
+              const int64_t row = group * kFragRows + g + half * 8;
+              const int64_t col = kf * kFragK + ks * 16;
+              sdst[g * 8 + half * 4 + ks] =
+                  (row < p.n && col < p.k) ? layout::scale_code_from_e4m3(m.scale(row, col)) : 0;
+            }
+          }
+        }
+      }
+    }
+  }
+  return p;
+}
+
+float PreparedGemmWeights::value(int64_t e, int64_t r, int64_t c) const {
+  FP4MOE_CHECK(e >= 0 && e < num_experts && r >= 0 && r < n && c >= 0 && c < k,
+               "PreparedGemmWeights::value: index (", e, ", ", r, ", ", c, ") out of range");
+  const int64_t group = r / kFragRows, kf = c / kFragK;
+  const int rr = static_cast<int>(r % kFragRows);
+  const int kc = static_cast<int>(c % kFragK);
+  const int ks = kc / 16, kk = kc % 16;
+  const int g = rr % 8, t = (kk % 8) / 2;
+  const size_t frag = fragment_index(*this, e, group, kf);
+  const uint8_t* word_bytes = weights.data() + frag * kFragBytes + (g * 4 + t) * 16 + ks * 4;
+  const uint32_t word = word_bytes[0] | (word_bytes[1] << 8) | (word_bytes[2] << 16) |
+                        (static_cast<uint32_t>(word_bytes[3]) << 24);
+  const uint8_t code = (word >> (4 * layout::nibble_position(rr, kk))) & 0xF;
+  const uint8_t scode = scales[frag * kFragScaleBytes + g * 8 + (rr >= 8 ? 4 : 0) + ks];
+  // scale code -> bf16 bits carry the block scale times 2^119.
+  const float scale = bf16_to_float(layout::scale_code_to_bf16_bits(scode)) * 0x1p-119f;
+  return e2m1_to_float(code) * scale * global_scales[static_cast<size_t>(e)];
+}
+
+}  // namespace fp4moe

@@ -1,0 +1,20 @@
+// The tile configurations compiled into the library: one X-macro that the
+// kernel instantiations, the launch dispatch, the planner and the tests all
+// expand, so they cannot drift apart.
+//
+// X(BLOCK_N, BLOCK_M, BLOCK_K, STAGES, WARPS)
+//   BLOCK_N  weight rows (output features) per tile, the MMA's M side
+//   BLOCK_M  token rows per tile, the MMA's N side
+//   BLOCK_K  K elements per pipeline stage
+//   STAGES   cp.async pipeline depth
+//   WARPS    warps per block; each owns BLOCK_N / WARPS weight rows
+//
+// Only configurations that earn their place: one per token-tile size, with
+// the deepest pipeline that fits 99 KB (SM120/SM86) at that size.
+#pragma once
+
+#define FP4MOE_PORTABLE_CONFIGS(X) \
+  X(128, 8, 256, 4, 4)             \
+  X(128, 16, 256, 3, 4)            \
+  X(128, 32, 128, 4, 4)            \
+  X(128, 64, 128, 3, 4)

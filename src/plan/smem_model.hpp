@@ -1,0 +1,104 @@
+// The shared-memory model of the portable grouped GEMM: one constexpr
+// description per tile configuration, giving every region's offset and size.
+//
+// The kernel (src/kernels/portable_grouped_gemm.cuh) carves its dynamic shared
+// memory from portable_smem_layout() and nothing else, and static_asserts its
+// total against the smallest per-block limit it must run on; the host planner
+// (src/plan/plan.cpp) builds the printed layout from the same struct, so the
+// table `fp4moe plan` shows is the one the kernel uses. The GPU test checks the
+// compiled kernel's attributes against it.
+#pragma once
+
+#include <cstdint>
+
+namespace fp4moe {
+
+// Per-block opt-in shared memory limits (bytes).
+inline constexpr int64_t kSmemLimitSm80 = 166912;
+inline constexpr int64_t kSmemLimitSm86 = 101376;  // also SM89
+inline constexpr int64_t kSmemLimitSm90 = 232448;  // also SM100
+inline constexpr int64_t kSmemLimitSm120 = 101376;
+// The portable family must fit the smallest of these.
+inline constexpr int64_t kPortableSmemLimit = 101376;
+
+// Experts one launch can cover: the scheduler keeps a prefix sum of m-tiles
+// per expert in shared memory.
+inline constexpr int kMaxExperts = 512;
+
+// Region alignment: 128 B keeps every region on its own bank-row boundary and
+// satisfies the 16-B alignment of cp.async and ldmatrix.
+inline constexpr int64_t kSmemAlign = 128;
+
+constexpr int64_t align_up(int64_t value, int64_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+// Packed weights in smem and global memory are grouped in 512-byte fragments:
+// 16 weight rows x 64 K values, laid out so that lane l of a warp reads the 16
+// bytes it needs for four m16n8k16 MMAs with one 16-byte load.
+inline constexpr int kFragRows = 16;
+inline constexpr int kFragK = 64;
+inline constexpr int kFragBytes = kFragRows * kFragK / 2;           // 512
+inline constexpr int kFragScaleBytes = kFragRows * kFragK / 16;     // 64
+
+// Every region of one configuration, computed by a constexpr function so the
+// kernel evaluates it at compile time and the planner at run time.
+struct PortableSmemLayout {
+  // Per pipeline stage.
+  int64_t weight_stage_bytes = 0;  // (BLOCK_N, BLOCK_K/2) packed fp4
+  int64_t scale_stage_bytes = 0;   // (BLOCK_N, BLOCK_K/16) block scales
+  int64_t act_stage_bytes = 0;     // (BLOCK_M, BLOCK_K) bf16, swizzled
+
+  // Mainloop ring buffers, (STAGES, ...) each.
+  int64_t weight_offset = 0, weight_bytes = 0;
+  int64_t scale_offset = 0, scale_bytes = 0;
+  int64_t act_offset = 0, act_bytes = 0;
+  int64_t mainloop_end = 0;
+
+  // Epilogue staging of the output tile, (BLOCK_M, BLOCK_N + 8) bf16: the
+  // 16-byte pad per row spreads a warp's column writes over all banks. It
+  // reuses the drained mainloop buffers.
+  int epi_row_elems = 0;
+  int64_t epilogue_offset = 0, epilogue_bytes = 0;
+  int64_t union_end = 0;
+
+  // Scheduler: m-tile prefix sums per expert, int32 (kMaxExperts + 1), then
+  // 32 int32 of per-warp partial sums used while building them.
+  int64_t schedule_offset = 0, schedule_bytes = 0;
+  // Split-K: the "this block reduces the tile" flag, broadcast to all threads.
+  int64_t flag_offset = 0, flag_bytes = 0;
+
+  int64_t total_bytes = 0;
+};
+
+constexpr PortableSmemLayout portable_smem_layout(int block_n, int block_m, int block_k,
+                                                  int stages) {
+  PortableSmemLayout l;
+  l.weight_stage_bytes = int64_t{block_n} * block_k / 2;
+  l.scale_stage_bytes = int64_t{block_n} * block_k / 16;
+  l.act_stage_bytes = int64_t{block_m} * block_k * 2;
+
+  l.weight_offset = 0;
+  l.weight_bytes = stages * l.weight_stage_bytes;
+  l.scale_offset = align_up(l.weight_offset + l.weight_bytes, kSmemAlign);
+  l.scale_bytes = stages * l.scale_stage_bytes;
+  l.act_offset = align_up(l.scale_offset + l.scale_bytes, kSmemAlign);
+  l.act_bytes = stages * l.act_stage_bytes;
+  l.mainloop_end = align_up(l.act_offset + l.act_bytes, kSmemAlign);
+
+  l.epi_row_elems = block_n + 8;
+  l.epilogue_offset = 0;
+  l.epilogue_bytes = int64_t{block_m} * l.epi_row_elems * 2;
+  l.union_end = align_up(l.mainloop_end > l.epilogue_bytes ? l.mainloop_end : l.epilogue_bytes,
+                         kSmemAlign);
+
+  l.schedule_offset = l.union_end;
+  l.schedule_bytes = (kMaxExperts + 1 + 32) * 4;
+  l.flag_offset = align_up(l.schedule_offset + l.schedule_bytes, 16);
+  l.flag_bytes = 16;
+
+  l.total_bytes = align_up(l.flag_offset + l.flag_bytes, kSmemAlign);
+  return l;
+}
+
+}  // namespace fp4moe
