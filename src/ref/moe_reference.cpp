@@ -1,10 +1,10 @@
 // CPU reference MoE layer (DESIGN.md §3): for every (token, slot) the expert
 // MLP down(act(gate·x, up·x)) in double, weighted and summed per token in slot
-// order. Weights are dequantised exactly (e2m1 · e4m3 · global_scale has at
-// most 2 + 4 + 24 significant bits, so it is exact in double), one row at a
-// time, only for experts that received tokens. Work is spread over threads by
-// (expert, row range); every output element is one sequential dot product, so
-// the result does not depend on the thread count.
+// order. Weights are dequantised exactly (e2m1 · e4m3 · global_scale) on the
+// fly, row by row, only for experts that received tokens. Work is spread over
+// threads by (expert, row range); every output element is one dot product in
+// a fixed order, so the result depends neither on the thread count nor on
+// which other tokens are in the batch.
 // Tested in tests/ref/test_reference.cpp against a naive independent path.
 #include <algorithm>
 #include <array>
@@ -28,44 +28,51 @@ constexpr int64_t kRowsPerUnit = 32;
 // per-slot outputs); long inputs are processed in token chunks of this size.
 constexpr size_t kChunkBufferBytes = size_t{64} << 20;
 
+// e2m1 values of a packed byte's two elements, and e4m3 values by code.
+struct CodePair {
+  double even;  // low nibble
+  double odd;   // high nibble
+};
 struct CodeTables {
-  std::array<double, 16> e2m1;
+  std::array<CodePair, 256> pair;
   std::array<double, 256> e4m3;
 };
 
 const CodeTables& code_tables() {
   static const CodeTables tables = [] {
     CodeTables t{};
-    for (int c = 0; c < 16; ++c) t.e2m1[c] = e2m1_to_float(static_cast<uint8_t>(c));
-    for (int c = 0; c < 256; ++c) t.e4m3[c] = e4m3_to_float(static_cast<uint8_t>(c));
+    for (int c = 0; c < 256; ++c) {
+      t.pair[c] = {e2m1_to_float(static_cast<uint8_t>(c & 0xF)),
+                   e2m1_to_float(static_cast<uint8_t>(c >> 4))};
+      t.e4m3[c] = e4m3_to_float(static_cast<uint8_t>(c));
+    }
     return t;
   }();
   return tables;
 }
 
-// Row r of m, dequantised exactly into row[0, m.cols).
-void dequantize_row(const Nvfp4Matrix& m, int64_t r, double* row) {
+// Row r of m (dequantised: e2m1 · e4m3 · global_scale) dotted with x[0, m.cols),
+// factored as global_scale · sum_b e4m3_b · sum_{i in b} e2m1_i · x_i so that
+// each packed byte costs one table lookup. Each e2m1 · x product is exact in
+// double; the order of the sums is fixed (per block: even and odd elements,
+// then blocks in order), so the result does not depend on the caller.
+double row_dot(const Nvfp4Matrix& m, int64_t r, const double* x) {
   const CodeTables& tables = code_tables();
   const uint8_t* packed = m.packed.data() + r * (m.cols / 2);
   const uint8_t* scales = m.scales.data() + r * (m.cols / kNvfp4BlockSize);
-  const double global_scale = m.global_scale;
+  double total = 0.0;
   for (int64_t b = 0; b < m.cols / kNvfp4BlockSize; ++b) {
-    const double scale = tables.e4m3[scales[b]] * global_scale;
+    const uint8_t* block_bytes = packed + b * (kNvfp4BlockSize / 2);
+    const double* block_x = x + b * kNvfp4BlockSize;
+    double even = 0.0, odd = 0.0;
     for (int i = 0; i < kNvfp4BlockSize / 2; ++i) {
-      const uint8_t byte = packed[b * (kNvfp4BlockSize / 2) + i];
-      row[b * kNvfp4BlockSize + 2 * i] = tables.e2m1[byte & 0xF] * scale;  // even: low nibble
-      row[b * kNvfp4BlockSize + 2 * i + 1] = tables.e2m1[byte >> 4] * scale;
+      const CodePair& w = tables.pair[block_bytes[i]];
+      even += w.even * block_x[2 * i];
+      odd += w.odd * block_x[2 * i + 1];
     }
+    total += tables.e4m3[scales[b]] * (even + odd);
   }
-}
-
-// Dot product in a fixed order (four interleaved partial sums: lets the
-// compiler use vector registers without reassociating). n % 16 == 0.
-double dot(const double* a, const double* b, int64_t n) {
-  double acc[4] = {0.0, 0.0, 0.0, 0.0};
-  for (int64_t k = 0; k < n; k += 4)
-    for (int l = 0; l < 4; ++l) acc[l] += a[k + l] * b[k + l];
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  return total * static_cast<double>(m.global_scale);
 }
 
 double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
@@ -220,16 +227,13 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
     parallel_for(static_cast<int64_t>(gate_up_units.size()), num_threads, [&](int64_t u) {
       const WorkUnit& unit = gate_up_units[static_cast<size_t>(u)];
       const ExpertWeights& ex = weights.experts[static_cast<size_t>(unit.expert_idx)];
-      std::vector<double> gate_row(static_cast<size_t>(hidden)), up_row(static_cast<size_t>(hidden));
       for (int64_t i = unit.row_begin; i < unit.row_end; ++i) {
-        dequantize_row(ex.gate, i, gate_row.data());
-        dequantize_row(ex.up, i, up_row.data());
         const double gate_bias = ex.gate_bias.empty() ? 0.0 : ex.gate_bias[static_cast<size_t>(i)];
         const double up_bias = ex.up_bias.empty() ? 0.0 : ex.up_bias[static_cast<size_t>(i)];
         for (int64_t p : pairs_of[static_cast<size_t>(unit.expert_idx)]) {
           const double* xt = x.data() + (p / top_k) * hidden;
-          const double g = dot(gate_row.data(), xt, hidden) + gate_bias;
-          const double v = dot(up_row.data(), xt, hidden) + up_bias;
+          const double g = row_dot(ex.gate, i, xt) + gate_bias;
+          const double v = row_dot(ex.up, i, xt) + up_bias;
           act[static_cast<size_t>(p * inter + i)] = activate(activation, g, v);
         }
       }
@@ -240,13 +244,10 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
     parallel_for(static_cast<int64_t>(down_units.size()), num_threads, [&](int64_t u) {
       const WorkUnit& unit = down_units[static_cast<size_t>(u)];
       const ExpertWeights& ex = weights.experts[static_cast<size_t>(unit.expert_idx)];
-      std::vector<double> down_row(static_cast<size_t>(inter));
       for (int64_t n = unit.row_begin; n < unit.row_end; ++n) {
-        dequantize_row(ex.down, n, down_row.data());
         const double down_bias = ex.down_bias.empty() ? 0.0 : ex.down_bias[static_cast<size_t>(n)];
         for (int64_t p : pairs_of[static_cast<size_t>(unit.expert_idx)])
-          y[static_cast<size_t>(p * hidden + n)] =
-              dot(down_row.data(), act.data() + p * inter, inter) + down_bias;
+          y[static_cast<size_t>(p * hidden + n)] = row_dot(ex.down, n, act.data() + p * inter) + down_bias;
       }
     });
 

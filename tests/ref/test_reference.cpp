@@ -1,0 +1,739 @@
+// Tests of the CPU reference (src/ref): routing with hand-made logits for
+// every mode (known ids and weights, ties to the lower index, noaux_tc's group
+// restriction), error messages for bad parameters and bad caller routing, a
+// hand-computed expert MLP for both activations, and random problems checked
+// against a naive path written here independently: every matrix dequantised
+// to floats with the plain NVFP4 formula, triple loops, and routing by full
+// sort. The naive path shares no code with src/ref.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fp4moe/error.hpp"
+#include "fp4moe/nvfp4.hpp"
+#include "fp4moe/reference.hpp"
+
+namespace fp4moe {
+namespace {
+
+// ------------------------------------------------------------------ helpers
+
+// Runs fn and expects an fp4moe::Error whose message contains every snippet.
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& snippets) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    for (const std::string& s : snippets)
+      EXPECT_NE(e.message().find(s), std::string::npos)
+          << "message '" << e.message() << "' lacks '" << s << "'";
+    return;
+  }
+  ADD_FAILURE() << "expected fp4moe::Error mentioning '" << (snippets.empty() ? "" : snippets[0])
+                << "'";
+}
+
+// e4m3fn codes of a few exact block scales.
+constexpr uint8_t kScaleOne = 0x38;  // 1.0
+constexpr uint8_t kScaleTwo = 0x40;  // 2.0
+
+// A random NVFP4 matrix built in the quantised domain: any fp4 codes, block
+// scales among e4m3 codes 0x28..0x40 (0.25..2), and a global scale chosen so
+// that a dot product with unit-normal inputs is of order 1..10 (so the gpt-oss
+// clamps at 7 are exercised).
+Nvfp4Matrix random_matrix(int64_t rows, int64_t cols, std::mt19937_64& rng) {
+  Nvfp4Matrix m;
+  m.rows = rows;
+  m.cols = cols;
+  m.packed.resize(static_cast<size_t>(rows * cols / 2));
+  m.scales.resize(static_cast<size_t>(rows * cols / 16));
+  std::uniform_int_distribution<int> scale(0x28, 0x40);
+  for (size_t i = 0; i < m.packed.size(); i += 8) {  // any codes: 8 random bytes at a time
+    const uint64_t bits = rng();
+    std::memcpy(m.packed.data() + i, &bits, std::min<size_t>(8, m.packed.size() - i));
+  }
+  for (uint8_t& s : m.scales) s = static_cast<uint8_t>(scale(rng));
+  m.global_scale = std::uniform_real_distribution<float>(0.3f, 2.5f)(rng) /
+                   std::sqrt(static_cast<float>(cols));
+  return m;
+}
+
+std::vector<float> random_vector(size_t n, float stddev, std::mt19937_64& rng) {
+  std::normal_distribution<float> dist(0.0f, stddev);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+MoeWeights random_weights(int64_t num_experts, int64_t hidden, int64_t inter, bool with_bias,
+                          std::mt19937_64& rng) {
+  MoeWeights w;
+  w.num_experts = num_experts;
+  w.hidden = hidden;
+  w.inter = inter;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    ExpertWeights ex;
+    ex.gate = random_matrix(inter, hidden, rng);
+    ex.up = random_matrix(inter, hidden, rng);
+    ex.up.global_scale = ex.gate.global_scale;  // shared weight_scale_2, as in ModelOpt
+    ex.down = random_matrix(hidden, inter, rng);
+    if (with_bias) {
+      ex.gate_bias = random_vector(static_cast<size_t>(inter), 1.0f, rng);
+      ex.up_bias = random_vector(static_cast<size_t>(inter), 1.0f, rng);
+      ex.down_bias = random_vector(static_cast<size_t>(hidden), 1.0f, rng);
+    }
+    w.experts.push_back(std::move(ex));
+  }
+  return w;
+}
+
+// ------------------------------------------------------------- naive path
+
+// The plain formula, element by element: e2m1(code) * e4m3(scale) * global,
+// evaluated in double, where it is exact. (Rounded to float it would be off by
+// up to 2^-24 relative per weight, which after cancellation in the dot products
+// moves single outputs by a few 1e-6 relative: more than this test allows.)
+std::vector<double> naive_dequantize(const Nvfp4Matrix& m) {
+  std::vector<double> out(static_cast<size_t>(m.rows * m.cols));
+  for (int64_t r = 0; r < m.rows; ++r)
+    for (int64_t c = 0; c < m.cols; ++c) {
+      const uint8_t byte = m.packed[static_cast<size_t>(r * m.cols / 2 + c / 2)];
+      const uint8_t code = c % 2 == 0 ? (byte & 0xF) : (byte >> 4);
+      const uint8_t scale = m.scales[static_cast<size_t>(r * m.cols / 16 + c / 16)];
+      out[static_cast<size_t>(r * m.cols + c)] = static_cast<double>(e2m1_to_float(code)) *
+                                                  e4m3_to_float(scale) * m.global_scale;
+    }
+  return out;
+}
+
+// Expert indices sorted by descending key, ties to the lower index.
+std::vector<int> sorted_by(const std::vector<double>& key, std::vector<int> idx) {
+  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return key[a] > key[b]; });
+  return idx;
+}
+
+std::vector<int> all_indices(int n) {
+  std::vector<int> v(static_cast<size_t>(n));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+
+Routing naive_route(const std::vector<float>& logits, int num_tokens, int num_experts,
+                    const float* bias, const RoutingParams& p) {
+  Routing r;
+  r.num_tokens = num_tokens;
+  r.top_k = p.top_k;
+  for (int t = 0; t < num_tokens; ++t) {
+    std::vector<double> l(logits.begin() + t * num_experts, logits.begin() + (t + 1) * num_experts);
+    std::vector<int> ids;
+    std::vector<double> w;
+    if (p.mode == RoutingMode::kSoftmaxTopK) {
+      const double m = *std::max_element(l.begin(), l.end());
+      std::vector<double> prob(l.size());
+      double total = 0;
+      for (size_t e = 0; e < l.size(); ++e) total += prob[e] = std::exp(l[e] - m);
+      for (double& v : prob) v /= total;
+      const std::vector<int> order = sorted_by(prob, all_indices(num_experts));
+      ids.assign(order.begin(), order.begin() + p.top_k);
+      double chosen = 0;
+      for (int id : ids) chosen += prob[id];
+      for (int id : ids) w.push_back(p.renormalize ? prob[id] / chosen : prob[id]);
+    } else if (p.mode == RoutingMode::kGptOss) {
+      const std::vector<int> order = sorted_by(l, all_indices(num_experts));
+      ids.assign(order.begin(), order.begin() + p.top_k);
+      double total = 0;
+      for (int id : ids) total += std::exp(l[id] - l[ids[0]]);
+      for (int id : ids) w.push_back(std::exp(l[id] - l[ids[0]]) / total);
+    } else {
+      std::vector<double> s(l.size()), c(l.size());
+      for (size_t e = 0; e < l.size(); ++e) {
+        s[e] = 1.0 / (1.0 + std::exp(-l[e]));
+        c[e] = s[e] + (bias ? bias[e] : 0.0);
+      }
+      const int size = num_experts / p.num_groups;
+      std::vector<double> group(static_cast<size_t>(p.num_groups));
+      for (int g = 0; g < p.num_groups; ++g) {
+        std::vector<double> members(c.begin() + g * size, c.begin() + (g + 1) * size);
+        std::sort(members.begin(), members.end(), std::greater<double>());
+        group[g] = members[0] + members[1];
+      }
+      const std::vector<int> group_order = sorted_by(group, all_indices(p.num_groups));
+      std::vector<double> masked(c.size(), -1e300);
+      for (int i = 0; i < p.topk_groups; ++i)
+        for (int e = group_order[i] * size; e < (group_order[i] + 1) * size; ++e) masked[e] = c[e];
+      const std::vector<int> order = sorted_by(masked, all_indices(num_experts));
+      ids.assign(order.begin(), order.begin() + p.top_k);
+      double total = 0;
+      for (int id : ids) total += s[id];
+      for (int id : ids) w.push_back(s[id] / (total + 1e-20) * p.routed_scaling_factor);
+    }
+    for (int j = 0; j < p.top_k; ++j) {
+      r.topk_ids.push_back(ids[j]);
+      r.topk_weights.push_back(static_cast<float>(w[j]));
+    }
+  }
+  return r;
+}
+
+double naive_activation(Activation a, double g, double u) {
+  if (a == Activation::kSwiGLU) return g / (1.0 + std::exp(-g)) * u;
+  const double gc = g > 7.0 ? 7.0 : g;
+  const double uc = u > 7.0 ? 7.0 : (u < -7.0 ? -7.0 : u);
+  return gc / (1.0 + std::exp(-1.702 * gc)) * (uc + 1.0);
+}
+
+std::vector<double> naive_moe(const MoeWeights& w, const std::vector<float>& x,
+                              const Routing& r, Activation a) {
+  const int64_t H = w.hidden, I = w.inter;
+  std::vector<double> out(static_cast<size_t>(r.num_tokens * H), 0.0);
+  for (int64_t e = 0; e < w.num_experts; ++e) {
+    const ExpertWeights& ex = w.experts[static_cast<size_t>(e)];
+    const std::vector<double> gate = naive_dequantize(ex.gate), up = naive_dequantize(ex.up),
+                              down = naive_dequantize(ex.down);
+    for (int64_t t = 0; t < r.num_tokens; ++t)
+      for (int j = 0; j < r.top_k; ++j) {
+        if (r.topk_ids[static_cast<size_t>(t * r.top_k + j)] != e) continue;
+        std::vector<double> h(static_cast<size_t>(I));
+        for (int64_t i = 0; i < I; ++i) {
+          double g = ex.gate_bias.empty() ? 0.0 : ex.gate_bias[i];
+          double u = ex.up_bias.empty() ? 0.0 : ex.up_bias[i];
+          for (int64_t k = 0; k < H; ++k) {
+            g += gate[i * H + k] * x[t * H + k];
+            u += up[i * H + k] * x[t * H + k];
+          }
+          h[i] = naive_activation(a, g, u);
+        }
+        for (int64_t n = 0; n < H; ++n) {
+          double y = ex.down_bias.empty() ? 0.0 : ex.down_bias[n];
+          for (int64_t i = 0; i < I; ++i) y += down[n * I + i] * h[i];
+          out[t * H + n] += r.topk_weights[static_cast<size_t>(t * r.top_k + j)] * y;
+        }
+      }
+  }
+  return out;
+}
+
+// ‖out − ref‖/‖ref‖ < tol and, per element, |out − ref| <= tol·(|ref| + max|ref|·1e-3)
+// (the small absolute part covers elements that cancel to near zero). Prints
+// the first mismatches with their indices.
+void expect_close(const std::vector<float>& out, const std::vector<double>& ref, int64_t cols,
+                  double tol) {
+  ASSERT_EQ(out.size(), ref.size());
+  double diff2 = 0, ref2 = 0, ref_max = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    diff2 += (out[i] - ref[i]) * (out[i] - ref[i]);
+    ref2 += ref[i] * ref[i];
+    ref_max = std::max(ref_max, std::fabs(ref[i]));
+  }
+  ASSERT_GT(ref2, 0.0) << "reference is all zeros: the test data is degenerate";
+  EXPECT_LT(std::sqrt(diff2 / ref2), tol) << "relative L2 error";
+  int shown = 0, bad = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::fabs(out[i] - ref[i]) <= tol * (std::fabs(ref[i]) + 1e-3 * ref_max)) continue;
+    if (shown++ < 8)
+      ADD_FAILURE() << "mismatch at [" << i / cols << ", " << i % cols << "]: got " << out[i]
+                    << ", expected " << ref[i];
+    ++bad;
+  }
+  EXPECT_EQ(bad, 0) << "elements out of tolerance";
+}
+
+// ------------------------------------------------------------ routing: hand
+
+Routing route_one(std::vector<float> logits, const RoutingParams& p,
+                  const std::vector<float>& bias = {}) {
+  return route(logits.data(), 1, static_cast<int64_t>(logits.size()),
+               bias.empty() ? nullptr : bias.data(), p);
+}
+
+double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+TEST(ReferenceRouting, SoftmaxTopKTiesGoToLowerIndex) {
+  RoutingParams p;
+  p.mode = RoutingMode::kSoftmaxTopK;
+  p.top_k = 2;
+  p.renormalize = true;
+  Routing r = route_one({1.0f, 3.0f, 2.0f, 3.0f}, p);
+  EXPECT_EQ(r.topk_ids, (std::vector<int32_t>{1, 3}));
+  EXPECT_FLOAT_EQ(r.topk_weights[0], 0.5f);
+  EXPECT_FLOAT_EQ(r.topk_weights[1], 0.5f);
+
+  p.top_k = 3;
+  p.renormalize = false;
+  r = route_one({1.0f, 3.0f, 2.0f, 3.0f}, p);
+  EXPECT_EQ(r.topk_ids, (std::vector<int32_t>{1, 3, 2}));
+  const double total = std::exp(1.0) + 2 * std::exp(3.0) + std::exp(2.0);
+  EXPECT_FLOAT_EQ(r.topk_weights[0], static_cast<float>(std::exp(3.0) / total));
+  EXPECT_FLOAT_EQ(r.topk_weights[2], static_cast<float>(std::exp(2.0) / total));
+
+  // All equal: the lowest indices, in order.
+  p.top_k = 3;
+  r = route_one({0.5f, 0.5f, 0.5f, 0.5f, 0.5f}, p);
+  EXPECT_EQ(r.topk_ids, (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_FLOAT_EQ(r.topk_weights[0], 0.2f);
+}
+
+TEST(ReferenceRouting, SoftmaxRenormalisedWeights) {
+  RoutingParams p;
+  p.top_k = 2;
+  p.renormalize = true;
+  const Routing r = route_one({0.0f, 1.0f, -2.0f, 2.0f}, p);
+  EXPECT_EQ(r.topk_ids, (std::vector<int32_t>{3, 1}));
+  EXPECT_FLOAT_EQ(r.topk_weights[0], static_cast<float>(1.0 / (1.0 + std::exp(-1.0))));
+  EXPECT_FLOAT_EQ(r.topk_weights[1], static_cast<float>(std::exp(-1.0) / (1.0 + std::exp(-1.0))));
+}
+
+TEST(ReferenceRouting, GptOssSoftmaxOverSelected) {
+  RoutingParams p;
+  p.mode = RoutingMode::kGptOss;
+  p.top_k = 3;
+  const Routing r = route_one({0.5f, 2.0f, -1.0f, 2.0f, 1.0f}, p);
+  EXPECT_EQ(r.topk_ids, (std::vector<int32_t>{1, 3, 4}));
+  const double total = 2.0 + std::exp(-1.0);
+  EXPECT_FLOAT_EQ(r.topk_weights[0], static_cast<float>(1.0 / total));
+  EXPECT_FLOAT_EQ(r.topk_weights[1], static_cast<float>(1.0 / total));
+  EXPECT_FLOAT_EQ(r.topk_weights[2], static_cast<float>(std::exp(-1.0) / total));
+}
+
+TEST(ReferenceRouting, NoauxTcDropsBestExpertInDroppedGroup) {
+  RoutingParams p;
+  p.mode = RoutingMode::kNoauxTc;
+  p.top_k = 2;
+  p.num_groups = 4;  // groups {0,1} {2,3} {4,5} {6,7}
+  p.topk_groups = 2;
+  p.routed_scaling_factor = 2.5f;
+  // Group sums of sigmoid scores: g0 = s(5)+s(-5) = 1.0, g1 = 2 s(1) = 1.46,
+  // g2 = s(2)+s(0) = 1.38, g3 = 2 s(-1) = 0.54. Expert 0 has the best score
+  // but its group is dropped; experts 2 and 3 tie, so 2 wins.
+  const Routing r = route_one({5.0f, -5.0f, 1.0f, 1.0f, 2.0f, 0.0f, -1.0f, -1.0f}, p);
+  EXPECT_EQ(r.topk_ids, (std::vector<int32_t>{4, 2}));
+  const double s4 = sigmoid(2.0), s2 = sigmoid(1.0);
+  EXPECT_FLOAT_EQ(r.topk_weights[0], static_cast<float>(s4 / (s4 + s2) * 2.5));
+  EXPECT_FLOAT_EQ(r.topk_weights[1], static_cast<float>(s2 / (s4 + s2) * 2.5));
+
+  // With all groups kept, expert 0 is chosen first.
+  p.topk_groups = 4;
+  EXPECT_EQ(route_one({5.0f, -5.0f, 1.0f, 1.0f, 2.0f, 0.0f, -1.0f, -1.0f}, p).topk_ids,
+            (std::vector<int32_t>{0, 4}));
+}
+
+TEST(ReferenceRouting, NoauxTcBiasSelectsButDoesNotWeigh) {
+  RoutingParams p;
+  p.mode = RoutingMode::kNoauxTc;
+  p.top_k = 2;
+  p.num_groups = 1;
+  p.topk_groups = 1;
+  p.routed_scaling_factor = 1.5f;
+  // Choice scores s + b: 0.88, 1.5, 0.73, 0.77 -> experts 1 then 0.
+  const Routing r = route_one({2.0f, 0.0f, 1.0f, -1.0f}, p, {0.0f, 1.0f, 0.0f, 0.5f});
+  EXPECT_EQ(r.topk_ids, (std::vector<int32_t>{1, 0}));
+  const double s0 = sigmoid(2.0), s1 = 0.5;
+  EXPECT_FLOAT_EQ(r.topk_weights[0], static_cast<float>(s1 / (s0 + s1) * 1.5));
+  EXPECT_FLOAT_EQ(r.topk_weights[1], static_cast<float>(s0 / (s0 + s1) * 1.5));
+  // Without bias the order follows the scores.
+  EXPECT_EQ(route_one({2.0f, 0.0f, 1.0f, -1.0f}, p).topk_ids, (std::vector<int32_t>{0, 2}));
+}
+
+TEST(ReferenceRouting, NoauxTcGroupTiesGoToLowerGroup) {
+  RoutingParams p;
+  p.mode = RoutingMode::kNoauxTc;
+  p.top_k = 3;
+  p.num_groups = 3;
+  p.topk_groups = 2;
+  const Routing r = route_one({0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, p);
+  EXPECT_EQ(r.topk_ids, (std::vector<int32_t>{0, 1, 2}));
+  for (float w : r.topk_weights) EXPECT_FLOAT_EQ(w, 1.0f / 3.0f);
+}
+
+TEST(ReferenceRouting, MultipleTokensAreIndependent) {
+  RoutingParams p;
+  p.top_k = 1;
+  const std::vector<float> logits = {0.0f, 1.0f, 2.0f, 2.0f, 1.0f, 0.0f};
+  const Routing r = route(logits.data(), 2, 3, nullptr, p);
+  EXPECT_EQ(r.num_tokens, 2);
+  EXPECT_EQ(r.top_k, 1);
+  EXPECT_EQ(r.topk_ids, (std::vector<int32_t>{2, 0}));
+  EXPECT_FLOAT_EQ(r.topk_weights[1], 1.0f);
+}
+
+TEST(ReferenceRouting, ModeNamesRoundTrip) {
+  for (RoutingMode m : {RoutingMode::kSoftmaxTopK, RoutingMode::kNoauxTc, RoutingMode::kGptOss})
+    EXPECT_EQ(parse_routing_mode(to_string(m)), m);
+  EXPECT_EQ(to_string(RoutingMode::kNoauxTc), "noaux_tc");
+  expect_error([] { parse_routing_mode("topk"); },
+               {"'topk'", "softmax", "noaux_tc", "gptoss"});
+}
+
+// ---------------------------------------------------------- routing: errors
+
+TEST(ReferenceRoutingErrors, BadParameters) {
+  const std::vector<float> logits(16, 0.0f);  // 2 tokens x 8 experts
+  auto run = [&](RoutingParams p, int64_t tokens = 2, int64_t experts = 8) {
+    return [=, &logits] { route(logits.data(), tokens, experts, nullptr, p); };
+  };
+  RoutingParams p;
+  p.top_k = 9;
+  expect_error(run(p), {"top_k = 9", "num_experts = 8"});
+  p.top_k = 0;
+  expect_error(run(p), {"top_k = 0"});
+  p.top_k = 2;
+  expect_error(run(p, 0), {"num_tokens = 0", ">= 1"});
+
+  RoutingParams n;
+  n.mode = RoutingMode::kNoauxTc;
+  n.top_k = 2;
+  n.num_groups = 3;
+  expect_error(run(n), {"num_groups = 3", "divisor", "num_experts = 8"});
+  n.num_groups = 8;
+  expect_error(run(n), {"num_groups = 8", ">= 2 per group"});
+  n.num_groups = 4;
+  n.topk_groups = 0;
+  expect_error(run(n), {"topk_groups = 0", "[1, num_groups = 4]"});
+  n.topk_groups = 5;
+  expect_error(run(n), {"topk_groups = 5"});
+  n.topk_groups = 1;
+  n.top_k = 3;
+  expect_error(run(n), {"topk_groups = 1", "keeps 2 experts", "top_k = 3"});
+  n.top_k = 2;
+  n.routed_scaling_factor = 0.0f;
+  expect_error(run(n), {"routed_scaling_factor = 0"});
+  n.routed_scaling_factor = 1.0f;
+  EXPECT_NO_THROW(run(n)());
+  // Group settings do not matter outside noaux_tc.
+  RoutingParams s;
+  s.top_k = 2;
+  s.num_groups = 3;
+  EXPECT_NO_THROW(run(s)());
+}
+
+TEST(ReferenceRoutingErrors, NonFiniteInputs) {
+  std::vector<float> logits(8, 0.0f);
+  logits[5] = NAN;
+  RoutingParams p;
+  p.top_k = 2;
+  expect_error([&] { route(logits.data(), 2, 4, nullptr, p); },
+               {"router_logits[token 1, expert 1]", "expected finite"});
+  logits[5] = 0.0f;
+  std::vector<float> bias(4, 0.0f);
+  bias[2] = INFINITY;
+  p.mode = RoutingMode::kNoauxTc;
+  expect_error([&] { route(logits.data(), 2, 4, bias.data(), p); }, {"correction_bias[2]"});
+}
+
+Routing make_routing(int64_t tokens, int top_k, std::vector<int32_t> ids) {
+  Routing r;
+  r.num_tokens = tokens;
+  r.top_k = top_k;
+  r.topk_ids = std::move(ids);
+  r.topk_weights.assign(r.topk_ids.size(), 0.25f);
+  return r;
+}
+
+TEST(ReferenceRoutingErrors, ValidateRouting) {
+  EXPECT_NO_THROW(validate_routing(make_routing(2, 3, {0, 1, 2, 7, 5, 0}), 8));
+  expect_error([] { validate_routing(make_routing(2, 3, {0, 1, 2, 5, 7, 5}), 8); },
+               {"token 1 slot 2", "expert id 5", "duplicates slot 0"});
+  expect_error([] { validate_routing(make_routing(2, 3, {0, 8, 2, 5, 7, 4}), 8); },
+               {"token 0 slot 1", "expert id 8", "[0, 8)"});
+  expect_error([] { validate_routing(make_routing(2, 3, {0, 1, 2, -1, 7, 4}), 8); },
+               {"token 1 slot 0", "expert id -1"});
+  expect_error([] { validate_routing(make_routing(2, 3, {0, 1, 2, 3, 4}), 8); },
+               {"topk_ids has 5 entries", "2 * 3 = 6"});
+  Routing r = make_routing(2, 3, {0, 1, 2, 3, 4, 5});
+  r.topk_weights.pop_back();
+  expect_error([&] { validate_routing(r, 8); }, {"topk_weights has 5 entries"});
+  r = make_routing(2, 3, {0, 1, 2, 3, 4, 5});
+  r.topk_weights[4] = NAN;
+  expect_error([&] { validate_routing(r, 8); }, {"token 1 slot 1", "not finite"});
+}
+
+// ------------------------------------------------------------- expert MLP
+
+// One expert, hidden = inter = 16, x = e_0, so gate·x and up·x are the first
+// column of gate and up; down is the identity, so the output is act(g, u)
+// element by element and can be checked against values computed here.
+TEST(ReferenceMoe, HandComputedActivations) {
+  // Magnitudes with block scale 2: code -> 0, 1, 2, 3, 4, 6, 8, 12 (sign bit 8).
+  const std::vector<uint8_t> gate_codes = {0x7, 0xF, 0x3, 0x9, 0x5, 0x6, 0x0, 0xA,
+                                           0x2, 0xE, 0x4, 0x1, 0xB, 0x7, 0xC, 0x6};
+  const std::vector<uint8_t> up_codes = {0x6, 0xF, 0xA, 0x2, 0x7, 0xE, 0x5, 0x1,
+                                         0x0, 0x9, 0x4, 0xB, 0x3, 0x8, 0xD, 0xC};
+  auto column0 = [](const std::vector<uint8_t>& codes) {
+    Nvfp4Matrix m;
+    m.rows = m.cols = 16;
+    m.packed.assign(16 * 8, 0);
+    m.scales.assign(16, kScaleTwo);
+    for (int r = 0; r < 16; ++r) m.packed[r * 8] = codes[r];  // element 0: low nibble
+    return m;
+  };
+  MoeWeights w;
+  w.num_experts = 1;
+  w.hidden = w.inter = 16;
+  ExpertWeights ex;
+  ex.gate = column0(gate_codes);
+  ex.up = column0(up_codes);
+  ex.down.rows = ex.down.cols = 16;
+  ex.down.packed.assign(16 * 8, 0);
+  ex.down.scales.assign(16, kScaleOne);
+  for (int n = 0; n < 16; ++n) ex.down.packed[n * 8 + n / 2] = n % 2 ? 0x20 : 0x02;  // 1.0
+  w.experts.push_back(ex);
+
+  std::vector<float> x(16, 0.0f);
+  x[0] = 1.0f;
+  const Routing r = make_routing(1, 1, {0});
+  auto value = [](uint8_t code) { return 2.0 * e2m1_to_float(code); };
+  for (const bool with_bias : {false, true}) {
+    if (with_bias) {
+      w.experts[0].gate_bias.assign(16, 0.5f);
+      w.experts[0].up_bias.assign(16, -0.25f);
+      w.experts[0].down_bias.assign(16, 0.125f);
+    }
+    for (const Activation a : {Activation::kSwiGLU, Activation::kGptOss}) {
+      std::vector<float> out(16, NAN);
+      Routing rw = r;
+      rw.topk_weights = {1.0f};
+      moe_reference(w, x.data(), rw, a, out.data());
+      for (int i = 0; i < 16; ++i) {
+        const double g = value(gate_codes[i]) + (with_bias ? 0.5 : 0.0);
+        const double u = value(up_codes[i]) + (with_bias ? -0.25 : 0.0);
+        double h;
+        if (a == Activation::kSwiGLU) {
+          h = g * sigmoid(g) * u;
+        } else {
+          const double gc = std::min(g, 7.0), uc = std::max(-7.0, std::min(u, 7.0));
+          h = gc * sigmoid(1.702 * gc) * (uc + 1.0);
+        }
+        EXPECT_FLOAT_EQ(out[i], static_cast<float>(h + (with_bias ? 0.125 : 0.0)))
+            << "row " << i << " g=" << g << " u=" << u << " bias=" << with_bias;
+      }
+    }
+  }
+}
+
+TEST(ReferenceMoe, ShapeErrors) {
+  std::mt19937_64 rng(7);
+  MoeWeights w = random_weights(3, 32, 48, false, rng);
+  const std::vector<float> x(2 * 32, 1.0f);
+  std::vector<float> out(2 * 32);
+  const Routing r = make_routing(2, 2, {0, 1, 2, 0});
+  EXPECT_NO_THROW(moe_reference(w, x.data(), r, Activation::kSwiGLU, out.data()));
+  expect_error([&] { moe_reference(w, x.data(), make_routing(2, 2, {0, 3, 2, 0}),
+                                   Activation::kSwiGLU, out.data()); },
+               {"expert id 3", "[0, 3)"});
+  MoeWeights bad = w;
+  bad.experts[1].down = random_matrix(48, 32, rng);
+  expect_error([&] { moe_reference(bad, x.data(), r, Activation::kSwiGLU, out.data()); },
+               {"expert 1 down is [48, 32]", "expected [32, 48]"});
+  bad = w;
+  bad.experts[2].gate.scales.pop_back();
+  expect_error([&] { moe_reference(bad, x.data(), r, Activation::kSwiGLU, out.data()); },
+               {"expert 2 gate scales"});
+  bad = w;
+  bad.experts[0].up_bias.assign(47, 0.0f);
+  expect_error([&] { moe_reference(bad, x.data(), r, Activation::kSwiGLU, out.data()); },
+               {"expert 0 up_bias has 47 entries"});
+  bad = w;
+  bad.experts.pop_back();
+  expect_error([&] { moe_reference(bad, x.data(), r, Activation::kSwiGLU, out.data()); },
+               {"2 experts given", "num_experts = 3"});
+  bad = w;
+  bad.hidden = 40;
+  expect_error([&] { moe_reference(bad, x.data(), r, Activation::kSwiGLU, out.data()); },
+               {"hidden = 40", "multiple of 16"});
+}
+
+// ------------------------------------------------- random vs. naive path
+
+struct Case {
+  RoutingMode mode;
+  bool renormalize;
+  int num_groups, topk_groups;
+  float scaling;
+  bool correction_bias;
+  Activation activation;
+  bool with_bias;
+  int tokens, experts, top_k, hidden, inter;
+};
+
+std::string case_name(const testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  std::string s = to_string(c.mode);
+  if (c.mode == RoutingMode::kSoftmaxTopK) s += c.renormalize ? "_renorm" : "_raw";
+  if (c.mode == RoutingMode::kNoauxTc)
+    s += "_g" + std::to_string(c.num_groups) + "k" + std::to_string(c.topk_groups) +
+         (c.correction_bias ? "_cb" : "");
+  s += c.activation == Activation::kSwiGLU ? "_swiglu" : "_gptossact";
+  s += c.with_bias ? "_bias" : "";
+  s += "_T" + std::to_string(c.tokens) + "_E" + std::to_string(c.experts) + "_k" +
+       std::to_string(c.top_k) + "_H" + std::to_string(c.hidden) + "_I" + std::to_string(c.inter);
+  return s;
+}
+
+std::vector<Case> all_cases() {
+  struct RoutingCase {
+    RoutingMode mode;
+    bool renormalize;
+    int num_groups, topk_groups;
+    float scaling;
+    bool correction_bias;
+    int experts;
+    std::vector<int> top_ks;
+  };
+  const std::vector<RoutingCase> routings = {
+      {RoutingMode::kSoftmaxTopK, true, 1, 1, 1.0f, false, 8, {1, 2, 8}},
+      {RoutingMode::kSoftmaxTopK, false, 1, 1, 1.0f, false, 64, {8, 4, 6}},
+      {RoutingMode::kSoftmaxTopK, true, 1, 1, 1.0f, false, 1, {1}},
+      {RoutingMode::kSoftmaxTopK, false, 1, 1, 1.0f, false, 5, {3, 5, 1}},
+      {RoutingMode::kGptOss, true, 1, 1, 1.0f, false, 32, {4, 1, 7}},
+      {RoutingMode::kGptOss, true, 1, 1, 1.0f, false, 2, {2, 1}},
+      {RoutingMode::kNoauxTc, true, 4, 2, 2.5f, true, 16, {4, 8, 3}},
+      {RoutingMode::kNoauxTc, true, 8, 4, 2.5f, true, 64, {8, 6, 2}},
+      {RoutingMode::kNoauxTc, true, 1, 1, 1.0f, false, 8, {2, 5, 8}},
+      {RoutingMode::kNoauxTc, true, 16, 3, 1.5f, true, 32, {6, 1, 5}},
+      {RoutingMode::kNoauxTc, true, 3, 1, 2.0f, true, 24, {8, 7, 4}},
+  };
+  const std::vector<std::pair<int, int>> shapes = {{32, 48}, {64, 32}, {128, 96},
+                                                   {256, 64}, {48, 256}, {96, 128}};
+  std::vector<Case> cases;
+  int counter = 0;
+  for (const RoutingCase& rc : routings)
+    for (const int tokens : {1, 3, 17})
+      for (const Activation act : {Activation::kSwiGLU, Activation::kGptOss}) {
+        const auto [hidden, inter] = shapes[counter % shapes.size()];
+        const int top_k = rc.top_ks[counter % rc.top_ks.size()];
+        cases.push_back({rc.mode, rc.renormalize, rc.num_groups, rc.topk_groups, rc.scaling,
+                         rc.correction_bias, act, (counter / 2) % 2 == 1, tokens, rc.experts,
+                         top_k, hidden, inter});
+        ++counter;
+      }
+  return cases;
+}
+
+class ReferenceRandomProblem : public testing::TestWithParam<Case> {};
+
+TEST_P(ReferenceRandomProblem, MatchesNaivePath) {
+  const Case& c = GetParam();
+  std::mt19937_64 rng(std::hash<std::string>{}(case_name({c, 0})));
+  const MoeWeights w = random_weights(c.experts, c.hidden, c.inter, c.with_bias, rng);
+  const std::vector<float> x = random_vector(static_cast<size_t>(c.tokens * c.hidden), 1.0f, rng);
+  const std::vector<float> logits = random_vector(static_cast<size_t>(c.tokens * c.experts), 2.0f, rng);
+  std::vector<float> bias;
+  if (c.correction_bias) {
+    std::uniform_real_distribution<float> dist(-0.5f, 0.5f);
+    for (int e = 0; e < c.experts; ++e) bias.push_back(dist(rng));
+  }
+  RoutingParams p;
+  p.mode = c.mode;
+  p.top_k = c.top_k;
+  p.renormalize = c.renormalize;
+  p.num_groups = c.num_groups;
+  p.topk_groups = c.topk_groups;
+  p.routed_scaling_factor = c.scaling;
+
+  const float* bias_ptr = bias.empty() ? nullptr : bias.data();
+  const Routing routing = route(logits.data(), c.tokens, c.experts, bias_ptr, p);
+  const Routing expected = naive_route(logits, c.tokens, c.experts, bias_ptr, p);
+  ASSERT_EQ(routing.num_tokens, c.tokens);
+  ASSERT_EQ(routing.top_k, c.top_k);
+  ASSERT_EQ(routing.topk_ids, expected.topk_ids);
+  for (size_t i = 0; i < expected.topk_weights.size(); ++i)
+    EXPECT_NEAR(routing.topk_weights[i], expected.topk_weights[i],
+                1e-6 * std::fabs(expected.topk_weights[i]))
+        << "slot " << i;
+  EXPECT_NO_THROW(validate_routing(routing, c.experts));
+
+  std::vector<float> out(static_cast<size_t>(c.tokens * c.hidden), NAN);  // poisoned
+  moe_reference(w, x.data(), routing, c.activation, out.data());
+  expect_close(out, naive_moe(w, x, routing, c.activation), c.hidden, 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllModes, ReferenceRandomProblem, testing::ValuesIn(all_cases()), case_name);
+
+// Caller-given routing: one expert takes most pairs, several take none, and
+// the output must not depend (bitwise) on the thread count, nor on which
+// other tokens share the batch.
+TEST(ReferenceMoe, SkewedRoutingThreadAndBatchIndependence) {
+  std::mt19937_64 rng(11);
+  const int tokens = 9, experts = 12, top_k = 3, hidden = 80, inter = 112;
+  const MoeWeights w = random_weights(experts, hidden, inter, true, rng);
+  const std::vector<float> x = random_vector(static_cast<size_t>(tokens * hidden), 1.0f, rng);
+  Routing r;
+  r.num_tokens = tokens;
+  r.top_k = top_k;
+  for (int t = 0; t < tokens; ++t) {
+    r.topk_ids.insert(r.topk_ids.end(), {5, t % 3 == 0 ? 11 : 2, t % 2 ? 7 : 0});
+    r.topk_weights.insert(r.topk_weights.end(), {0.5f, -0.25f, 1.75f});  // any finite weights
+  }
+  const std::vector<double> expected = naive_moe(w, x, r, Activation::kGptOss);
+  std::vector<float> first;
+  for (const int threads : {1, 2, 3, 7, 0}) {
+    std::vector<float> out(static_cast<size_t>(tokens * hidden), NAN);
+    moe_reference(w, x.data(), r, Activation::kGptOss, out.data(), threads);
+    expect_close(out, expected, hidden, 1e-6);
+    if (first.empty()) first = out;
+    EXPECT_EQ(std::memcmp(first.data(), out.data(), out.size() * sizeof(float)), 0)
+        << "threads = " << threads;
+  }
+  for (int t = 0; t < tokens; ++t) {
+    Routing alone;
+    alone.num_tokens = 1;
+    alone.top_k = top_k;
+    alone.topk_ids.assign(r.topk_ids.begin() + t * top_k, r.topk_ids.begin() + (t + 1) * top_k);
+    alone.topk_weights.assign(r.topk_weights.begin() + t * top_k,
+                              r.topk_weights.begin() + (t + 1) * top_k);
+    std::vector<float> out(static_cast<size_t>(hidden), NAN);
+    moe_reference(w, x.data() + t * hidden, alone, Activation::kGptOss, out.data());
+    EXPECT_EQ(std::memcmp(first.data() + t * hidden, out.data(), out.size() * sizeof(float)), 0)
+        << "token " << t << " routed alone differs from the batch";
+  }
+}
+
+TEST(ReferenceMoe, NoTokensIsANoOp) {
+  std::mt19937_64 rng(3);
+  const MoeWeights w = random_weights(2, 16, 16, false, rng);
+  Routing r;
+  r.num_tokens = 0;
+  r.top_k = 1;
+  EXPECT_NO_THROW(moe_reference(w, nullptr, r, Activation::kSwiGLU, nullptr));
+}
+
+// A GLM-5-shaped layer (hidden 6144, inter 2048, top-8, 16 tokens): the
+// worst case of 128 distinct active experts. Needs ~2.5 GB and some seconds,
+// so it is not part of the default run:
+//   test_reference --gtest_also_run_disabled_tests --gtest_filter='*Glm5*'
+TEST(ReferenceMoe, DISABLED_Glm5ShapeTiming) {
+  std::mt19937_64 rng(5);
+  const int tokens = 16, top_k = 8, experts = tokens * top_k, hidden = 6144, inter = 2048;
+  const MoeWeights w = random_weights(experts, hidden, inter, false, rng);
+  const std::vector<float> x = random_vector(static_cast<size_t>(tokens * hidden), 1.0f, rng);
+  Routing r;
+  r.num_tokens = tokens;
+  r.top_k = top_k;
+  for (int p = 0; p < tokens * top_k; ++p) {
+    r.topk_ids.push_back(p);
+    r.topk_weights.push_back(1.0f / top_k);
+  }
+  std::vector<float> out(static_cast<size_t>(tokens * hidden));
+  const auto start = std::chrono::steady_clock::now();
+  const std::clock_t cpu_start = std::clock();
+  moe_reference(w, x.data(), r, Activation::kSwiGLU, out.data());
+  const double cpu_seconds = static_cast<double>(std::clock() - cpu_start) / CLOCKS_PER_SEC;
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // CPU time too: on a shared machine the wall time says little.
+  std::printf("GLM-5 shape, %d tokens, %d active experts, %u threads: %.2f s wall, %.2f s CPU\n",
+              tokens, experts, std::thread::hardware_concurrency(), seconds, cpu_seconds);
+}
+
+}  // namespace
+}  // namespace fp4moe
