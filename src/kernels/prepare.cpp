@@ -71,7 +71,10 @@ PreparedGemmWeights prepare_gemm_weights(std::span<const Nvfp4Matrix* const> exp
               for (int kk : {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9}) {
                 const int64_t row = group * kFragRows + r;
                 const int64_t col = kf * kFragK + ks * 16 + kk;
-                const uint32_t code = (row < p.n && col < p.k) ? m.code(row, col) : 0u;
+                // A zero block scale zeroes its block: the scale code 0 does
+                // not decode to zero, so the codes carry it instead.
+                const bool live = row < p.n && col < p.k && m.scale(row, col) != 0;
+                const uint32_t code = live ? m.code(row, col) : 0u;
                 word |= code << (4 * layout::nibble_position(r, kk));
               }
             }

@@ -1,0 +1,383 @@
+// See gemm_bench.hpp. Weights are drawn directly in the prepared
+// (fragment-ordered) layout on the device; the cuBLAS peer multiplies the same
+// weights dequantised to bf16, and its output doubles as a cross-check of ours.
+#include "gemm_bench.hpp"
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <iomanip>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+#include <sstream>
+
+#include "fp4moe/cuda_check.hpp"
+#include "fp4moe/grouped_gemm.hpp"
+#include "kernels/fragment_layout.hpp"
+#include "plan/smem_model.hpp"
+
+namespace fp4moe::bench {
+
+namespace {
+
+#define BENCH_CUBLAS_CHECK(expr)                                                  \
+  do {                                                                            \
+    const cublasStatus_t s_ = (expr);                                             \
+    if (s_ != CUBLAS_STATUS_SUCCESS) FP4MOE_THROW(#expr, " failed: cuBLAS status ", int(s_)); \
+  } while (0)
+
+__device__ __forceinline__ uint32_t hash32(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return static_cast<uint32_t>(x);
+}
+
+__global__ void fill_random_bytes(uint8_t* out, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n / 4; i += size_t{gridDim.x} * blockDim.x)
+    reinterpret_cast<uint32_t*>(out)[i] = hash32(seed * 0x9E3779B97F4A7C15ull + i);
+}
+
+// Scale codes of e4m3 values in [0.5, 2): realistic ModelOpt block scales
+// after the 448 / amax normalisation are O(1..448); the kernel's cost does
+// not depend on the value.
+__global__ void fill_random_scales(uint8_t* out, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    const uint8_t e4m3 = static_cast<uint8_t>(0x30 + hash32(seed + i * 7919) % 16);
+    out[i] = layout::scale_code_from_e4m3(e4m3);
+  }
+}
+
+__global__ void fill_random_bf16(__nv_bfloat16* out, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    const uint32_t h = hash32(seed ^ (i * 0x2545F4914F6CDD1Dull));
+    out[i] = __float2bfloat16((static_cast<float>(h & 0xFFFF) / 32768.0f) - 1.0f);
+  }
+}
+
+// Prepared weights -> bf16 W[e][n][k] (times the global scale), for cuBLAS.
+__global__ void dequantize_prepared(const uint8_t* weights, const uint8_t* scales, const float* global_scales,
+                                    __nv_bfloat16* out, int64_t num_experts, int64_t n, int64_t k,
+                                    int64_t n_groups, int64_t k_frags) {
+  const int64_t words = num_experts * n_groups * k_frags * 128;  // 32 lanes x 4 k-steps per fragment
+  for (int64_t w = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; w < words; w += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t frag = w / 128;
+    const int lane = static_cast<int>((w % 128) / 4), ks = static_cast<int>(w % 4);
+    const int64_t kf = frag % k_frags, group = (frag / k_frags) % n_groups, e = frag / (k_frags * n_groups);
+    const uint32_t word = reinterpret_cast<const uint32_t*>(weights)[w];
+    const int g = lane / 4, t = lane % 4;
+    for (int r : {g, g + 8}) {
+      const int64_t row = group * 16 + r;
+      if (row >= n) continue;
+      const uint8_t code_s = scales[frag * kFragScaleBytes + g * 8 + (r >= 8 ? 4 : 0) + ks];
+      const float scale = __uint_as_float(static_cast<uint32_t>(layout::scale_code_to_bf16_bits(code_s)) << 16) *
+                          0x1p-119f * global_scales[e];
+      for (int kk : {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9}) {
+        const int64_t col = kf * 64 + ks * 16 + kk;
+        if (col >= k) continue;
+        const uint8_t code = (word >> (4 * layout::nibble_position(r, kk))) & 0xF;
+        out[(e * n + row) * k + col] = __float2bfloat16(e2m1_to_float(code) * scale);
+      }
+    }
+  }
+}
+
+template <typename T>
+struct DeviceArray {
+  T* ptr = nullptr;
+  size_t count = 0;
+  explicit DeviceArray(size_t n) : count(n) {
+    if (n) FP4MOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), n * sizeof(T)));
+  }
+  ~DeviceArray() {
+    if (ptr) cudaFree(ptr);
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+};
+
+constexpr int kFillGrid = 1024, kFillBlock = 256;
+
+// Times `launch` `iters` times, flushing L2 before each; returns the median in us.
+template <typename Launch>
+double time_median_us(Launch&& launch, int iters, uint8_t* flush, size_t flush_bytes) {
+  std::vector<cudaEvent_t> start(iters), stop(iters);
+  for (int i = 0; i < iters; ++i) {
+    FP4MOE_CUDA_CHECK(cudaEventCreate(&start[i]));
+    FP4MOE_CUDA_CHECK(cudaEventCreate(&stop[i]));
+  }
+  launch();  // warm-up
+  for (int i = 0; i < iters; ++i) {
+    FP4MOE_CUDA_CHECK(cudaMemsetAsync(flush, i & 0xFF, flush_bytes));
+    FP4MOE_CUDA_CHECK(cudaEventRecord(start[i]));
+    launch();
+    FP4MOE_CUDA_CHECK(cudaEventRecord(stop[i]));
+  }
+  FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> ms(iters);
+  for (int i = 0; i < iters; ++i) {
+    FP4MOE_CUDA_CHECK(cudaEventElapsedTime(&ms[i], start[i], stop[i]));
+    cudaEventDestroy(start[i]);
+    cudaEventDestroy(stop[i]);
+  }
+  std::nth_element(ms.begin(), ms.begin() + iters / 2, ms.end());
+  return ms[iters / 2] * 1e3;
+}
+
+struct Ceilings {
+  double copy_bytes_per_s = 0;
+  double bf16_flops_per_s = 0;
+};
+
+Ceilings measure_ceilings(cublasHandle_t cublas, uint8_t* flush, size_t flush_bytes) {
+  Ceilings c;
+  const size_t copy_bytes = size_t{2} << 30;
+  DeviceArray<uint8_t> a(copy_bytes), b(copy_bytes);
+  fill_random_bytes<<<kFillGrid, kFillBlock>>>(a.ptr, copy_bytes, 1);
+  const double copy_us = time_median_us(
+      [&] { FP4MOE_CUDA_CHECK(cudaMemcpyAsync(b.ptr, a.ptr, copy_bytes, cudaMemcpyDeviceToDevice)); }, 10,
+      flush, flush_bytes);
+  c.copy_bytes_per_s = 2.0 * copy_bytes / (copy_us * 1e-6);  // read + write
+
+  const int dim = 8192;
+  DeviceArray<__nv_bfloat16> ma(size_t{dim} * dim), mb(size_t{dim} * dim), mc(size_t{dim} * dim);
+  fill_random_bf16<<<kFillGrid, kFillBlock>>>(ma.ptr, ma.count, 2);
+  fill_random_bf16<<<kFillGrid, kFillBlock>>>(mb.ptr, mb.count, 3);
+  FP4MOE_CHECK_LAUNCH();
+  const float alpha = 1.0f, beta = 0.0f;
+  const double gemm_us = time_median_us(
+      [&] {
+        BENCH_CUBLAS_CHECK(cublasGemmEx(cublas, CUBLAS_OP_N, CUBLAS_OP_N, dim, dim, dim, &alpha, ma.ptr,
+                                        CUDA_R_16BF, dim, mb.ptr, CUDA_R_16BF, dim, &beta, mc.ptr, CUDA_R_16BF,
+                                        dim, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      },
+      10, flush, flush_bytes);
+  c.bf16_flops_per_s = 2.0 * dim * dim * static_cast<double>(dim) / (gemm_us * 1e-6);
+  return c;
+}
+
+// Random distinct top-k experts per token -> rows per expert.
+std::vector<int32_t> random_routing_counts(int64_t num_experts, int top_k, int64_t tokens, std::mt19937_64& rng) {
+  std::vector<int32_t> counts(static_cast<size_t>(num_experts), 0);
+  std::vector<int32_t> ids(static_cast<size_t>(num_experts));
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::iota(ids.begin(), ids.end(), 0);
+    for (int j = 0; j < top_k; ++j) {  // partial Fisher-Yates
+      std::uniform_int_distribution<int64_t> pick(j, num_experts - 1);
+      std::swap(ids[static_cast<size_t>(j)], ids[static_cast<size_t>(pick(rng))]);
+      ++counts[static_cast<size_t>(ids[static_cast<size_t>(j)])];
+    }
+  }
+  return counts;
+}
+
+std::string gpu_name() {
+  int dev = 0;
+  cudaDeviceProp prop{};
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  FP4MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  return prop.name;
+}
+
+std::string today() {
+  const std::time_t now = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&now));
+  return buf;
+}
+
+}  // namespace
+
+void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
+    FP4MOE_THROW("fp4moe bench needs a CUDA GPU; none was found");
+  cublasHandle_t cublas;
+  BENCH_CUBLAS_CHECK(cublasCreate(&cublas));
+  const size_t flush_bytes = size_t{512} << 20;  // > 3x the 60 MB L2 of an H200
+  DeviceArray<uint8_t> flush(flush_bytes);
+  const Ceilings ceil = measure_ceilings(cublas, flush.ptr, flush_bytes);
+  const std::string gpu = gpu_name();
+  const std::string date = today();
+  table << "# " << gpu << ", " << date << ": copy " << std::fixed << std::setprecision(2)
+        << ceil.copy_bytes_per_s / 1e12 << " TB/s, cuBLAS bf16 " << std::setprecision(0)
+        << ceil.bf16_flops_per_s / 1e12 << " TFLOP/s (8192^3)\n";
+  table << "model         gemm      T    rows act     N     K config           sk   time_us   TB/s  TFLOP/s  eff   "
+           "cublas_us cub_eff  speedup rel_err\n";
+  if (json) {
+    nlohmann::json j{{"kind", "ceilings"}, {"gpu", gpu}, {"date", date},
+                     {"copy_tbps", ceil.copy_bytes_per_s / 1e12}, {"bf16_tflops", ceil.bf16_flops_per_s / 1e12}};
+    *json << j.dump() << std::endl;
+  }
+  std::mt19937_64 rng(opt.seed);
+  for (const ModelSpec& model : opt.models) {
+    for (int gemm : opt.gemms) {
+      const int64_t n = gemm == 1 ? 2 * model.inter : model.hidden;
+      const int64_t k = gemm == 1 ? model.hidden : model.inter;
+      const int64_t E = model.num_experts;
+      const int64_t n_pad = (n + layout::kPadN - 1) / layout::kPadN * layout::kPadN;
+      const int64_t k_pad = (k + layout::kPadK - 1) / layout::kPadK * layout::kPadK;
+      const size_t w_bytes = static_cast<size_t>(E * n_pad * k_pad / 2);
+      const size_t s_bytes = static_cast<size_t>(E * n_pad * k_pad / 16);
+      DeviceArray<uint8_t> weights(w_bytes), scales(s_bytes);
+      DeviceArray<float> global(static_cast<size_t>(E));
+      fill_random_bytes<<<kFillGrid, kFillBlock>>>(weights.ptr, w_bytes, 11 + gemm);
+      fill_random_scales<<<kFillGrid, kFillBlock>>>(scales.ptr, s_bytes, 13 + gemm);
+      FP4MOE_CHECK_LAUNCH();
+      {
+        std::vector<float> gs(static_cast<size_t>(E), 1.0f / 64.0f);
+        FP4MOE_CUDA_CHECK(cudaMemcpy(global.ptr, gs.data(), gs.size() * 4, cudaMemcpyHostToDevice));
+      }
+      std::optional<DeviceArray<__nv_bfloat16>> w_bf16;
+      if (opt.with_cublas) {
+        w_bf16.emplace(static_cast<size_t>(E * n * k));
+        dequantize_prepared<<<4096, 256>>>(weights.ptr, scales.ptr, global.ptr, w_bf16->ptr, E, n, k, n_pad / 16,
+                                           k_pad / 64);
+        FP4MOE_CHECK_LAUNCH();
+      }
+      for (int64_t tokens : opt.tokens) {
+        const std::vector<int32_t> counts = random_routing_counts(E, model.top_k, tokens, rng);
+        std::vector<int32_t> offsets(1, 0);
+        int64_t active = 0;
+        for (int32_t c : counts) {
+          offsets.push_back(offsets.back() + c);
+          active += c > 0;
+        }
+        const int64_t rows = offsets.back();
+        DeviceArray<__nv_bfloat16> x(static_cast<size_t>(rows * k)), y(static_cast<size_t>(rows * n));
+        DeviceArray<int32_t> d_offsets(offsets.size());
+        fill_random_bf16<<<kFillGrid, kFillBlock>>>(x.ptr, x.count, 17 + tokens);
+        FP4MOE_CHECK_LAUNCH();
+        FP4MOE_CUDA_CHECK(cudaMemcpy(d_offsets.ptr, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice));
+
+        GroupedGemmArgs args;
+        args.weights = weights.ptr;
+        args.scales = scales.ptr;
+        args.global_scales = global.ptr;
+        args.num_experts = E;
+        args.n = n;
+        args.k = k;
+        args.x = x.ptr;
+        args.expert_offsets = d_offsets.ptr;
+        args.num_rows = rows;
+        args.y = y.ptr;
+        args.host_expert_offsets = offsets.data();
+        const GemmPlan plan = plan_grouped_gemm(args, opt.config);
+        DeviceArray<uint8_t> workspace(grouped_gemm_workspace_bytes(plan));
+        FP4MOE_CUDA_CHECK(cudaMemset(workspace.ptr, 0, workspace.count));
+        args.workspace = workspace.ptr;
+        args.workspace_bytes = workspace.count;
+        const int iters = std::max(3, tokens >= 4096 ? opt.iterations / 4 : opt.iterations);
+        const double t_us = time_median_us([&] { grouped_gemm(args, plan, nullptr); }, iters, flush.ptr, flush_bytes);
+        const std::string device_errors = grouped_gemm_device_errors(workspace.ptr, nullptr);
+        FP4MOE_CHECK(device_errors.empty(), "device reported: ", device_errors);
+
+        const double bytes = active * static_cast<double>(n) * k * (0.5 + 1.0 / 16) + rows * static_cast<double>(k) * 2 +
+                             rows * static_cast<double>(n) * 2;
+        const double flops = 2.0 * rows * static_cast<double>(n) * k;
+        const double roof_us = std::max(bytes / ceil.copy_bytes_per_s, flops / ceil.bf16_flops_per_s) * 1e6;
+
+        double cublas_us = 0, rel_err = -1;
+        if (opt.with_cublas) {
+          DeviceArray<__nv_bfloat16> y_ref(static_cast<size_t>(rows * n));
+          std::vector<cublasOperation_t> ta, tb;
+          std::vector<int> m_arr, n_arr, k_arr, lda, ldb, ldc, group_size;
+          std::vector<float> alpha, beta;
+          std::vector<const void*> a_ptrs, b_ptrs;
+          std::vector<void*> c_ptrs;
+          for (int64_t e = 0; e < E; ++e) {
+            if (counts[static_cast<size_t>(e)] == 0) continue;
+            ta.push_back(CUBLAS_OP_T);
+            tb.push_back(CUBLAS_OP_N);
+            m_arr.push_back(static_cast<int>(n));
+            n_arr.push_back(counts[static_cast<size_t>(e)]);
+            k_arr.push_back(static_cast<int>(k));
+            lda.push_back(static_cast<int>(k));
+            ldb.push_back(static_cast<int>(k));
+            ldc.push_back(static_cast<int>(n));
+            alpha.push_back(1.0f);
+            beta.push_back(0.0f);
+            group_size.push_back(1);
+            a_ptrs.push_back(w_bf16->ptr + e * n * k);
+            b_ptrs.push_back(x.ptr + static_cast<int64_t>(offsets[static_cast<size_t>(e)]) * k);
+            c_ptrs.push_back(y_ref.ptr + static_cast<int64_t>(offsets[static_cast<size_t>(e)]) * n);
+          }
+          const int groups = static_cast<int>(ta.size());
+          DeviceArray<const void*> d_a(groups), d_b(groups);
+          DeviceArray<void*> d_c(groups);
+          FP4MOE_CUDA_CHECK(cudaMemcpy(d_a.ptr, a_ptrs.data(), groups * sizeof(void*), cudaMemcpyHostToDevice));
+          FP4MOE_CUDA_CHECK(cudaMemcpy(d_b.ptr, b_ptrs.data(), groups * sizeof(void*), cudaMemcpyHostToDevice));
+          FP4MOE_CUDA_CHECK(cudaMemcpy(d_c.ptr, c_ptrs.data(), groups * sizeof(void*), cudaMemcpyHostToDevice));
+          cublas_us = time_median_us(
+              [&] {
+                BENCH_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
+                    cublas, ta.data(), tb.data(), m_arr.data(), n_arr.data(), k_arr.data(), alpha.data(), d_a.ptr,
+                    CUDA_R_16BF, lda.data(), d_b.ptr, CUDA_R_16BF, ldb.data(), beta.data(), d_c.ptr, CUDA_R_16BF,
+                    ldc.data(), groups, group_size.data(), CUBLAS_COMPUTE_32F));
+              },
+              iters, flush.ptr, flush_bytes);
+          // Cross-check: both compute X . W^T from the same weights.
+          std::vector<uint16_t> ours(static_cast<size_t>(rows * n)), theirs(static_cast<size_t>(rows * n));
+          FP4MOE_CUDA_CHECK(cudaMemcpy(ours.data(), y.ptr, ours.size() * 2, cudaMemcpyDeviceToHost));
+          FP4MOE_CUDA_CHECK(cudaMemcpy(theirs.data(), y_ref.ptr, theirs.size() * 2, cudaMemcpyDeviceToHost));
+          double num = 0, den = 0;
+          for (size_t i = 0; i < ours.size(); ++i) {
+            const double a = bf16_to_float(ours[i]), b = bf16_to_float(theirs[i]);
+            num += (a - b) * (a - b);
+            den += b * b;
+          }
+          rel_err = den > 0 ? std::sqrt(num / den) : 0.0;
+        }
+        const double eff = roof_us / t_us;
+        char line[512];
+        std::snprintf(line, sizeof line,
+                      "%-13s gemm%d %6lld %7lld %3lld %5lld %5lld %-16s %2d %9.1f %6.2f %8.1f %5.2f %9.1f %6.2f %7.2fx %.1e\n",
+                      model.name.c_str(), gemm, static_cast<long long>(tokens), static_cast<long long>(rows),
+                      static_cast<long long>(active), static_cast<long long>(n), static_cast<long long>(k),
+                      plan.config.to_string().c_str(), plan.split_k, t_us, bytes / (t_us * 1e-6) / 1e12,
+                      flops / (t_us * 1e-6) / 1e12, eff, cublas_us, cublas_us > 0 ? roof_us / cublas_us : 0.0,
+                      cublas_us > 0 ? cublas_us / t_us : 0.0, rel_err);
+        table << line << std::flush;
+        if (json) {
+          nlohmann::json j{{"kind", "grouped_gemm"},
+                           {"gpu", gpu},
+                           {"date", date},
+                           {"model", model.name},
+                           {"gemm", gemm},
+                           {"tokens", tokens},
+                           {"rows", rows},
+                           {"active_experts", active},
+                           {"num_experts", E},
+                           {"n", n},
+                           {"k", k},
+                           {"config", plan.config.to_string()},
+                           {"split_k", plan.split_k},
+                           {"time_us", t_us},
+                           {"tbps", bytes / (t_us * 1e-6) / 1e12},
+                           {"tflops", flops / (t_us * 1e-6) / 1e12},
+                           {"roof_us", roof_us},
+                           {"efficiency", eff},
+                           {"copy_tbps", ceil.copy_bytes_per_s / 1e12},
+                           {"bf16_tflops", ceil.bf16_flops_per_s / 1e12},
+                           {"cublas_us", cublas_us},
+                           {"cublas_efficiency", cublas_us > 0 ? roof_us / cublas_us : 0.0},
+                           {"speedup_vs_cublas", cublas_us > 0 ? cublas_us / t_us : 0.0},
+                           {"rel_err_vs_cublas", rel_err},
+                           {"iterations", iters}};
+          *json << j.dump() << std::endl;
+        }
+      }
+    }
+  }
+  cublasDestroy(cublas);
+}
+
+}  // namespace fp4moe::bench

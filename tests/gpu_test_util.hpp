@@ -1,0 +1,147 @@
+// Helpers shared by the GPU tests: device detection with a visible skip,
+// RAII device buffers, random NVFP4 data and result comparison.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "fp4moe/cuda_check.hpp"
+#include "fp4moe/modelopt.hpp"
+#include "fp4moe/nvfp4.hpp"
+
+namespace fp4moe::testing {
+
+inline bool has_cuda_device() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return count > 0;
+}
+
+// Skips the current test, visibly, where there is no GPU.
+#define FP4MOE_REQUIRE_GPU()                                                        \
+  do {                                                                              \
+    if (!::fp4moe::testing::has_cuda_device())                                      \
+      GTEST_SKIP() << "no CUDA device on this machine: GPU test skipped";           \
+  } while (0)
+
+template <typename T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t count) { resize(count); }
+  explicit DeviceBuffer(const std::vector<T>& host) {
+    resize(host.size());
+    upload(host);
+  }
+  ~DeviceBuffer() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    std::swap(ptr_, other.ptr_);
+    std::swap(count_, other.count_);
+    return *this;
+  }
+
+  void resize(size_t count) {
+    if (ptr_) cudaFree(ptr_);
+    ptr_ = nullptr;
+    count_ = count;
+    if (count) FP4MOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr_), count * sizeof(T)));
+  }
+  void upload(const std::vector<T>& host) {
+    if (!host.empty())
+      FP4MOE_CUDA_CHECK(cudaMemcpy(ptr_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(count_);
+    if (count_)
+      FP4MOE_CUDA_CHECK(cudaMemcpy(host.data(), ptr_, count_ * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+  void fill_bytes(int byte) {
+    if (count_) FP4MOE_CUDA_CHECK(cudaMemset(ptr_, byte, count_ * sizeof(T)));
+  }
+  T* get() const { return ptr_; }
+  size_t size() const { return count_; }
+  size_t bytes() const { return count_ * sizeof(T); }
+
+ private:
+  T* ptr_ = nullptr;
+  size_t count_ = 0;
+};
+
+// A random NVFP4 matrix drawn in the quantised domain: every fp4 code, block
+// scales spread over [2^-9 .. 448] with extra weight on the sane middle, and a
+// given global scale.
+inline Nvfp4Matrix random_nvfp4(int64_t rows, int64_t cols, float global_scale, std::mt19937& rng) {
+  Nvfp4Matrix m;
+  m.rows = rows;
+  m.cols = cols;
+  m.global_scale = global_scale;
+  m.packed.resize(static_cast<size_t>(rows * cols / 2));
+  m.scales.resize(static_cast<size_t>(rows * cols / 16));
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_int_distribution<int> mid_scale(0x28, 0x48);   // 0.125 .. 2.0
+  std::uniform_int_distribution<int> any_scale(0x01, 0x7E);   // every finite positive code
+  for (auto& b : m.packed) b = static_cast<uint8_t>(byte(rng));
+  for (auto& s : m.scales) s = static_cast<uint8_t>(byte(rng) < 32 ? any_scale(rng) : mid_scale(rng));
+  return m;
+}
+
+inline std::vector<uint16_t> random_bf16(size_t count, std::mt19937& rng, float stddev = 1.0f) {
+  std::normal_distribution<float> dist(0.0f, stddev);
+  std::vector<uint16_t> out(count);
+  for (auto& v : out) v = float_to_bf16(dist(rng));
+  return out;
+}
+
+struct Comparison {
+  double rel_err = 0.0;        // ||out - ref|| / ||ref||
+  int64_t num_bad = 0;         // elements outside atol + rtol |ref|
+  int64_t num_unwritten = 0;   // NaN (poisoned and never written)
+  std::string first_bad;       // the first few mismatches with indices
+};
+
+// out/ref are [rows, cols]; atol is relative to the rms of ref.
+inline Comparison compare(const std::vector<float>& out, const std::vector<double>& ref,
+                          int64_t cols, double rtol = 2e-2, double atol_rms = 2e-2) {
+  Comparison c;
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < ref.size(); ++i) den += ref[i] * ref[i];
+  const double rms = ref.empty() ? 0.0 : std::sqrt(den / static_cast<double>(ref.size()));
+  int shown = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::isnan(out[i])) {
+      ++c.num_unwritten;
+      if (shown++ < 5)
+        c.first_bad += "  [" + std::to_string(i / cols) + ", " + std::to_string(i % cols) +
+                       "] unwritten (NaN), ref " + std::to_string(ref[i]) + "\n";
+      continue;
+    }
+    const double d = out[i] - ref[i];
+    num += d * d;
+    if (std::fabs(d) > atol_rms * rms + rtol * std::fabs(ref[i])) {
+      ++c.num_bad;
+      if (shown++ < 5)
+        c.first_bad += "  [" + std::to_string(i / cols) + ", " + std::to_string(i % cols) +
+                       "] got " + std::to_string(out[i]) + ", ref " + std::to_string(ref[i]) + "\n";
+    }
+  }
+  c.rel_err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  return c;
+}
+
+}  // namespace fp4moe::testing

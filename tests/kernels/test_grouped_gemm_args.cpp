@@ -1,0 +1,133 @@
+// CPU tests of the grouped GEMM's host side: argument validation (refused
+// before any CUDA call), and the weight packer's round trip.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "fp4moe/error.hpp"
+#include "fp4moe/grouped_gemm.hpp"
+#include "gpu_test_util.hpp"
+
+namespace fp4moe {
+namespace {
+
+GroupedGemmArgs valid_args() {
+  // Fake, aligned, never dereferenced: validation fails before any launch.
+  alignas(16) static uint8_t dummy[64];
+  static const int32_t offsets[] = {0, 3, 3, 8};
+  GroupedGemmArgs a;
+  a.weights = dummy;
+  a.scales = dummy;
+  a.global_scales = reinterpret_cast<const float*>(dummy);
+  a.num_experts = 3;
+  a.n = 128;
+  a.k = 256;
+  a.x = dummy;
+  a.expert_offsets = offsets;
+  a.num_rows = 8;
+  a.y = dummy;
+  a.workspace = dummy;
+  a.workspace_bytes = sizeof dummy;
+  a.host_expert_offsets = offsets;
+  return a;
+}
+
+void expect_error(const GroupedGemmArgs& args, const std::string& fragment) {
+  GemmPlan plan;
+  plan.config = compiled_configs().front();
+  try {
+    grouped_gemm(args, plan, nullptr);
+    ADD_FAILURE() << "expected an error containing '" << fragment << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)
+        << "message: " << e.what() << "\nexpected to contain: " << fragment;
+  }
+}
+
+TEST(GroupedGemmArgs, RejectsMisalignedShapes) {
+  GroupedGemmArgs a = valid_args();
+  a.k = 200;
+  expect_error(a, "k = 200; expected a positive multiple of 16");
+  a = valid_args();
+  a.n = 100;
+  expect_error(a, "n = 100; expected a positive multiple of 16");
+  a = valid_args();
+  a.num_experts = 0;
+  expect_error(a, "num_experts = 0");
+  a = valid_args();
+  a.num_experts = 513;
+  expect_error(a, "num_experts = 513");
+}
+
+TEST(GroupedGemmArgs, RejectsNullPointersWithRows) {
+  for (const char* field : {"weights", "scales", "global_scales", "x", "y", "expert_offsets", "workspace"}) {
+    GroupedGemmArgs a = valid_args();
+    const std::string f = field;
+    if (f == "weights") a.weights = nullptr;
+    if (f == "scales") a.scales = nullptr;
+    if (f == "global_scales") a.global_scales = nullptr;
+    if (f == "x") a.x = nullptr;
+    if (f == "y") a.y = nullptr;
+    if (f == "expert_offsets") a.expert_offsets = nullptr;
+    if (f == "workspace") a.workspace = nullptr;
+    expect_error(a, f + " is null but num_rows = 8");
+  }
+}
+
+TEST(GroupedGemmArgs, RejectsMisalignedPointers) {
+  GroupedGemmArgs a = valid_args();
+  a.x = static_cast<const uint8_t*>(a.x) + 2;
+  expect_error(a, "x = ");
+  expect_error(a, "is not 16-byte aligned");
+}
+
+TEST(GroupedGemmArgs, RejectsBadHostOffsets) {
+  GroupedGemmArgs a = valid_args();
+  const int32_t not_monotone[] = {0, 5, 3, 8};
+  a.host_expert_offsets = not_monotone;
+  expect_error(a, "expert_offsets not monotone: offsets[2] = 3 < offsets[1] = 5");
+  const int32_t bad_start[] = {1, 3, 3, 8};
+  a.host_expert_offsets = bad_start;
+  expect_error(a, "expert_offsets[0] = 1; expected 0");
+  const int32_t bad_end[] = {0, 3, 3, 7};
+  a.host_expert_offsets = bad_end;
+  expect_error(a, "expert_offsets[3] = 7; expected num_rows = 8");
+}
+
+TEST(PrepareGemmWeights, RoundTripsEveryElement) {
+  std::mt19937 rng(3);
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{16, 16}, {144, 272}, {128, 256}, {32, 1040}}) {
+    std::vector<Nvfp4Matrix> experts;
+    for (int e = 0; e < 3; ++e) experts.push_back(testing::random_nvfp4(n, k, 0.01f * (e + 1), rng));
+    std::vector<const Nvfp4Matrix*> ptrs;
+    for (const auto& m : experts) ptrs.push_back(&m);
+    const PreparedGemmWeights p = prepare_gemm_weights(ptrs);
+    EXPECT_EQ(p.n_padded % 128, 0);
+    EXPECT_EQ(p.k_padded % 256, 0);
+    for (int e = 0; e < 3; ++e)
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t c = 0; c < k; ++c)
+          ASSERT_EQ(p.value(e, r, c), experts[e].value(r, c))
+              << "expert " << e << " [" << r << ", " << c << "] n=" << n << " k=" << k;
+  }
+}
+
+TEST(PrepareGemmWeights, RejectsBadInput) {
+  std::mt19937 rng(4);
+  Nvfp4Matrix a = testing::random_nvfp4(32, 64, 0.01f, rng);
+  Nvfp4Matrix b = testing::random_nvfp4(48, 64, 0.01f, rng);
+  std::vector<const Nvfp4Matrix*> mixed = {&a, &b};
+  EXPECT_THROW(prepare_gemm_weights(mixed), Error);
+  Nvfp4Matrix nan_scale = a;
+  nan_scale.scales[5] = 0x7F;
+  std::vector<const Nvfp4Matrix*> bad = {&nan_scale};
+  try {
+    prepare_gemm_weights(bad);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("block scale #5"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace fp4moe

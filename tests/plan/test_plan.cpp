@@ -1,0 +1,125 @@
+// Tests of the shared-memory model, the fit checks and the planner (host only).
+#include <gtest/gtest.h>
+
+#include "fp4moe/error.hpp"
+#include "fp4moe/plan.hpp"
+#include "plan/smem_model.hpp"
+
+namespace fp4moe {
+namespace {
+
+TEST(TileConfig, RoundTripsThroughItsName) {
+  for (const TileConfig& c : compiled_configs()) EXPECT_EQ(TileConfig::parse(c.to_string()), c);
+  EXPECT_EQ(TileConfig::parse("n128m8k256s4w4").block_k, 256);
+  EXPECT_THROW(TileConfig::parse("n128m8k256"), Error);
+  EXPECT_THROW(TileConfig::parse("n128m8k256s4w4x"), Error);
+  EXPECT_THROW(TileConfig::parse("n0m8k256s4w4"), Error);
+}
+
+TEST(SmemModel, RegionsAreDisjointAlignedAndSumToTotal) {
+  for (const TileConfig& c : compiled_configs()) {
+    const SmemLayout layout = smem_layout(c);
+    const PortableSmemLayout l = portable_smem_layout(c.block_n, c.block_m, c.block_k, c.stages);
+    EXPECT_EQ(l.weight_bytes, int64_t{c.stages} * c.block_n * c.block_k / 2) << c.to_string();
+    EXPECT_EQ(l.scale_bytes, int64_t{c.stages} * c.block_n * c.block_k / 16) << c.to_string();
+    EXPECT_EQ(l.act_bytes, int64_t{c.stages} * c.block_m * c.block_k * 2) << c.to_string();
+    // Mainloop regions in order, non-overlapping, 128-B aligned.
+    EXPECT_LE(l.weight_offset + l.weight_bytes, l.scale_offset);
+    EXPECT_LE(l.scale_offset + l.scale_bytes, l.act_offset);
+    EXPECT_LE(l.act_offset + l.act_bytes, l.mainloop_end);
+    for (int64_t off : {l.weight_offset, l.scale_offset, l.act_offset, l.schedule_offset})
+      EXPECT_EQ(off % kSmemAlign, 0) << c.to_string();
+    // The epilogue reuses the mainloop and stays inside the union.
+    EXPECT_LE(l.epilogue_offset + l.epilogue_bytes, l.union_end);
+    EXPECT_LE(l.union_end, l.schedule_offset);
+    EXPECT_LE(l.schedule_offset + l.schedule_bytes, l.flag_offset);
+    EXPECT_LE(l.flag_offset + l.flag_bytes, l.total_bytes);
+    EXPECT_EQ(layout.total_bytes, l.total_bytes);
+    // Every compiled config fits the smallest (SM120 / SM86) budget.
+    EXPECT_LE(l.total_bytes, kPortableSmemLimit) << c.to_string();
+    EXPECT_TRUE(check_fit(c, arch_limits("sm120").smem_per_block).fits) << c.to_string();
+  }
+}
+
+TEST(SmemModel, RefusesWithBreakdownAndAdvice) {
+  // Fewer stages make it fit.
+  const FitReport by_stages = check_fit(TileConfig::parse("n128m32k256s4w4"), 101376);
+  EXPECT_FALSE(by_stages.fits);
+  EXPECT_NE(by_stages.advice.find("fits with stages=2"), std::string::npos) << by_stages.advice;
+  // Even two stages are too many: a shorter block_k makes it fit.
+  const TileConfig big = TileConfig::parse("n128m64k256s4w4");
+  const FitReport fit = check_fit(big, arch_limits("sm120").smem_per_block);
+  EXPECT_FALSE(fit.fits);
+  EXPECT_GT(fit.total_bytes, 101376);
+  EXPECT_NE(fit.advice.find("fits with block_k=64"), std::string::npos) << fit.advice;
+  const std::string table = format_layout(big, 101376);
+  for (const char* region : {"weights", "scales", "activations", "epilogue", "schedule", "total", "limit"})
+    EXPECT_NE(table.find(region), std::string::npos) << table;
+  EXPECT_NE(table.find("DOES NOT FIT"), std::string::npos) << table;
+  // The same config fits SM90's 227 KB.
+  EXPECT_TRUE(check_fit(big, arch_limits("sm90").smem_per_block).fits);
+  // Below every option: a clear "no" with what to change.
+  const FitReport tiny = check_fit(big, 4096);
+  EXPECT_FALSE(tiny.fits);
+  EXPECT_NE(tiny.advice.find("smaller block_m"), std::string::npos) << tiny.advice;
+}
+
+TEST(ArchLimits, KnowsTheBudgets) {
+  EXPECT_EQ(arch_limits("sm80").smem_per_block, 166912);
+  EXPECT_EQ(arch_limits("sm86").smem_per_block, 101376);
+  EXPECT_EQ(arch_limits("sm89").smem_per_block, 101376);
+  EXPECT_EQ(arch_limits("sm90").smem_per_block, 232448);
+  EXPECT_EQ(arch_limits("sm100").smem_per_block, 232448);
+  EXPECT_EQ(arch_limits("sm120").smem_per_block, 101376);
+  EXPECT_THROW(arch_limits("sm75"), Error);
+}
+
+TEST(Planner, PicksTokenTileByRowsPerExpert) {
+  GemmProblem p{256, 4096, 7168, 8, 0};  // DeepSeek-V3 GEMM1, one token
+  GemmPlan plan = plan_gemm(p, 232448, 132);
+  EXPECT_EQ(plan.config.block_m, 8) << plan.reason;
+  p.num_rows = 16384 * 8;  // prefill: 512 rows per expert
+  plan = plan_gemm(p, 232448, 132);
+  EXPECT_EQ(plan.config.block_m, 64) << plan.reason;
+  EXPECT_EQ(plan.split_k, 1) << plan.reason;
+  GemmProblem mixtral{8, 4096, 14336, 2, 0};  // Mixtral GEMM2 at T = 1: 64 tiles, long K
+  plan = plan_gemm(mixtral, 232448, 132);
+  EXPECT_GT(plan.split_k, 1) << plan.reason;
+  // The tile bound covers any routing: all rows on one expert, or one per expert.
+  EXPECT_GE(plan.max_tiles, 2 * (4096 / 128));
+}
+
+TEST(Planner, MaxTilesBoundsEveryRouting) {
+  const TileConfig c = compiled_configs()[1];
+  for (int64_t rows : {1, 7, 8, 9, 100, 1000}) {
+    for (int64_t experts : {1, 3, 64, 256}) {
+      GemmProblem p{experts, 128, 256, rows, 0};
+      const GemmPlan plan = plan_gemm_with(p, c, 132);
+      // Worst case: as many experts as possible with a partial tile each.
+      const int64_t active = std::min(experts, rows);
+      int64_t worst = 0;
+      int64_t left = rows;
+      for (int64_t e = 0; e < active; ++e) {
+        const int64_t r = e == active - 1 ? left : 1;
+        left -= r;
+        worst += (r + c.block_m - 1) / c.block_m;
+      }
+      EXPECT_GE(plan.max_tiles, worst) << rows << " rows, " << experts << " experts";
+    }
+  }
+}
+
+TEST(Planner, RejectsBadProblems) {
+  EXPECT_THROW(plan_gemm({0, 128, 256, 8, 0}, 232448, 132), Error);
+  EXPECT_THROW(plan_gemm({8, 100, 256, 8, 0}, 232448, 132), Error);
+  EXPECT_THROW(plan_gemm({8, 128, 250, 8, 0}, 232448, 132), Error);
+  try {
+    plan_gemm({8, 128, 256, 8, 0}, 20000, 132);
+    ADD_FAILURE() << "expected no config to fit 20000 B";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no compiled tile config fits 20000 B"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace fp4moe
