@@ -164,11 +164,13 @@ class TensorSource {
     if (fs::is_directory(status)) {
       open_directory(path);
     } else {
+      // A single shard of a checkpoint directory is held to its config too.
+      const fs::path config = fs::path(path).parent_path() / "hf_quant_config.json";
+      if (fs::exists(config)) check_quant_config(config);
       add_file(path, true);
     }
   }
 
-  const std::string& path() const { return path_; }
   // Every tensor name, in a stable order (sorted).
   const std::vector<std::string>& names() const { return names_; }
   bool contains(const std::string& name) const { return shard_of_.count(name) != 0; }
@@ -240,6 +242,14 @@ class TensorSource {
   std::vector<std::string> names_;
 };
 
+// Enough digits to tell any two floats apart.
+std::string exact(float value) {
+  std::ostringstream os;
+  os.precision(9);
+  os << value;
+  return os.str();
+}
+
 // A 0-d or [1] F32 tensor (dtype and shape already checked).
 float read_f32_scalar(const TensorView& view, const std::string& path) {
   float value;
@@ -252,7 +262,10 @@ float read_f32_scalar(const TensorView& view, const std::string& path) {
 // Collects dtype/shape mismatches so one error can list all of them.
 class Problems {
  public:
-  void add(std::string problem) { list_.push_back(std::move(problem)); }
+  template <typename... Args>
+  void add(const Args&... args) {
+    list_.push_back(detail::concat(args...));
+  }
   void throw_if_any(const std::string& path, const std::string& prefix) const {
     if (list_.empty()) return;
     constexpr size_t kMaxShown = 20;
@@ -289,8 +302,8 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
     for (const std::string& name : source.names()) {
       const size_t at = name.find("experts.");
       if (at != std::string::npos && (at == 0 || name[at - 1] == '.')) {
-        example = "; a tensor that looks like an expert's: '" + name + "' (prefix '" +
-                  name.substr(0, at) + "'?)";
+        example = detail::concat("; a tensor that looks like an expert's: '", name,
+                                 "' (prefix '", name.substr(0, at), "'?)");
         break;
       }
     }
@@ -305,8 +318,9 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
     for (const char* proj : kProjNames) {
       for (const char* field : kRequiredFields) {
         const std::string name = expert_tensor_name(prefix, e, proj, field);
-        FP4MOE_CHECK(source.contains(name), path, ": missing tensor '", name, "' (found ",
-                     num_experts, " experts under prefix '", prefix, "', 0..", max_expert_idx, ")");
+        FP4MOE_CHECK(source.contains(name), path, ": missing tensor '", name,
+                     "' (the largest expert index under prefix '", prefix, "' is ", max_expert_idx,
+                     ", so experts 0..", max_expert_idx, " must all be complete)");
       }
       if (any_bias) {
         const std::string name = expert_tensor_name(prefix, e, proj, "bias");
@@ -344,7 +358,7 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
     expected += " ";
     for (size_t i = 0; i < shapes.size(); ++i)
       expected += (i ? " or " : "") + shape_to_string(shapes[i]);
-    problems.add("'" + name + "' (in " + *file + "): expected " + expected + ", found " +
+    problems.add("'", name, "' (in ", *file, "): expected ", expected, ", found ",
                  describe(view->dtype, view->shape));
     return nullptr;
   };
@@ -370,8 +384,8 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
         m.scales.assign(v->data, v->data + v->nbytes);
         const auto nan = std::find_if(m.scales.begin(), m.scales.end(), e4m3_is_nan);
         if (nan != m.scales.end())
-          problems.add("'" + name("weight_scale") + "': element " +
-                       std::to_string(nan - m.scales.begin()) + " is an e4m3 NaN");
+          problems.add("'", name("weight_scale"), "': element ", nan - m.scales.begin(),
+                       " is an e4m3 NaN");
       }
       // ModelOpt writes 0-d scalars; other exporters write shape [1].
       if (const TensorView* v = checked(name("weight_scale_2"), {DType::F32}, {{}, {1}})) {
@@ -400,11 +414,10 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
       }
     }
     if (scale_2[0] && scale_2[1] && *scale_2[0] != *scale_2[1])
-      problems.add("'" + expert_tensor_name(prefix, e, "gate_proj", "weight_scale_2") + "' = " +
-                   std::to_string(expert.gate.global_scale) + " differs from '" +
-                   expert_tensor_name(prefix, e, "up_proj", "weight_scale_2") + "' = " +
-                   std::to_string(expert.up.global_scale) +
-                   "; ModelOpt shares one weight_scale_2 between gate and up");
+      problems.add("'", expert_tensor_name(prefix, e, "gate_proj", "weight_scale_2"), "' = ",
+                   exact(*scale_2[0]), " differs from '",
+                   expert_tensor_name(prefix, e, "up_proj", "weight_scale_2"), "' = ",
+                   exact(*scale_2[1]), "; ModelOpt shares one weight_scale_2 between gate and up");
   }
   problems.throw_if_any(path, prefix);
   return weights;
