@@ -38,6 +38,8 @@ struct TensorView {
   std::string name;
   DType dtype = DType::U8;
   std::vector<int64_t> shape;
+  // Not necessarily aligned to the dtype (safetensors does not require it):
+  // read elements with memcpy, not through a cast pointer.
   const uint8_t* data = nullptr;
   size_t nbytes = 0;
 

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <optional>
@@ -213,6 +214,13 @@ json parse_header_json(const std::string& path, const char* text, size_t text_by
     }
     return true;
   };
+  // nlohmann::json stops at a NUL byte as if the input ended there, so text
+  // after it would be ignored silently; raw NUL is never valid JSON.
+  const void* nul_byte = std::memchr(text, '\0', text_bytes);
+  if (nul_byte != nullptr) {
+    FP4MOE_THROW(path, ": header (", text_bytes, " bytes) is not valid JSON: NUL byte at offset ",
+                 static_cast<const char*>(nul_byte) - text);
+  }
   json header;
   try {
     header = json::parse(text, text + text_bytes, note_repeated_keys);
