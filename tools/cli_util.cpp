@@ -116,10 +116,11 @@ std::string format_bytes(double bytes) {
 
 // ------------------------------------------------------------ progress, time
 
-Progress::Progress(std::string label, int64_t total, bool enabled)
+Progress::Progress(std::string label, int64_t total, bool enabled, Unit unit)
     : label_(std::move(label)),
       total_(total),
       enabled_(enabled),
+      unit_(unit),
       tty_(isatty(STDERR_FILENO) != 0),
       start_(std::chrono::steady_clock::now()),
       last_draw_(start_) {
@@ -146,7 +147,12 @@ void Progress::draw(std::string_view detail, bool final) {
   last_draw_ = std::chrono::steady_clock::now();
   const double elapsed_s = std::chrono::duration<double>(last_draw_ - start_).count();
   const double percent = total_ > 0 ? 100.0 * static_cast<double>(done_) / static_cast<double>(total_) : 100.0;
-  std::string line = label_ + ": " + std::to_string(done_) + "/" + std::to_string(total_);
+  std::string line = label_ + ": ";
+  if (unit_ == Unit::kBytes) {
+    line += format_bytes(static_cast<double>(done_)) + "/" + format_bytes(static_cast<double>(total_));
+  } else {
+    line += std::to_string(done_) + "/" + std::to_string(total_);
+  }
   char tail[64];
   std::snprintf(tail, sizeof tail, " (%3.0f%%) %.1f s", percent, elapsed_s);
   line += tail;

@@ -44,7 +44,8 @@ std::string format_bytes(double bytes);
 // every few seconds, so logs stay short. Disabled indicators print nothing.
 class Progress {
  public:
-  Progress(std::string label, int64_t total, bool enabled = true);
+  enum class Unit { kCount, kBytes };  // how done/total are shown: "3/8" or "1.2 GB/3.4 GB"
+  Progress(std::string label, int64_t total, bool enabled = true, Unit unit = Unit::kCount);
   ~Progress();
   Progress(const Progress&) = delete;
   Progress& operator=(const Progress&) = delete;
@@ -62,6 +63,7 @@ class Progress {
   int64_t total_;
   int64_t done_ = 0;
   bool enabled_;
+  Unit unit_;
   bool tty_;
   bool finished_ = false;
   std::chrono::steady_clock::time_point start_;
