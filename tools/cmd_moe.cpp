@@ -1,4 +1,287 @@
+// `fp4moe moe`: runs one MoE layer of an NVFP4 checkpoint on tokens from a
+// safetensors file and writes the result.
+//
+//   --weights W  checkpoint file or directory (ModelOpt NVFP4 expert tensors)
+//   --input X    hidden_states [T, H] (BF16 or F32), and either
+//                  topk_ids [T, k] I32 + topk_weights [T, k] F32   (routing given)
+//                  router_logits [T, E] F32 (+ e_score_correction_bias [E])
+//                                                     (routed here, by the flags)
+//   --output Y   output [T, H] BF16 (rounded to nearest even)
+//
+// Every input is checked before the layer runs and the output is written only
+// on success (atomically), so a failed run leaves no file behind.
+// Tested in tests/tools/test_cli.cpp against a float reference and for each
+// rejected input.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <regex>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_util.hpp"
 #include "commands.hpp"
+#include "fp4moe/error.hpp"
+#include "fp4moe/modelopt.hpp"
+#include "fp4moe/nvfp4.hpp"
+#include "fp4moe/reference.hpp"
+#include "fp4moe/safetensors.hpp"
+
 namespace fp4moe::cli {
-void add_moe_command(CLI::App&) {}
+namespace {
+
+struct MoeOptions {
+  std::string weights;
+  std::string input;
+  std::string output;
+  std::optional<std::string> prefix;
+  std::string routing = "softmax";
+  std::optional<int> top_k;
+  bool no_renormalize = false;
+  int num_groups = 1;
+  int topk_groups = 1;
+  float routed_scaling_factor = 1.0f;
+  std::string activation = "swiglu";
+  std::string device = "auto";
+};
+
+// Tensor names of a checkpoint file, or of every shard of a directory.
+std::vector<std::string> checkpoint_tensor_names(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> names;
+  if (!fs::is_directory(path)) return SafetensorsFile::open(path).names();
+  const fs::path index = fs::path(path) / "model.safetensors.index.json";
+  if (fs::exists(index)) {
+    std::ifstream stream(index);
+    nlohmann::json json;
+    try {
+      json = nlohmann::json::parse(stream);
+    } catch (const nlohmann::json::exception& e) {
+      FP4MOE_THROW(index.string(), ": not valid JSON (", e.what(), ")");
+    }
+    FP4MOE_CHECK(json.contains("weight_map") && json["weight_map"].is_object(), index.string(),
+                 ": no \"weight_map\" object");
+    for (const auto& item : json["weight_map"].items()) names.push_back(item.key());
+    return names;
+  }
+  for (const fs::directory_entry& entry : fs::directory_iterator(path)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    const std::vector<std::string> file_names = SafetensorsFile::open(entry.path().string()).names();
+    names.insert(names.end(), file_names.begin(), file_names.end());
+  }
+  return names;
+}
+
+// The one layer prefix ("model.layers.3.mlp.") whose experts the checkpoint
+// holds; with several layers the user must choose.
+std::string detect_prefix(const std::string& path) {
+  static const std::regex kExpertName(R"((.*)experts\.\d+\.gate_proj\.weight)");
+  static const std::regex kStackName(R"((.*)experts\.gate_proj\.weight)");
+  std::set<std::string> prefixes;
+  bool has_stacks = false;
+  for (const std::string& name : checkpoint_tensor_names(path)) {
+    std::smatch match;
+    if (std::regex_match(name, match, kExpertName)) prefixes.insert(match[1]);
+    has_stacks = has_stacks || std::regex_match(name, kStackName);
+  }
+  if (prefixes.empty()) {
+    FP4MOE_THROW(path, ": no expert tensors named '<prefix>experts.<e>.gate_proj.weight'",
+                 has_stacks ? "; it holds float expert stacks: quantise it first with "
+                              "'fp4moe quantize IN OUT'"
+                            : "");
+  }
+  if (prefixes.size() > 1) {
+    std::string list;
+    int shown = 0;
+    for (const std::string& p : prefixes) {
+      if (shown++ == 5) {
+        list += ", ...";
+        break;
+      }
+      list += (list.empty() ? "'" : ", '") + p + "'";
+    }
+    FP4MOE_THROW(path, " holds the experts of ", prefixes.size(),
+                 " layers; choose one with --prefix: ", list);
+  }
+  return *prefixes.begin();
+}
+
+// Reads topk_ids/topk_weights and checks them against the layer.
+Routing read_given_routing(const SafetensorsFile& in, int64_t num_tokens, int64_t num_experts) {
+  const TensorView& ids = in.get("topk_ids");
+  FP4MOE_CHECK(ids.dtype == DType::I32, in.path(), ": topk_ids has dtype ", dtype_name(ids.dtype),
+               "; expected I32");
+  FP4MOE_CHECK(ids.shape.size() == 2 && ids.shape[0] == num_tokens, in.path(), ": topk_ids has shape ",
+               shape_to_string(ids.shape), "; expected [", num_tokens, ", k] (T = ", num_tokens,
+               " from hidden_states)");
+  const int64_t top_k = ids.shape[1];
+  FP4MOE_CHECK(top_k >= 1 && top_k <= num_experts, in.path(), ": topk_ids has k = ", top_k,
+               " experts per token; expected 1 <= k <= ", num_experts, " (the layer's expert count)");
+  FP4MOE_CHECK(in.contains("topk_weights"), in.path(),
+               ": has topk_ids but no topk_weights [", num_tokens, ", ", top_k, "] F32");
+  const TensorView& weights = in.get("topk_weights");
+  expect_tensor(weights, in.path(), {DType::F32}, {num_tokens, top_k});
+
+  Routing routing;
+  routing.num_tokens = num_tokens;
+  routing.top_k = static_cast<int>(top_k);
+  routing.topk_ids.resize(static_cast<size_t>(num_tokens * top_k));
+  routing.topk_weights.resize(routing.topk_ids.size());
+  std::memcpy(routing.topk_ids.data(), ids.data, ids.nbytes);
+  std::memcpy(routing.topk_weights.data(), weights.data, weights.nbytes);
+  for (size_t i = 0; i < routing.topk_ids.size(); ++i) {
+    const int32_t id = routing.topk_ids[i];
+    FP4MOE_CHECK(id >= 0 && id < num_experts, in.path(), ": topk_ids[", i / top_k, "][", i % top_k,
+                 "] = ", id, " is not an expert of the layer; expected 0 <= id < ", num_experts);
+    FP4MOE_CHECK(std::isfinite(routing.topk_weights[i]), in.path(), ": topk_weights[", i / top_k,
+                 "][", i % top_k, "] = ", routing.topk_weights[i], " is not finite");
+  }
+  validate_routing(routing, num_experts);  // duplicates within a token, etc.
+  return routing;
+}
+
+// Routes router_logits by the command-line flags.
+Routing route_from_logits(const SafetensorsFile& in, const MoeOptions& opts, int64_t num_tokens,
+                          int64_t num_experts) {
+  const TensorView& logits = in.get("router_logits");
+  expect_tensor(logits, in.path(), {DType::F32, DType::BF16, DType::F16}, {num_tokens, num_experts});
+  FP4MOE_CHECK(opts.top_k.has_value(), "routing from router_logits needs --topk K (1 <= K <= ",
+               num_experts, ")");
+  FP4MOE_CHECK(*opts.top_k >= 1 && *opts.top_k <= num_experts, "--topk ", *opts.top_k,
+               ": expected 1 <= K <= ", num_experts, " (the layer's expert count)");
+  std::vector<float> bias;
+  if (in.contains("e_score_correction_bias")) {
+    const TensorView& view = in.get("e_score_correction_bias");
+    expect_tensor(view, in.path(), {DType::F32, DType::BF16, DType::F16}, {num_experts});
+    bias = tensor_to_float(view);
+    if (opts.routing != "noaux_tc")
+      std::fprintf(stderr, "moe: note: e_score_correction_bias is used by --routing noaux_tc only; ignored\n");
+  }
+  RoutingParams params;
+  params.mode = parse_routing_mode(opts.routing);
+  params.top_k = *opts.top_k;
+  params.renormalize = !opts.no_renormalize;
+  params.num_groups = opts.num_groups;
+  params.topk_groups = opts.topk_groups;
+  params.routed_scaling_factor = opts.routed_scaling_factor;
+  const std::vector<float> logit_values = tensor_to_float(logits);
+  return route(logit_values.data(), num_tokens, num_experts, bias.empty() ? nullptr : bias.data(), params);
+}
+
+void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
+  Timer total_timer;
+  // Refuse an unavailable backend before any loading.
+  const Device device = resolve_device(parse_device(opts.device));
+
+  const std::string prefix = opts.prefix ? *opts.prefix : detect_prefix(opts.weights);
+  const MoeWeights weights = load_moe_weights(opts.weights, prefix);
+  const int64_t num_experts = weights.num_experts;
+  const int64_t hidden = weights.hidden;
+  FP4MOE_CHECK(num_experts > 0, opts.weights, ": no experts under prefix '", prefix, "'");
+
+  const SafetensorsFile in = SafetensorsFile::open(opts.input);
+  FP4MOE_CHECK(in.contains("hidden_states"), in.path(), ": no tensor 'hidden_states' [T, ", hidden, "]");
+  const TensorView& hidden_view = in.get("hidden_states");
+  FP4MOE_CHECK(hidden_view.dtype == DType::BF16 || hidden_view.dtype == DType::F32, in.path(),
+               ": hidden_states has dtype ", dtype_name(hidden_view.dtype), "; expected BF16 or F32");
+  FP4MOE_CHECK(hidden_view.shape.size() == 2 && hidden_view.shape[1] == hidden, in.path(),
+               ": hidden_states has shape ", shape_to_string(hidden_view.shape), "; expected [T, ",
+               hidden, "] (H = ", hidden, " from the weights)");
+  const int64_t num_tokens = hidden_view.shape[0];
+  FP4MOE_CHECK(num_tokens > 0, in.path(), ": hidden_states has T = 0 tokens; expected at least one");
+
+  Routing routing;
+  std::string routing_source;
+  if (in.contains("topk_ids")) {
+    routing = read_given_routing(in, num_tokens, num_experts);
+    routing_source = "topk_ids";
+    for (const char* flag : {"--routing", "--topk", "--no-renormalize", "--n-group", "--topk-group",
+                             "--routed-scaling-factor"}) {
+      if (cmd.count(flag) > 0)
+        std::fprintf(stderr, "moe: note: %s is ignored: the input gives topk_ids\n", flag);
+    }
+    if (in.contains("router_logits"))
+      std::fprintf(stderr, "moe: note: the input has both topk_ids and router_logits; using topk_ids\n");
+  } else if (in.contains("router_logits")) {
+    routing = route_from_logits(in, opts, num_tokens, num_experts);
+    routing_source = opts.routing;
+  } else {
+    std::string present;
+    for (const std::string& name : in.names()) present += (present.empty() ? "" : ", ") + name;
+    FP4MOE_THROW(in.path(), ": no routing; expected topk_ids [T, k] I32 + topk_weights [T, k] F32, "
+                 "or router_logits [T, E] F32 (tensors present: ", present, ")");
+  }
+
+  const std::vector<float> hidden_states = tensor_to_float(hidden_view);
+  std::vector<float> output(static_cast<size_t>(num_tokens * hidden));
+  const MoeRunStats stats = run_moe_layer(device, weights, hidden_states.data(), routing,
+                                          parse_activation(opts.activation), output.data());
+
+  std::vector<uint16_t> output_bf16(output.size());
+  for (size_t i = 0; i < output.size(); ++i) output_bf16[i] = float_to_bf16(output[i]);
+  SafetensorsWriter writer;
+  writer.add("output", DType::BF16, {num_tokens, hidden}, output_bf16.data(),
+             output_bf16.size() * sizeof(uint16_t));
+  writer.set_metadata("format", "pt");
+  writer.set_metadata("producer", std::string("fp4moe ") + FP4MOE_VERSION + " moe");
+  writer.write(opts.output);
+
+  std::fprintf(stderr,
+               "moe: T=%lld E=%lld k=%d H=%lld I=%lld routing=%s activation=%s backend=%s "
+               "threads=%d layer %.2f ms, total %.2f ms\n",
+               static_cast<long long>(num_tokens), static_cast<long long>(num_experts), routing.top_k,
+               static_cast<long long>(hidden), static_cast<long long>(weights.inter),
+               routing_source.c_str(), opts.activation.c_str(), stats.backend.c_str(),
+               stats.num_threads, stats.time_ms, total_timer.elapsed_ms());
+}
+
+}  // namespace
+
+void add_moe_command(CLI::App& app) {
+  auto opts = std::make_shared<MoeOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "moe",
+      "Run one MoE layer of an NVFP4 checkpoint. The input holds hidden_states [T, H] (BF16 or F32) "
+      "and either topk_ids [T, k] I32 + topk_weights [T, k] F32, or router_logits [T, E] F32 "
+      "(+ optional e_score_correction_bias [E]) routed by the flags below. Writes output [T, H] BF16.");
+  cmd->add_option("--weights,-w", opts->weights, "checkpoint: .safetensors file or directory")
+      ->required()
+      ->check(CLI::ExistingPath);
+  cmd->add_option("--input,-i", opts->input, "input .safetensors (hidden_states + routing)")
+      ->required()
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--output,-o", opts->output, "output .safetensors (written only on success)")->required();
+  cmd->add_option("--prefix", opts->prefix,
+                  "tensor name prefix of the layer, e.g. 'model.layers.3.mlp.' (default: the only "
+                  "layer with experts in the checkpoint)");
+  cmd->add_option("--routing", opts->routing, "routing of router_logits")
+      ->check(CLI::IsMember({"softmax", "noaux_tc", "gptoss"}))
+      ->capture_default_str();
+  cmd->add_option("--topk,-k", opts->top_k, "experts per token (needed with router_logits)");
+  cmd->add_flag("--no-renormalize", opts->no_renormalize,
+                "softmax routing: keep the top-k probabilities as they are");
+  cmd->add_option("--n-group", opts->num_groups, "noaux_tc: number of expert groups")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--topk-group", opts->topk_groups, "noaux_tc: groups kept per token")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--routed-scaling-factor", opts->routed_scaling_factor,
+                  "noaux_tc: multiplies the routing weights")
+      ->capture_default_str();
+  cmd->add_option("--activation", opts->activation,
+                  "swiglu: silu(gate)*up; gptoss: clamped gpt-oss variant")
+      ->check(CLI::IsMember({"swiglu", "gptoss"}))
+      ->capture_default_str();
+  cmd->add_option("--device", opts->device, "backend: auto (best available), cpu, cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
+  cmd->callback([opts, cmd] { run_moe(*opts, *cmd); });
+}
+
 }  // namespace fp4moe::cli
