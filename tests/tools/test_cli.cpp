@@ -1,0 +1,757 @@
+// Tests of the fp4moe command-line tool (tools/): runs the built binary on
+// files written here and checks its outputs and exit codes.
+//
+// A small float checkpoint (4 experts, hidden 64, inter 32) holds one layer as
+// 3-D BF16 expert stacks and one as 2-D F32 per-expert tensors, plus tensors
+// that must be copied or quantised as plain linear layers. `fp4moe quantize`
+// must produce ModelOpt's layout bit for bit (gate/up sharing one global
+// scale); `fp4moe moe` must match a float evaluation written here, from the
+// dequantised checkpoint tightly and from the original float weights within
+// NVFP4's quantisation error; every rejected input must fail with one error
+// line, a non-zero exit code and no output file.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "fp4moe/modelopt.hpp"
+#include "fp4moe/nvfp4.hpp"
+#include "fp4moe/safetensors.hpp"
+
+namespace fp4moe {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int64_t kNumExperts = 4;
+constexpr int64_t kHidden = 64;  // H
+constexpr int64_t kInter = 32;   // I
+const std::string kStackPrefix = "model.layers.0.mlp.";   // 3-D BF16 stacks
+const std::string kExpertPrefix = "model.layers.1.mlp.";  // 2-D F32 per-expert tensors
+const char* const kProjs[] = {"gate_proj", "up_proj", "down_proj"};
+
+// Tolerances (relative L2 error over the whole output):
+// - against the dequantised checkpoint evaluated in double: only the bf16
+//   rounding of the output (2^-9 relative per element) and float vs double
+//   sums separate them; 1e-2 is the project's bf16-output contract.
+constexpr double kQuantizedTolerance = 1e-2;
+// - against the original float weights: e2m1 keeps 3 bits of magnitude, so
+//   each quantised matmul carries ~10% relative RMS error on Gaussian weights
+//   (Δ²/12 over the e2m1 grid with the block maximum at 6); gate/up and down
+//   are chained, so ~0.1-0.2 end to end (observed: 0.15-0.18). 0.25 bounds
+//   it with margin, and anything below 0.02 would mean the weights were not
+//   really quantised.
+constexpr double kFloatTolerance = 0.25;
+constexpr double kMinQuantizationError = 0.02;
+
+// ------------------------------------------------------------ float model
+
+struct FloatExpert {
+  std::vector<float> gate;  // [I, H]
+  std::vector<float> up;    // [I, H]
+  std::vector<float> down;  // [H, I]
+};
+using FloatLayer = std::vector<FloatExpert>;
+
+float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+std::vector<float> normal_values(std::mt19937& rng, int64_t count, double stddev, bool bf16) {
+  std::normal_distribution<double> dist(0.0, stddev);
+  std::vector<float> v(static_cast<size_t>(count));
+  for (float& x : v) x = bf16 ? round_bf16(static_cast<float>(dist(rng))) : static_cast<float>(dist(rng));
+  return v;
+}
+
+// Weights with unit gain per projection. Gate and up differ in scale per
+// expert (gate larger for expert 0, up larger for the others), so sharing
+// their global scale is visible.
+FloatLayer random_layer(std::mt19937& rng, bool bf16) {
+  FloatLayer layer(kNumExperts);
+  for (int64_t e = 0; e < kNumExperts; ++e) {
+    FloatExpert& ex = layer[static_cast<size_t>(e)];
+    const double gate_gain = e == 0 ? 2.0 : 1.0;
+    const double up_gain = e == 0 ? 1.0 : 1.0 + 0.5 * static_cast<double>(e);
+    ex.gate = normal_values(rng, kInter * kHidden, gate_gain / std::sqrt(double(kHidden)), bf16);
+    ex.up = normal_values(rng, kInter * kHidden, up_gain / std::sqrt(double(kHidden)), bf16);
+    ex.down = normal_values(rng, kHidden * kInter, 1.0 / std::sqrt(double(kInter)), bf16);
+  }
+  return layer;
+}
+
+const std::vector<float>& projection(const FloatExpert& ex, const std::string& proj) {
+  return proj == "gate_proj" ? ex.gate : proj == "up_proj" ? ex.up : ex.down;
+}
+
+float abs_max_of(const std::vector<float>& v) {
+  float amax = 0.0f;
+  for (float x : v) amax = std::max(amax, std::fabs(x));
+  return amax;
+}
+
+// output[t] = sum_j w[t, j] * down_e(act(gate_e x_t, up_e x_t)), in double.
+std::vector<double> moe_float(const FloatLayer& layer, const std::vector<float>& x, int64_t num_tokens,
+                              const std::vector<int32_t>& ids, const std::vector<float>& weights,
+                              int top_k, bool gptoss_activation) {
+  std::vector<double> out(static_cast<size_t>(num_tokens * kHidden), 0.0);
+  std::vector<double> h(kInter);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const float* xt = x.data() + t * kHidden;
+    for (int j = 0; j < top_k; ++j) {
+      const FloatExpert& ex = layer[static_cast<size_t>(ids[static_cast<size_t>(t * top_k + j)])];
+      for (int64_t i = 0; i < kInter; ++i) {
+        double g = 0.0, u = 0.0;
+        for (int64_t k = 0; k < kHidden; ++k) {
+          g += static_cast<double>(ex.gate[static_cast<size_t>(i * kHidden + k)]) * xt[k];
+          u += static_cast<double>(ex.up[static_cast<size_t>(i * kHidden + k)]) * xt[k];
+        }
+        if (gptoss_activation) {
+          g = std::min(g, 7.0);
+          u = std::clamp(u, -7.0, 7.0);
+          h[static_cast<size_t>(i)] = g / (1.0 + std::exp(-1.702 * g)) * (u + 1.0);
+        } else {
+          h[static_cast<size_t>(i)] = g / (1.0 + std::exp(-g)) * u;
+        }
+      }
+      const double w = weights[static_cast<size_t>(t * top_k + j)];
+      for (int64_t n = 0; n < kHidden; ++n) {
+        double y = 0.0;
+        for (int64_t i = 0; i < kInter; ++i) y += static_cast<double>(ex.down[static_cast<size_t>(n * kInter + i)]) * h[static_cast<size_t>(i)];
+        out[static_cast<size_t>(t * kHidden + n)] += w * y;
+      }
+    }
+  }
+  return out;
+}
+
+double relative_error(const std::vector<float>& out, const std::vector<double>& ref) {
+  double err = 0.0, norm = 0.0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    err += (out[i] - ref[i]) * (out[i] - ref[i]);
+    norm += ref[i] * ref[i];
+  }
+  return std::sqrt(err / norm);
+}
+
+// ---------------------------------------------------------------- routing
+
+struct TestRouting {
+  int top_k = 0;
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+};
+
+// Indices of the k largest scores, descending, ties to the lower index.
+std::vector<int> top_indices(const std::vector<double>& scores, int k) {
+  std::vector<int> idx(scores.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return scores[a] > scores[b]; });
+  idx.resize(static_cast<size_t>(k));
+  return idx;
+}
+
+TestRouting route_softmax(const std::vector<float>& logits, int64_t num_tokens, int k, bool renormalize) {
+  TestRouting r{k, {}, {}};
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    std::vector<double> p(kNumExperts);
+    double sum = 0.0;
+    for (int64_t e = 0; e < kNumExperts; ++e) sum += p[e] = std::exp(logits[t * kNumExperts + e]);
+    for (double& v : p) v /= sum;
+    const std::vector<int> chosen = top_indices(p, k);
+    double chosen_sum = 0.0;
+    for (int e : chosen) chosen_sum += p[e];
+    for (int e : chosen) {
+      r.ids.push_back(e);
+      r.weights.push_back(static_cast<float>(renormalize ? p[e] / chosen_sum : p[e]));
+    }
+  }
+  return r;
+}
+
+TestRouting route_noaux_tc(const std::vector<float>& logits, const std::vector<float>& bias,
+                           int64_t num_tokens, int k, int num_groups, int topk_groups, double scaling) {
+  TestRouting r{k, {}, {}};
+  const int group_size = static_cast<int>(kNumExperts) / num_groups;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    std::vector<double> s(kNumExperts), c(kNumExperts);
+    for (int64_t e = 0; e < kNumExperts; ++e) {
+      s[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(logits[t * kNumExperts + e])));
+      c[e] = s[e] + bias[e];
+    }
+    std::vector<double> group_score(num_groups);
+    for (int g = 0; g < num_groups; ++g) {
+      std::vector<double> members(c.begin() + g * group_size, c.begin() + (g + 1) * group_size);
+      for (int m : top_indices(members, 2)) group_score[g] += members[m];
+    }
+    std::vector<double> masked(kNumExperts, -1e300);
+    for (int g : top_indices(group_score, topk_groups))
+      for (int e = g * group_size; e < (g + 1) * group_size; ++e) masked[e] = c[e];
+    const std::vector<int> chosen = top_indices(masked, k);
+    double sum = 0.0;
+    for (int e : chosen) sum += s[e];
+    for (int e : chosen) {
+      r.ids.push_back(e);
+      r.weights.push_back(static_cast<float>(s[e] / (sum + 1e-20) * scaling));
+    }
+  }
+  return r;
+}
+
+TestRouting route_gptoss(const std::vector<float>& logits, int64_t num_tokens, int k) {
+  TestRouting r{k, {}, {}};
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    std::vector<double> l(logits.begin() + t * kNumExperts, logits.begin() + (t + 1) * kNumExperts);
+    const std::vector<int> chosen = top_indices(l, k);
+    double sum = 0.0;
+    for (int e : chosen) sum += std::exp(l[e] - l[chosen[0]]);
+    for (int e : chosen) {
+      r.ids.push_back(e);
+      r.weights.push_back(static_cast<float>(std::exp(l[e] - l[chosen[0]]) / sum));
+    }
+  }
+  return r;
+}
+
+// ------------------------------------------------------------ file helpers
+
+void add_f32(SafetensorsWriter& w, const std::string& name, std::vector<int64_t> shape, const std::vector<float>& v) {
+  w.add(name, DType::F32, std::move(shape), v.data(), v.size() * sizeof(float));
+}
+
+void add_bf16(SafetensorsWriter& w, const std::string& name, std::vector<int64_t> shape, const std::vector<float>& v) {
+  std::vector<uint16_t> bits(v.size());
+  for (size_t i = 0; i < v.size(); ++i) bits[i] = float_to_bf16(v[i]);
+  w.add(name, DType::BF16, std::move(shape), bits.data(), bits.size() * sizeof(uint16_t));
+}
+
+void add_i32(SafetensorsWriter& w, const std::string& name, std::vector<int64_t> shape, const std::vector<int32_t>& v) {
+  w.add(name, DType::I32, std::move(shape), v.data(), v.size() * sizeof(int32_t));
+}
+
+std::vector<float> read_floats(const TensorView& view) {
+  std::vector<float> out(static_cast<size_t>(view.numel()));
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (view.dtype == DType::F32) {
+      std::memcpy(&out[i], view.data + 4 * i, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, view.data + 2 * i, 2);
+      out[i] = bf16_to_float(h);
+    }
+  }
+  return out;
+}
+
+// The float values of a quantised matrix <base>.{weight,weight_scale,weight_scale_2}.
+std::vector<float> dequantized(const SafetensorsFile& file, const std::string& base, int64_t rows, int64_t cols) {
+  const TensorView& packed = file.get(base + ".weight");
+  const TensorView& scales = file.get(base + ".weight_scale");
+  float global_scale;
+  std::memcpy(&global_scale, file.get(base + ".weight_scale_2").data, sizeof(float));
+  std::vector<float> out(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint8_t byte = packed.data[r * (cols / 2) + c / 2];
+      const uint8_t code = (c & 1) ? byte >> 4 : byte & 0xF;
+      out[static_cast<size_t>(r * cols + c)] =
+          nvfp4_dequantize_value(code, scales.data[r * (cols / 16) + c / 16], global_scale);
+    }
+  return out;
+}
+
+std::string expert_base(const std::string& prefix, int64_t e, const std::string& proj) {
+  return prefix + "experts." + std::to_string(e) + "." + proj;
+}
+
+FloatLayer dequantized_layer(const SafetensorsFile& file, const std::string& prefix) {
+  FloatLayer layer(kNumExperts);
+  for (int64_t e = 0; e < kNumExperts; ++e) {
+    layer[e].gate = dequantized(file, expert_base(prefix, e, "gate_proj"), kInter, kHidden);
+    layer[e].up = dequantized(file, expert_base(prefix, e, "up_proj"), kInter, kHidden);
+    layer[e].down = dequantized(file, expert_base(prefix, e, "down_proj"), kHidden, kInter);
+  }
+  return layer;
+}
+
+// -------------------------------------------------------------- fixture
+
+struct CliResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+class CliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    dir_ = fs::temp_directory_path() / ("fp4moe_test_cli." + std::to_string(getpid()) + "." + test);
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(dir_);  // kept on failure, to look at
+  }
+
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  static std::string read_text(const std::string& file) {
+    std::ifstream in(file);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+
+  // Runs `fp4moe <args>` with stdout and stderr captured.
+  CliResult run(const std::string& args) const {
+    const std::string command = std::string("'") + FP4MOE_CLI_PATH + "' " + args + " >'" + path("stdout") +
+                                "' 2>'" + path("stderr") + "'";
+    const int status = std::system(command.c_str());
+    CliResult result;
+    result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    result.out = read_text(path("stdout"));
+    result.err = read_text(path("stderr"));
+    return result;
+  }
+
+  // The float checkpoint: kStackPrefix's experts as 3-D BF16 stacks,
+  // kExpertPrefix's as 2-D F32 tensors, a router gate and a norm (copied) and
+  // an attention projection (quantised as a plain linear layer).
+  void write_float_checkpoint(const std::string& file) {
+    std::mt19937 rng(1234);
+    stacked_ = random_layer(rng, /*bf16=*/true);
+    per_expert_ = random_layer(rng, /*bf16=*/false);
+    router_ = normal_values(rng, kNumExperts * kHidden, 0.1, true);
+    norm_ = normal_values(rng, kHidden, 1.0, true);
+    o_proj_ = normal_values(rng, kHidden * kHidden, 0.1, false);
+
+    SafetensorsWriter w;
+    add_f32(w, "model.layers.0.self_attn.o_proj.weight", {kHidden, kHidden}, o_proj_);
+    add_bf16(w, "model.layers.0.post_attention_layernorm.weight", {kHidden}, norm_);
+    add_bf16(w, kStackPrefix + "gate.weight", {kNumExperts, kHidden}, router_);
+    for (const std::string proj : kProjs) {
+      std::vector<float> stack;
+      for (const FloatExpert& ex : stacked_) stack.insert(stack.end(), projection(ex, proj).begin(), projection(ex, proj).end());
+      const bool down = proj == "down_proj";
+      add_bf16(w, kStackPrefix + "experts." + proj + ".weight",
+               {kNumExperts, down ? kHidden : kInter, down ? kInter : kHidden}, stack);
+    }
+    for (int64_t e = 0; e < kNumExperts; ++e)
+      for (const std::string proj : kProjs) {
+        const bool down = proj == "down_proj";
+        add_f32(w, expert_base(kExpertPrefix, e, proj) + ".weight", {down ? kHidden : kInter, down ? kInter : kHidden},
+                projection(per_expert_[e], proj));
+      }
+    w.write(file);
+  }
+
+  // Float checkpoint quantised by the CLI into q.safetensors.
+  std::string quantized_checkpoint() {
+    write_float_checkpoint(path("float.safetensors"));
+    const CliResult r = run("quantize -q '" + path("float.safetensors") + "' '" + path("q.safetensors") + "'");
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return path("q.safetensors");
+  }
+
+  fs::path dir_;
+  FloatLayer stacked_, per_expert_;
+  std::vector<float> router_, norm_, o_proj_;
+};
+
+// ------------------------------------------------------------------ tests
+
+TEST_F(CliTest, HelpOfEveryCommandExitsZero) {
+  for (const std::string command : {"", "quantize", "moe", "demo", "plan", "bench"}) {
+    const CliResult r = run(command + " --help");
+    EXPECT_EQ(r.exit_code, 0) << "fp4moe " << command << " --help: " << r.err;
+    EXPECT_NE(r.out.find("Usage"), std::string::npos) << "fp4moe " << command << " --help:\n" << r.out;
+  }
+  const CliResult version = run("--version");
+  EXPECT_EQ(version.exit_code, 0);
+  EXPECT_EQ(version.out.rfind("fp4moe ", 0), 0u) << version.out;
+  EXPECT_NE(run("").exit_code, 0) << "no subcommand must fail";
+  EXPECT_NE(run("frobnicate").exit_code, 0) << "an unknown subcommand must fail";
+}
+
+TEST_F(CliTest, QuantizeWritesModelOptLayout) {
+  const SafetensorsFile q = SafetensorsFile::open(quantized_checkpoint());
+  EXPECT_EQ(q.metadata().at("quant_algo"), "NVFP4");
+  EXPECT_EQ(q.metadata().at("group_size"), "16");
+
+  for (const auto& [prefix, layer] : {std::pair{kStackPrefix, &stacked_}, std::pair{kExpertPrefix, &per_expert_}}) {
+    for (const std::string proj : kProjs)
+      EXPECT_FALSE(q.contains(prefix + "experts." + proj + ".weight")) << "stacks must be split";
+    for (int64_t e = 0; e < kNumExperts; ++e) {
+      const FloatExpert& ex = (*layer)[static_cast<size_t>(e)];
+      const float shared_amax = std::max(abs_max_of(ex.gate), abs_max_of(ex.up));
+      for (const std::string proj : kProjs) {
+        SCOPED_TRACE(expert_base(prefix, e, proj));
+        const std::string base = expert_base(prefix, e, proj);
+        const bool down = proj == "down_proj";
+        const int64_t rows = down ? kHidden : kInter, cols = down ? kInter : kHidden;
+        const TensorView& weight = q.get(base + ".weight");
+        const TensorView& scale = q.get(base + ".weight_scale");
+        const TensorView& scale_2 = q.get(base + ".weight_scale_2");
+        const TensorView& input_scale = q.get(base + ".input_scale");
+        EXPECT_EQ(weight.dtype, DType::U8);
+        EXPECT_EQ(weight.shape, (std::vector<int64_t>{rows, cols / 2}));
+        EXPECT_EQ(scale.dtype, DType::F8_E4M3);
+        EXPECT_EQ(scale.shape, (std::vector<int64_t>{rows, cols / 16}));
+        EXPECT_EQ(scale_2.dtype, DType::F32);
+        EXPECT_TRUE(scale_2.shape.empty());
+        EXPECT_EQ(input_scale.dtype, DType::F32);
+        EXPECT_TRUE(input_scale.shape.empty());
+        float global_scale, input;
+        std::memcpy(&global_scale, scale_2.data, 4);
+        std::memcpy(&input, input_scale.data, 4);
+        EXPECT_EQ(input, 1.0f);
+        // Gate and up share the global scale of both; down has its own.
+        const float amax = down ? abs_max_of(ex.down) : shared_amax;
+        EXPECT_EQ(global_scale, nvfp4_global_scale(amax));
+        // Bit-identical to the library's quantiser given that scale.
+        const Nvfp4Matrix expected = quantize_nvfp4(projection(ex, proj).data(), rows, cols, global_scale);
+        EXPECT_TRUE(std::equal(expected.packed.begin(), expected.packed.end(), weight.data));
+        EXPECT_TRUE(std::equal(expected.scales.begin(), expected.scales.end(), scale.data));
+      }
+    }
+    // The loader reads what quantize wrote.
+    const MoeWeights loaded = load_moe_weights(path("q.safetensors"), prefix);
+    EXPECT_EQ(loaded.num_experts, kNumExperts);
+    EXPECT_EQ(loaded.hidden, kHidden);
+    EXPECT_EQ(loaded.inter, kInter);
+  }
+
+  // A plain 2-D linear weight is quantised with its own scale; the router
+  // gate (kept in high precision, as ModelOpt does) and the 1-D norm are
+  // copied byte for byte.
+  const Nvfp4Matrix o_proj = quantize_nvfp4(o_proj_.data(), kHidden, kHidden);
+  const TensorView& o_weight = q.get("model.layers.0.self_attn.o_proj.weight");
+  EXPECT_EQ(o_weight.dtype, DType::U8);
+  EXPECT_TRUE(std::equal(o_proj.packed.begin(), o_proj.packed.end(), o_weight.data));
+  const SafetensorsFile f = SafetensorsFile::open(path("float.safetensors"));
+  for (const std::string name : {kStackPrefix + "gate.weight", std::string("model.layers.0.post_attention_layernorm.weight")}) {
+    const TensorView& in = f.get(name);
+    const TensorView& out = q.get(name);
+    EXPECT_EQ(out.dtype, in.dtype) << name;
+    EXPECT_EQ(out.shape, in.shape) << name;
+    EXPECT_TRUE(out.nbytes == in.nbytes && std::equal(in.data, in.data + in.nbytes, out.data)) << name;
+  }
+}
+
+// Runs `moe` on hidden states + routing and compares with the float
+// evaluation of the dequantised checkpoint (tight) and of the original
+// weights (NVFP4 error).
+class MoeTest : public CliTest {
+ protected:
+  void SetUp() override {
+    CliTest::SetUp();
+    checkpoint_ = quantized_checkpoint();
+    const SafetensorsFile q = SafetensorsFile::open(checkpoint_);
+    dequantized_stacked_ = dequantized_layer(q, kStackPrefix);
+    dequantized_per_expert_ = dequantized_layer(q, kExpertPrefix);
+    std::mt19937 rng(99);
+    hidden_ = normal_values(rng, kNumTokens * kHidden, 1.0, /*bf16=*/true);
+    logits_ = normal_values(rng, kNumTokens * kNumExperts, 1.5, false);
+    bias_ = normal_values(rng, kNumExperts, 0.3, false);
+  }
+
+  // Runs the layer under `prefix` and checks the output against `routing`.
+  void expect_matches(const std::string& prefix, const std::string& args, const TestRouting& routing,
+                      bool gptoss_activation = false) {
+    SCOPED_TRACE(prefix + " " + args);
+    fs::remove(path("y.safetensors"));
+    const CliResult r = run("moe --device cpu --weights '" + checkpoint_ + "' --prefix " + prefix + " --input '" +
+                            path("x.safetensors") + "' --output '" + path("y.safetensors") + "' " + args);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_NE(r.err.find("T=" + std::to_string(kNumTokens)), std::string::npos) << "summary line: " << r.err;
+
+    const SafetensorsFile y = SafetensorsFile::open(path("y.safetensors"));
+    const TensorView& out_view = y.get("output");
+    ASSERT_EQ(out_view.dtype, DType::BF16);
+    ASSERT_EQ(out_view.shape, (std::vector<int64_t>{kNumTokens, kHidden}));
+    const std::vector<float> out = read_floats(out_view);
+
+    const bool stacked = prefix == kStackPrefix;
+    const std::vector<double> ref_quantized =
+        moe_float(stacked ? dequantized_stacked_ : dequantized_per_expert_, hidden_, kNumTokens, routing.ids,
+                  routing.weights, routing.top_k, gptoss_activation);
+    const std::vector<double> ref_float = moe_float(stacked ? stacked_ : per_expert_, hidden_, kNumTokens,
+                                                    routing.ids, routing.weights, routing.top_k, gptoss_activation);
+    const double err_quantized = relative_error(out, ref_quantized);
+    const double err_float = relative_error(out, ref_float);
+    EXPECT_LT(err_quantized, kQuantizedTolerance);
+    EXPECT_LT(err_float, kFloatTolerance);
+    EXPECT_GT(err_float, kMinQuantizationError) << "the weights do not look quantised";
+    std::printf("  %s%s: rel err vs dequantised %.2e, vs float weights %.3f\n", prefix.c_str(), args.c_str(),
+                err_quantized, err_float);
+  }
+
+  static constexpr int64_t kNumTokens = 7;
+  std::string checkpoint_;
+  FloatLayer dequantized_stacked_, dequantized_per_expert_;
+  std::vector<float> hidden_, logits_, bias_;
+};
+
+TEST_F(MoeTest, GivenRoutingMatchesReference) {
+  // Distinct random experts per token, positive weights; k = 2 and k = E.
+  std::mt19937 rng(7);
+  for (const int top_k : {2, static_cast<int>(kNumExperts)}) {
+    TestRouting routing{top_k, {}, {}};
+    std::uniform_real_distribution<float> weight(0.1f, 1.0f);
+    for (int64_t t = 0; t < kNumTokens; ++t) {
+      std::vector<int32_t> experts(kNumExperts);
+      std::iota(experts.begin(), experts.end(), 0);
+      std::shuffle(experts.begin(), experts.end(), rng);
+      for (int j = 0; j < top_k; ++j) {
+        routing.ids.push_back(experts[j]);
+        routing.weights.push_back(weight(rng));
+      }
+    }
+    for (const bool bf16_hidden : {true, false}) {
+      SafetensorsWriter w;
+      if (bf16_hidden) {
+        add_bf16(w, "hidden_states", {kNumTokens, kHidden}, hidden_);
+      } else {
+        add_f32(w, "hidden_states", {kNumTokens, kHidden}, hidden_);
+      }
+      add_i32(w, "topk_ids", {kNumTokens, top_k}, routing.ids);
+      add_f32(w, "topk_weights", {kNumTokens, top_k}, routing.weights);
+      w.write(path("x.safetensors"));
+      expect_matches(kStackPrefix, "", routing);
+      expect_matches(kExpertPrefix, "", routing);
+    }
+  }
+}
+
+TEST_F(MoeTest, RouterLogitsAreRoutedByTheFlags) {
+  SafetensorsWriter w;
+  add_bf16(w, "hidden_states", {kNumTokens, kHidden}, hidden_);
+  add_f32(w, "router_logits", {kNumTokens, kNumExperts}, logits_);
+  add_f32(w, "e_score_correction_bias", {kNumExperts}, bias_);
+  w.write(path("x.safetensors"));
+
+  expect_matches(kStackPrefix, " --topk 2", route_softmax(logits_, kNumTokens, 2, true));
+  expect_matches(kExpertPrefix, " --routing softmax --topk 3 --no-renormalize",
+                 route_softmax(logits_, kNumTokens, 3, false));
+  expect_matches(kStackPrefix,
+                 " --routing noaux_tc --topk 2 --n-group 2 --topk-group 1 --routed-scaling-factor 2.5",
+                 route_noaux_tc(logits_, bias_, kNumTokens, 2, 2, 1, 2.5));
+  expect_matches(kExpertPrefix, " --routing noaux_tc --topk 3", route_noaux_tc(logits_, bias_, kNumTokens, 3, 1, 1, 1.0));
+  expect_matches(kStackPrefix, " --routing gptoss --topk 2 --activation gptoss", route_gptoss(logits_, kNumTokens, 2),
+                 /*gptoss_activation=*/true);
+}
+
+TEST_F(MoeTest, BadInputsFailWithOneLineAndNoOutput) {
+  const int64_t t = kNumTokens;
+  const std::vector<float> weights2(static_cast<size_t>(t * 2), 0.5f);
+  std::vector<int32_t> ids2;
+  for (int64_t i = 0; i < t; ++i) ids2.insert(ids2.end(), {0, 1});
+  struct Case {
+    std::string what;
+    std::function<void(SafetensorsWriter&)> inputs;
+    std::string args;
+    std::string expected;  // in the error message
+    std::string prefix = kStackPrefix;  // empty: no --prefix
+  };
+  const std::vector<Case> cases = {
+      {"expert id out of range",
+       [&](SafetensorsWriter& w) {
+         std::vector<int32_t> ids = ids2;
+         ids[5] = static_cast<int32_t>(kNumExperts);
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+         add_i32(w, "topk_ids", {t, 2}, ids);
+         add_f32(w, "topk_weights", {t, 2}, weights2);
+       },
+       "", "topk_ids[2][1] = 4"},
+      {"negative expert id",
+       [&](SafetensorsWriter& w) {
+         std::vector<int32_t> ids = ids2;
+         ids[0] = -1;
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+         add_i32(w, "topk_ids", {t, 2}, ids);
+         add_f32(w, "topk_weights", {t, 2}, weights2);
+       },
+       "", "topk_ids[0][0] = -1"},
+      {"duplicate expert in a token",
+       [&](SafetensorsWriter& w) {
+         std::vector<int32_t> ids = ids2;
+         ids[3] = ids[2];
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+         add_i32(w, "topk_ids", {t, 2}, ids);
+         add_f32(w, "topk_weights", {t, 2}, weights2);
+       },
+       "", ""},
+      {"k > E from router_logits",
+       [&](SafetensorsWriter& w) {
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+         add_f32(w, "router_logits", {t, kNumExperts}, logits_);
+       },
+       "--topk 5", "--topk 5"},
+      {"k > E from topk_ids",
+       [&](SafetensorsWriter& w) {
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+         add_i32(w, "topk_ids", {t, 5}, std::vector<int32_t>(t * 5, 0));
+         add_f32(w, "topk_weights", {t, 5}, std::vector<float>(t * 5, 0.2f));
+       },
+       "", "k = 5"},
+      {"router_logits without --topk",
+       [&](SafetensorsWriter& w) {
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+         add_f32(w, "router_logits", {t, kNumExperts}, logits_);
+       },
+       "", "--topk"},
+      {"T = 0",
+       [&](SafetensorsWriter& w) {
+         add_bf16(w, "hidden_states", {0, kHidden}, {});
+         add_i32(w, "topk_ids", {0, 2}, {});
+         add_f32(w, "topk_weights", {0, 2}, {});
+       },
+       "", "T = 0"},
+      {"missing hidden_states",
+       [&](SafetensorsWriter& w) {
+         add_i32(w, "topk_ids", {t, 2}, ids2);
+         add_f32(w, "topk_weights", {t, 2}, weights2);
+       },
+       "", "hidden_states"},
+      {"missing topk_weights",
+       [&](SafetensorsWriter& w) {
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+         add_i32(w, "topk_ids", {t, 2}, ids2);
+       },
+       "", "topk_weights"},
+      {"no routing at all",
+       [&](SafetensorsWriter& w) { add_bf16(w, "hidden_states", {t, kHidden}, hidden_); },
+       "", "router_logits"},
+      {"hidden size mismatch",
+       [&](SafetensorsWriter& w) {
+         add_bf16(w, "hidden_states", {t, kHidden / 2}, std::vector<float>(t * kHidden / 2, 1.0f));
+         add_i32(w, "topk_ids", {t, 2}, ids2);
+         add_f32(w, "topk_weights", {t, 2}, weights2);
+       },
+       "", "[7, 32]"},
+      {"hidden_states I32",
+       [&](SafetensorsWriter& w) {
+         add_i32(w, "hidden_states", {t, kHidden}, std::vector<int32_t>(t * kHidden, 1));
+         add_i32(w, "topk_ids", {t, 2}, ids2);
+         add_f32(w, "topk_weights", {t, 2}, weights2);
+       },
+       "", "I32"},
+      {"topk_ids as F32",
+       [&](SafetensorsWriter& w) {
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+         add_f32(w, "topk_ids", {t, 2}, std::vector<float>(t * 2, 1.0f));
+         add_f32(w, "topk_weights", {t, 2}, weights2);
+       },
+       "", "topk_ids has dtype F32"},
+      {"topk_weights shape mismatch",
+       [&](SafetensorsWriter& w) {
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+         add_i32(w, "topk_ids", {t, 2}, ids2);
+         add_f32(w, "topk_weights", {t, 3}, std::vector<float>(t * 3, 0.3f));
+       },
+       "", "topk_weights"},
+      {"router_logits with the wrong expert count",
+       [&](SafetensorsWriter& w) {
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+         add_f32(w, "router_logits", {t, kNumExperts + 1}, std::vector<float>(t * (kNumExperts + 1), 0.5f));
+       },
+       "--topk 2", "router_logits"},
+      {"--device cuda (not built yet)",
+       [&](SafetensorsWriter& w) {
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+         add_i32(w, "topk_ids", {t, 2}, ids2);
+         add_f32(w, "topk_weights", {t, 2}, weights2);
+       },
+       "--device cuda", "not built yet"},
+      {"unknown prefix",
+       [&](SafetensorsWriter& w) {
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+         add_i32(w, "topk_ids", {t, 2}, ids2);
+         add_f32(w, "topk_weights", {t, 2}, weights2);
+       },
+       "", "model.layers.9.mlp.", "model.layers.9.mlp."},
+      {"two layers and no --prefix",
+       [&](SafetensorsWriter& w) {
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+         add_i32(w, "topk_ids", {t, 2}, ids2);
+         add_f32(w, "topk_weights", {t, 2}, weights2);
+       },
+       "", "--prefix", ""},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    SafetensorsWriter w;
+    c.inputs(w);
+    w.write(path("bad.safetensors"));
+    const std::string prefix = c.prefix.empty() ? "" : "--prefix " + c.prefix + " ";
+    const CliResult r = run("moe --weights '" + checkpoint_ + "' " + prefix + "--input '" + path("bad.safetensors") +
+                            "' --output '" + path("y.safetensors") + "' " + c.args);
+    EXPECT_EQ(r.exit_code, 1) << r.err;
+    EXPECT_EQ(r.err.rfind("fp4moe: error: ", 0), 0u) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "one line expected:\n" << r.err;
+    EXPECT_NE(r.err.find(c.expected), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(path("y.safetensors"))) << "a failed run left an output file";
+    std::printf("  %-40s %s", c.what.c_str(), r.err.c_str());
+  }
+}
+
+TEST_F(CliTest, QuantizeRejectsKNotAMultipleOf16) {
+  SafetensorsWriter w;
+  add_f32(w, "model.layers.0.mlp.experts.0.down_proj.weight", {16, 24}, std::vector<float>(16 * 24, 0.5f));
+  w.write(path("bad.safetensors"));
+  const CliResult r = run("quantize '" + path("bad.safetensors") + "' '" + path("out.safetensors") + "'");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("model.layers.0.mlp.experts.0.down_proj.weight"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("multiple of 16"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(path("out.safetensors")));
+  // Excluded, it is copied instead.
+  const CliResult excluded = run("quantize --exclude '*down_proj*' '" + path("bad.safetensors") + "' '" +
+                                 path("out.safetensors") + "'");
+  EXPECT_EQ(excluded.exit_code, 0) << excluded.err;
+  EXPECT_EQ(SafetensorsFile::open(path("out.safetensors")).get("model.layers.0.mlp.experts.0.down_proj.weight").dtype,
+            DType::F32);
+}
+
+TEST_F(CliTest, DemoRunsAndChecksItself) {
+  for (const std::string args : {"--model qwen3-30b --tokens 3", "--model gpt-oss-120b --tokens 2 --seed 5"}) {
+    const CliResult r = run("demo " + args);
+    EXPECT_EQ(r.exit_code, 0) << args << "\n" << r.out << r.err;
+    EXPECT_NE(r.out.find("tokens/s"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(") OK"), std::string::npos) << "the self-check must pass:\n" << r.out;
+  }
+  const CliResult unknown = run("demo --model gpt-5");
+  EXPECT_EQ(unknown.exit_code, 1);
+  EXPECT_NE(unknown.err.find("deepseek-v3"), std::string::npos) << "valid names listed: " << unknown.err;
+  EXPECT_NE(run("demo --device cuda --model qwen3-30b --tokens 1").exit_code, 0);
+}
+
+TEST_F(CliTest, PlanRunsWithoutAGpu) {
+  // With no --arch it plans for the local GPU, or for sm90 and sm120 without one.
+  const CliResult local = run("plan");
+  EXPECT_EQ(local.exit_code, 0) << local.err;
+  EXPECT_FALSE(local.out.empty());
+  const CliResult json = run("plan --arch sm120 --model qwen3-30b --json");
+  ASSERT_EQ(json.exit_code, 0) << json.err;
+  const nlohmann::json parsed = nlohmann::json::parse(json.out);
+  ASSERT_TRUE(parsed.is_array() && !parsed.empty()) << json.out;
+  EXPECT_EQ(parsed[0].at("arch"), "sm120");
+  EXPECT_FALSE(parsed[0].at("configs").empty());
+  EXPECT_EQ(run("plan --model nope").exit_code, 1);
+}
+
+}  // namespace
+}  // namespace fp4moe
