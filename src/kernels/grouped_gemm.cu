@@ -109,7 +109,8 @@ size_t align16(size_t v) { return (v + 15) / 16 * 16; }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-void validate_args(const GroupedGemmArgs& a) {
+// `for_launch`: also check what only the launch needs (the workspace).
+void validate_args(const GroupedGemmArgs& a, bool for_launch) {
   FP4MOE_CHECK(a.num_experts >= 1 && a.num_experts <= kMaxExperts, "grouped_gemm: num_experts = ",
                a.num_experts, "; expected 1..", kMaxExperts);
   FP4MOE_CHECK(a.n >= 16 && a.n % 16 == 0, "grouped_gemm: n = ", a.n,
@@ -122,10 +123,11 @@ void validate_args(const GroupedGemmArgs& a) {
   if (a.num_rows == 0) return;
   const std::pair<const void*, const char*> required[] = {
       {a.weights, "weights"}, {a.scales, "scales"},   {a.global_scales, "global_scales"},
-      {a.x, "x"},             {a.y, "y"},             {a.expert_offsets, "expert_offsets"},
-      {a.workspace, "workspace"}};
+      {a.x, "x"},             {a.y, "y"},             {a.expert_offsets, "expert_offsets"}};
   for (const auto& [ptr, name] : required)
     FP4MOE_CHECK(ptr != nullptr, "grouped_gemm: ", name, " is null but num_rows = ", a.num_rows);
+  FP4MOE_CHECK(!for_launch || a.workspace != nullptr, "grouped_gemm: workspace is null but num_rows = ",
+               a.num_rows);
   const std::pair<const void*, const char*> vectors[] = {
       {a.weights, "weights"}, {a.scales, "scales"}, {a.x, "x"}, {a.y, "y"}};
   for (const auto& [ptr, name] : vectors)
@@ -145,7 +147,7 @@ void validate_args(const GroupedGemmArgs& a) {
 }  // namespace
 
 GemmPlan plan_grouped_gemm(const GroupedGemmArgs& args, const std::optional<TileConfig>& forced) {
-  validate_args(args);
+  validate_args(args, /*for_launch=*/false);
   const DeviceInfo dev = current_device();
   const GemmProblem problem = problem_of(args);
   if (forced) {
@@ -169,7 +171,7 @@ size_t grouped_gemm_workspace_bytes(const GemmPlan& plan) {
 }
 
 void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_t stream) {
-  validate_args(args);
+  validate_args(args, /*for_launch=*/true);
   const KernelEntry& entry = find_kernel(plan.config);
   const DeviceInfo dev = current_device();
   check_fits_device(plan.config, dev);

@@ -268,7 +268,10 @@ __global__ void __launch_bounds__(WARPS * 32)
       const uint8_t* w_stage = s_weights + stage * L.weight_stage_bytes;
       const uint8_t* s_stage = s_scales + stage * L.scale_stage_bytes;
       const uint32_t a_stage = ptx::smem_u32(s_act + stage * L.act_stage_bytes);
-#pragma unroll
+      // NOTE: not unrolled over kf: the fully unrolled stage is tens of KB of
+      // SASS and thrashes the instruction cache; one kf step (4 k-steps x
+      // M_TILES) keeps the hot loop small.
+#pragma unroll 1
       for (int kf = 0; kf < K_FRAGS; ++kf) {
         uint4 codes[M_TILES];
         uint2 scales[M_TILES];
