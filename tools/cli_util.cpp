@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
 #include "fp4moe/error.hpp"
@@ -100,6 +101,14 @@ void expect_tensor(const TensorView& view, const std::string& file,
     FP4MOE_THROW(file, ": tensor '", view.name, "' has shape ", shape_to_string(view.shape),
                  "; expected ", expected);
   }
+}
+
+void check_output_path(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path parent = fs::absolute(fs::path(path)).parent_path();
+  FP4MOE_CHECK(fs::is_directory(parent), "output ", path, ": directory ", parent.string(),
+               " does not exist");
+  FP4MOE_CHECK(!fs::is_directory(path), "output ", path, " is a directory; expected a file name");
 }
 
 std::string format_bytes(double bytes) {

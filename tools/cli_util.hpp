@@ -34,6 +34,10 @@ float tensor_abs_max(const TensorView& view, int64_t begin, int64_t count);
 void expect_tensor(const TensorView& view, const std::string& file,
                    std::initializer_list<DType> dtypes, std::initializer_list<int64_t> shape);
 
+// Checks up front, before any long work, that `path` can be written: its
+// directory exists and it is not itself a directory.
+void check_output_path(const std::string& path);
+
 // "12.3 MB" with decimal units.
 std::string format_bytes(double bytes);
 

@@ -177,6 +177,7 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   Timer total_timer;
   // Refuse an unavailable backend before any loading.
   const Device device = resolve_device(parse_device(opts.device));
+  check_output_path(opts.output);
 
   const std::string prefix = opts.prefix ? *opts.prefix : detect_prefix(opts.weights);
   const MoeWeights weights = load_moe_weights(opts.weights, prefix);

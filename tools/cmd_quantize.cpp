@@ -129,6 +129,7 @@ void add_quantized(SafetensorsWriter& writer, const std::string& base, const Nvf
 
 void run_quantize(const QuantizeOptions& opts) {
   Timer timer;
+  check_output_path(opts.output);
   const SafetensorsFile in = SafetensorsFile::open(opts.input);
 
   std::vector<std::string> excludes = opts.no_default_exclude ? std::vector<std::string>{} : kDefaultExcludes;

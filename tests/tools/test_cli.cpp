@@ -718,6 +718,10 @@ TEST_F(CliTest, QuantizeRejectsKNotAMultipleOf16) {
   EXPECT_NE(r.err.find("model.layers.0.mlp.experts.0.down_proj.weight"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("multiple of 16"), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(path("out.safetensors")));
+  // An output that cannot be written is refused before any work.
+  const CliResult no_dir = run("quantize '" + path("bad.safetensors") + "' '" + path("missing/out.safetensors") + "'");
+  EXPECT_EQ(no_dir.exit_code, 1);
+  EXPECT_NE(no_dir.err.find("does not exist"), std::string::npos) << no_dir.err;
   // Excluded, it is copied instead.
   const CliResult excluded = run("quantize --exclude '*down_proj*' '" + path("bad.safetensors") + "' '" +
                                  path("out.safetensors") + "'");
