@@ -21,6 +21,10 @@
 // Tested in tests/kernels/test_grouped_gemm.cpp against the CPU reference.
 #pragma once
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "the fp4moe kernels need SM80 or newer (mma.sync bf16, cp.async): set CMAKE_CUDA_ARCHITECTURES"
+#endif
+
 #include <cuda_bf16.h>
 
 #include <cstdint>
