@@ -3,8 +3,8 @@
 // local GPU, workspace sizing and the launch.
 // Tested in tests/kernels/test_grouped_gemm.cpp.
 #include <algorithm>
+#include <map>
 #include <mutex>
-#include <set>
 #include <sstream>
 #include <utility>
 
@@ -53,36 +53,42 @@ struct DeviceInfo {
   int64_t smem_per_block = 0;  // opt-in limit
 };
 
+// Per-device facts and per-(device, kernel) occupancy, looked up once: the
+// launch path must not query the driver on every call.
 DeviceInfo current_device() {
+  int device = 0;
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<int, DeviceInfo> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
   DeviceInfo info;
-  FP4MOE_CUDA_CHECK(cudaGetDevice(&info.device));
+  info.device = device;
   int value = 0;
-  FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, info.device));
+  FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device));
   info.num_sms = value;
-  FP4MOE_CUDA_CHECK(
-      cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, info.device));
+  FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   info.smem_per_block = value;
+  cache.emplace(device, info);
   return info;
 }
 
-// Raises the kernel's dynamic shared-memory limit to the model's size, once
-// per (device, kernel).
-void ensure_smem_attribute(const KernelEntry& entry, int device) {
+// Raises the kernel's dynamic shared-memory limit to the model's size (once
+// per device and kernel) and returns its resident blocks per SM.
+int occupancy(const KernelEntry& entry, int device) {
   static std::mutex mutex;
-  static std::set<std::pair<int, const void*>> done;
+  static std::map<std::pair<int, const void*>, int> cache;
   std::lock_guard<std::mutex> lock(mutex);
   const auto key = std::make_pair(device, reinterpret_cast<const void*>(entry.fn));
-  if (done.count(key)) return;
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
   FP4MOE_CUDA_CHECK(cudaFuncSetAttribute(entry.fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(entry.smem_bytes)));
-  done.insert(key);
-}
-
-int occupancy(const KernelEntry& entry, int device) {
-  ensure_smem_attribute(entry, device);
   int blocks = 0;
   FP4MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &blocks, entry.fn, entry.config.warps * 32, static_cast<size_t>(entry.smem_bytes)));
+  cache.emplace(key, blocks);
   return blocks;
 }
 
