@@ -1,5 +1,6 @@
 // Helpers shared by the GPU tests: device detection with a visible skip,
-// RAII device buffers, random NVFP4 data and result comparison.
+// RAII device buffers, random NVFP4 data (also a fast generator for
+// gigabytes of weights) and result comparison.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -8,7 +9,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -98,6 +101,48 @@ inline Nvfp4Matrix random_nvfp4(int64_t rows, int64_t cols, float global_scale, 
   std::uniform_int_distribution<int> any_scale(0x01, 0x7E);   // every finite positive code
   for (auto& b : m.packed) b = static_cast<uint8_t>(byte(rng));
   for (auto& s : m.scales) s = static_cast<uint8_t>(byte(rng) < 32 ? any_scale(rng) : mid_scale(rng));
+  return m;
+}
+
+// splitmix64 (Steele, Lea & Flood 2014): one add and two multiply-xorshift
+// rounds per 8 random bytes; fast enough to fill gigabytes of test weights,
+// where mt19937 per byte takes minutes.
+inline uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Fills data[0, count) with random bytes from a splitmix64 stream seeded by `seed`.
+inline void fill_random_bytes(uint8_t* data, size_t count, uint64_t seed) {
+  uint64_t state = seed;
+  size_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const uint64_t word = splitmix64(state);
+    std::memcpy(data + i, &word, 8);
+  }
+  if (i < count) {
+    const uint64_t word = splitmix64(state);
+    std::memcpy(data + i, &word, count - i);
+  }
+}
+
+// A random NVFP4 matrix for large layers: every fp4 code, block scales only in
+// the sane middle (e4m3 codes 0x28..0x48, 0.125 .. 2.0) so sums of thousands
+// of products stay far from overflow. Deterministic in `seed`; single-threaded
+// (callers parallelise over matrices).
+inline Nvfp4Matrix fast_random_nvfp4(int64_t rows, int64_t cols, float global_scale, uint64_t seed) {
+  constexpr uint32_t kLowScale = 0x28, kNumScales = 0x48 - 0x28 + 1;
+  Nvfp4Matrix m;
+  m.rows = rows;
+  m.cols = cols;
+  m.global_scale = global_scale;
+  m.packed.resize(static_cast<size_t>(rows * cols / 2));
+  m.scales.resize(static_cast<size_t>(rows * cols / 16));
+  fill_random_bytes(m.packed.data(), m.packed.size(), seed);
+  fill_random_bytes(m.scales.data(), m.scales.size(), seed ^ 0x5CA1E5ull);
+  for (auto& s : m.scales) s = static_cast<uint8_t>(kLowScale + ((s * kNumScales) >> 8));
   return m;
 }
 

@@ -1,0 +1,976 @@
+// GPU tests of the MoE layer (include/fp4moe/moe_layer.hpp) against the CPU
+// reference, moe_reference(route(logits)) in double:
+//   - model-shaped layers (DeepSeek-V3, GLM-4.5, Qwen3-30B, gpt-oss with
+//     biases, Mixtral) with hidden/inter scaled down and chosen off the
+//     128-tile grid, T in {1, 3, 64, 1000}, device and caller routing, both
+//     finalize modes x both gather modes;
+//   - caller routing that is skewed (one hot expert) or uses only a few
+//     experts (most experts get no tokens);
+//   - every compiled tile config forced in GEMM1 and GEMM2;
+//   - the full-size GLM-5 layer (~5.4 GB of weights) at T = 1 and 64;
+//   - determinism (bit-identical repeats), atomic mode, CUDA-graph capture
+//     and replay with new inputs, two host threads on one layer, workspace
+//     reuse and a too-small workspace, out-of-range expert ids reported by
+//     device_errors(), and MoeLayer::load from a checkpoint file.
+// Outputs are poisoned (0xFF bytes, bf16 NaN) before every forward so an
+// unwritten element fails. Router logits are drawn so that no routing
+// decision is within 1e-3 of a tie: the device scores in fp32, the
+// reference in double, and both must pick the same experts.
+// Skipped, visibly, where no GPU exists.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "fp4moe/error.hpp"
+#include "fp4moe/moe_layer.hpp"
+#include "fp4moe/safetensors.hpp"
+#include "gpu_test_util.hpp"
+
+namespace fp4moe {
+namespace {
+
+using testing::DeviceBuffer;
+using ::testing::HasSubstr;
+
+// ---------------------------------------------------------------- shapes
+
+struct ModelShape {
+  std::string name;  // letters, digits and '_' only (a gtest name)
+  int64_t num_experts = 0;
+  int64_t hidden = 0;
+  int64_t inter = 0;
+  RoutingParams routing;
+  Activation activation = Activation::kSwiGLU;
+  bool with_bias = false;
+};
+
+RoutingParams softmax_routing(int top_k, bool renormalize) {
+  RoutingParams p;
+  p.mode = RoutingMode::kSoftmaxTopK;
+  p.top_k = top_k;
+  p.renormalize = renormalize;
+  return p;
+}
+
+RoutingParams noaux_routing(int top_k, int num_groups, int topk_groups, float scaling) {
+  RoutingParams p;
+  p.mode = RoutingMode::kNoauxTc;
+  p.top_k = top_k;
+  p.num_groups = num_groups;
+  p.topk_groups = topk_groups;
+  p.routed_scaling_factor = scaling;
+  return p;
+}
+
+RoutingParams gptoss_routing(int top_k) {
+  RoutingParams p;
+  p.mode = RoutingMode::kGptOss;
+  p.top_k = top_k;
+  return p;
+}
+
+// The models' expert counts and routing, hidden/inter scaled down so the CPU
+// reference stays fast. 336, 272 and 208 are multiples of 16 but not of 128
+// (hidden 336, 272: GEMM2's N and GEMM1's K edges; inter 272, 144, 208:
+// GEMM1's N and GEMM2's K edges).
+const std::vector<ModelShape>& model_shapes() {
+  static const std::vector<ModelShape> shapes = {
+      {"DeepSeekV3", 256, 512, 256, noaux_routing(8, 8, 4, 2.5f)},
+      {"GLM45", 160, 336, 272, noaux_routing(8, 1, 1, 2.5f)},
+      {"Qwen3_30B", 128, 256, 144, softmax_routing(8, true)},
+      {"GptOss", 128, 272, 192, gptoss_routing(4), Activation::kGptOss, /*with_bias=*/true},
+      {"Mixtral", 8, 384, 208, softmax_routing(2, true)},
+  };
+  return shapes;
+}
+
+const ModelShape& shape_named(const std::string& name) {
+  for (const ModelShape& s : model_shapes())
+    if (s.name == name) return s;
+  throw std::runtime_error("no model shape " + name);
+}
+
+// Token counts every model runs: one token, fewer tokens than experts per
+// token, a decode batch, and a prefill chunk far from any tile multiple.
+constexpr int64_t kTokenCounts[] = {1, 3, 64, 1000};
+constexpr int64_t kMaxTokens = 1000;
+
+MoeLayerOptions layer_options(const ModelShape& shape,
+                              FinalizeMode finalize = FinalizeMode::kDeterministic,
+                              GatherMode gather = GatherMode::kFused) {
+  MoeLayerOptions o;
+  o.activation = shape.activation;
+  o.routing = shape.routing;
+  o.finalize = finalize;
+  o.gather = gather;
+  return o;
+}
+
+// ------------------------------------------------------------- host data
+
+std::vector<float> bf16_to_floats(const std::vector<uint16_t>& bits) {
+  std::vector<float> out(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) out[i] = bf16_to_float(bits[i]);
+  return out;
+}
+
+std::vector<float> normal_floats(size_t count, float stddev, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.0f, stddev);
+  std::vector<float> out(count);
+  for (float& v : out) v = dist(rng);
+  return out;
+}
+
+// Random weights in the quantised domain (every fp4 code, heavy-tailed block
+// scales); gate and up share a global scale, as ModelOpt writes them. Global
+// scales ~ 1/sqrt(K) keep the projections' outputs O(1).
+MoeWeights random_weights(const ModelShape& shape, std::mt19937& rng) {
+  std::uniform_real_distribution<float> jitter(0.5f, 2.0f);
+  MoeWeights w;
+  w.num_experts = shape.num_experts;
+  w.hidden = shape.hidden;
+  w.inter = shape.inter;
+  for (int64_t e = 0; e < shape.num_experts; ++e) {
+    const float gate_up_scale = jitter(rng) * 0.1f / std::sqrt(static_cast<float>(shape.hidden));
+    const float down_scale = jitter(rng) * 0.1f / std::sqrt(static_cast<float>(shape.inter));
+    ExpertWeights ex;
+    ex.gate = testing::random_nvfp4(shape.inter, shape.hidden, gate_up_scale, rng);
+    ex.up = testing::random_nvfp4(shape.inter, shape.hidden, gate_up_scale, rng);
+    ex.down = testing::random_nvfp4(shape.hidden, shape.inter, down_scale, rng);
+    if (shape.with_bias) {
+      ex.gate_bias = normal_floats(static_cast<size_t>(shape.inter), 1.0f, rng);
+      ex.up_bias = normal_floats(static_cast<size_t>(shape.inter), 1.0f, rng);
+      ex.down_bias = normal_floats(static_cast<size_t>(shape.hidden), 1.0f, rng);
+    }
+    w.experts.push_back(std::move(ex));
+  }
+  return w;
+}
+
+// For one token: the smallest gap between a score that decides its routing
+// and the next one down (the k-th chosen vs the best unchosen expert; for
+// grouped noaux_tc also the last kept vs the best dropped group). Scores are
+// the logits (softmax and gpt-oss rank by them) or sigmoid + correction bias.
+double routing_margin(const float* logits, int64_t num_experts, const float* correction_bias,
+                      const RoutingParams& p) {
+  std::vector<double> score(static_cast<size_t>(num_experts));
+  for (int64_t e = 0; e < num_experts; ++e) {
+    score[e] = logits[e];
+    if (p.mode == RoutingMode::kNoauxTc)
+      score[e] = 1.0 / (1.0 + std::exp(-score[e])) + (correction_bias ? correction_bias[e] : 0.0);
+  }
+  double margin = std::numeric_limits<double>::infinity();
+  std::vector<double> candidates = score;
+  if (p.mode == RoutingMode::kNoauxTc && p.num_groups > 1) {
+    const int64_t group_size = num_experts / p.num_groups;
+    std::vector<double> group_score(static_cast<size_t>(p.num_groups));
+    for (int g = 0; g < p.num_groups; ++g) {
+      std::vector<double> members(score.begin() + g * group_size, score.begin() + (g + 1) * group_size);
+      std::partial_sort(members.begin(), members.begin() + 2, members.end(), std::greater<>());
+      group_score[g] = members[0] + members[1];
+    }
+    std::vector<double> ranked = group_score;
+    std::sort(ranked.begin(), ranked.end(), std::greater<>());
+    const double last_kept = ranked[p.topk_groups - 1];
+    if (p.topk_groups < p.num_groups) margin = last_kept - ranked[p.topk_groups];
+    candidates.clear();
+    for (int g = 0; g < p.num_groups; ++g)
+      if (group_score[g] >= last_kept)
+        candidates.insert(candidates.end(), score.begin() + g * group_size,
+                          score.begin() + (g + 1) * group_size);
+  }
+  std::sort(candidates.begin(), candidates.end(), std::greater<>());
+  if (candidates.size() > static_cast<size_t>(p.top_k))
+    margin = std::min(margin, candidates[p.top_k - 1] - candidates[p.top_k]);
+  return margin;
+}
+
+// Router logits [num_tokens, num_experts], N(0, 1), each token redrawn until
+// its routing_margin is at least kMinRoutingMargin.
+constexpr double kMinRoutingMargin = 1e-3;
+std::vector<float> draw_router_logits(int64_t num_tokens, int64_t num_experts,
+                                      const std::vector<float>& correction_bias,
+                                      const RoutingParams& params, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> logits(static_cast<size_t>(num_tokens * num_experts));
+  const float* bias = correction_bias.empty() ? nullptr : correction_bias.data();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    float* row = logits.data() + t * num_experts;
+    do {
+      for (int64_t e = 0; e < num_experts; ++e) row[e] = dist(rng);
+    } while (routing_margin(row, num_experts, bias, params) < kMinRoutingMargin);
+  }
+  return logits;
+}
+
+std::vector<float> reference_output(const MoeWeights& weights, const std::vector<uint16_t>& hidden_states,
+                                    const Routing& routing, Activation activation) {
+  const std::vector<float> x = bf16_to_floats(hidden_states);  // exact
+  std::vector<float> out(static_cast<size_t>(routing.num_tokens * weights.hidden));
+  moe_reference(weights, x.data(), routing, activation, out.data());
+  return out;
+}
+
+// One batch of tokens with its routing and reference output.
+struct TokenBatch {
+  int64_t num_tokens = 0;
+  std::vector<uint16_t> hidden_states;  // bf16 [T, hidden]
+  std::vector<float> router_logits;     // fp32 [T, num_experts]
+  Routing routing;                      // route(router_logits): the reference's routing
+  std::vector<float> reference;         // fp32 [T, hidden]
+};
+
+// A model's weights and its batches, built once per test binary run.
+struct ModelData {
+  ModelShape shape;
+  MoeWeights weights;
+  std::vector<float> correction_bias;  // [num_experts], noaux_tc only
+  std::mt19937 rng;
+  std::map<int64_t, TokenBatch> batches;
+
+  const float* bias_or_null() const { return correction_bias.empty() ? nullptr : correction_bias.data(); }
+
+  // A fresh batch of T tokens (new random hidden states and logits).
+  TokenBatch make_batch(int64_t num_tokens) {
+    TokenBatch b;
+    b.num_tokens = num_tokens;
+    b.hidden_states = testing::random_bf16(static_cast<size_t>(num_tokens * shape.hidden), rng);
+    b.router_logits = draw_router_logits(num_tokens, shape.num_experts, correction_bias, shape.routing, rng);
+    b.routing = route(b.router_logits.data(), num_tokens, shape.num_experts, bias_or_null(), shape.routing);
+    b.reference = reference_output(weights, b.hidden_states, b.routing, shape.activation);
+    return b;
+  }
+
+  // The shared batch of T tokens, made on first use.
+  const TokenBatch& batch(int64_t num_tokens) {
+    auto it = batches.find(num_tokens);
+    if (it == batches.end()) it = batches.emplace(num_tokens, make_batch(num_tokens)).first;
+    return it->second;
+  }
+};
+
+ModelData& model_data(const ModelShape& shape) {
+  static std::map<std::string, std::unique_ptr<ModelData>> cache;
+  std::unique_ptr<ModelData>& slot = cache[shape.name];
+  if (!slot) {
+    slot = std::make_unique<ModelData>();
+    slot->shape = shape;
+    slot->rng.seed(static_cast<uint32_t>(std::hash<std::string>{}(shape.name)));
+    slot->weights = random_weights(shape, slot->rng);
+    if (shape.routing.mode == RoutingMode::kNoauxTc)
+      slot->correction_bias = normal_floats(static_cast<size_t>(shape.num_experts), 0.1f, slot->rng);
+  }
+  return *slot;
+}
+
+// Caller-given routing patterns that device routing of random logits never produces.
+enum class RoutingPattern {
+  kHotExpert,   // 90% of tokens send one slot to the same expert
+  kFewExperts,  // all tokens use a handful of experts; the rest get none
+};
+
+std::string to_string(RoutingPattern p) { return p == RoutingPattern::kHotExpert ? "HotExpert" : "FewExperts"; }
+
+// max(3, top_k + 1) experts spread over [0, num_experts), both ends included.
+std::vector<int32_t> few_expert_pool(int64_t num_experts, int top_k) {
+  const int64_t n = std::min<int64_t>(num_experts, std::max(3, top_k + 1));
+  std::vector<int32_t> pool;
+  for (int64_t i = 0; i < n; ++i) pool.push_back(static_cast<int32_t>(n == 1 ? 0 : i * (num_experts - 1) / (n - 1)));
+  return pool;
+}
+
+Routing patterned_routing(RoutingPattern pattern, int64_t num_tokens, int64_t num_experts, int top_k,
+                          std::mt19937& rng) {
+  Routing r;
+  r.num_tokens = num_tokens;
+  r.top_k = top_k;
+  std::vector<int32_t> pool(static_cast<size_t>(num_experts));
+  std::iota(pool.begin(), pool.end(), 0);
+  if (pattern == RoutingPattern::kFewExperts) pool = few_expert_pool(num_experts, top_k);
+  const int32_t hot_expert = static_cast<int32_t>(num_experts / 2 + 1) % static_cast<int32_t>(num_experts);
+  std::uniform_real_distribution<float> weight(0.1f, 1.0f);
+  std::bernoulli_distribution is_hot(0.9);
+  std::uniform_int_distribution<int> slot(0, top_k - 1);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    std::shuffle(pool.begin(), pool.end(), rng);
+    std::vector<int32_t> chosen(pool.begin(), pool.begin() + top_k);
+    if (pattern == RoutingPattern::kHotExpert && is_hot(rng) &&
+        std::find(chosen.begin(), chosen.end(), hot_expert) == chosen.end())
+      chosen[slot(rng)] = hot_expert;
+    for (int j = 0; j < top_k; ++j) {
+      r.topk_ids.push_back(chosen[j]);
+      r.topk_weights.push_back(weight(rng));
+    }
+  }
+  return r;
+}
+
+// -------------------------------------------------------------- device side
+
+// A non-blocking stream: no implicit ordering with the legacy default stream,
+// so every forward's work must be ordered on its own stream.
+class Stream {
+ public:
+  Stream() { FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  ~Stream() { cudaStreamDestroy(stream_); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+// Device copies of one batch's inputs, for device routing (logits) and for
+// caller routing (ids and weights).
+struct DeviceInputs {
+  int64_t num_tokens = 0;
+  DeviceBuffer<uint16_t> hidden_states;
+  DeviceBuffer<float> router_logits;
+  DeviceBuffer<float> correction_bias;
+  DeviceBuffer<int32_t> topk_ids;
+  DeviceBuffer<float> topk_weights;
+
+  DeviceInputs(const std::vector<uint16_t>& hidden, const std::vector<float>& logits,
+               const std::vector<float>& bias, const Routing& routing, int64_t tokens)
+      : num_tokens(tokens),
+        hidden_states(hidden),
+        router_logits(logits),
+        correction_bias(bias),
+        topk_ids(routing.topk_ids),
+        topk_weights(routing.topk_weights) {
+    // The uploads ran on the legacy stream; the forwards run on non-blocking ones.
+    FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  DeviceInputs(const TokenBatch& b, const std::vector<float>& bias)
+      : DeviceInputs(b.hidden_states, b.router_logits, bias, b.routing, b.num_tokens) {}
+
+  MoeForwardArgs device_routing() const {
+    MoeForwardArgs a;
+    a.hidden_states = hidden_states.get();
+    a.num_tokens = num_tokens;
+    a.router_logits = router_logits.get();
+    a.correction_bias = correction_bias.get();  // null when empty
+    return a;
+  }
+  MoeForwardArgs caller_routing() const {
+    MoeForwardArgs a;
+    a.hidden_states = hidden_states.get();
+    a.num_tokens = num_tokens;
+    a.topk_ids = topk_ids.get();
+    a.topk_weights = topk_weights.get();
+    return a;
+  }
+};
+
+// A workspace for up to max_tokens tokens, zeroed once as the contract asks.
+DeviceBuffer<uint8_t> make_workspace(const MoeLayer& layer, int64_t max_tokens) {
+  DeviceBuffer<uint8_t> ws(layer.workspace_bytes(max_tokens));
+  ws.fill_bytes(0);
+  FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  return ws;
+}
+
+void poison_async(DeviceBuffer<uint16_t>& buffer, cudaStream_t stream) {
+  FP4MOE_CUDA_CHECK(cudaMemsetAsync(buffer.get(), 0xFF, buffer.bytes(), stream));
+}
+
+// Copies the whole of a device buffer back after the stream's work.
+template <typename T>
+std::vector<T> download_after(const DeviceBuffer<T>& buffer, cudaStream_t stream) {
+  std::vector<T> host(buffer.size());
+  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(host.data(), buffer.get(), buffer.bytes(), cudaMemcpyDeviceToHost, stream));
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return host;
+}
+
+// The first `count` elements of a downloaded output; checks that the rest of
+// the (poisoned) buffer was left alone.
+std::vector<uint16_t> output_rows(std::vector<uint16_t> all, size_t count) {
+  const auto beyond = std::count_if(all.begin() + static_cast<std::ptrdiff_t>(count), all.end(),
+                                    [](uint16_t v) { return v != 0xFFFF; });
+  EXPECT_EQ(beyond, 0) << "the forward wrote past its output rows";
+  all.resize(count);
+  return all;
+}
+
+// Poisons `output` (0xFF bytes: bf16 NaN), runs one forward on `stream`,
+// waits, and returns the bf16 bits of the num_tokens output rows.
+std::vector<uint16_t> forward_bits(const MoeLayer& layer, const MoeForwardArgs& args,
+                                   DeviceBuffer<uint16_t>& output, const DeviceBuffer<uint8_t>& workspace,
+                                   cudaStream_t stream) {
+  poison_async(output, stream);
+  layer.forward(args, output.get(), workspace.get(), workspace.bytes(), stream);
+  return output_rows(download_after(output, stream), static_cast<size_t>(args.num_tokens * layer.hidden()));
+}
+
+// Checks a bf16 layer output against the reference: ||out - ref|| / ||ref||
+// < 1e-2, every element within compare()'s atol + rtol |ref|, none
+// unwritten. Returns the relative error for the log.
+double expect_matches_reference(const std::vector<uint16_t>& out, const std::vector<float>& ref,
+                                 int64_t hidden) {
+  EXPECT_EQ(out.size(), ref.size());
+  if (out.size() != ref.size()) return 1.0;
+  const testing::Comparison c =
+      testing::compare(bf16_to_floats(out), std::vector<double>(ref.begin(), ref.end()), hidden);
+  EXPECT_LT(c.rel_err, 1e-2) << c.first_bad;
+  EXPECT_EQ(c.num_bad, 0) << c.first_bad;
+  EXPECT_EQ(c.num_unwritten, 0) << c.first_bad;
+  return c.rel_err;
+}
+
+// Index of the first differing element, or -1: for bit-exact comparisons.
+int64_t first_difference(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  if (a.size() != b.size()) return 0;
+  const auto it = std::mismatch(a.begin(), a.end(), b.begin());
+  return it.first == a.end() ? -1 : static_cast<int64_t>(it.first - a.begin());
+}
+
+bool same_tile(const TileConfig& a, const TileConfig& b) {
+  return a.block_n == b.block_n && a.block_m == b.block_m && a.block_k == b.block_k &&
+         a.stages == b.stages && a.warps == b.warps;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// -------------------------------------------- model shapes x modes x tokens
+
+using ModelModes = std::tuple<int, FinalizeMode, GatherMode>;
+class ModelMatrix : public ::testing::TestWithParam<ModelModes> {};
+
+TEST_P(ModelMatrix, MatchesReferenceWithDeviceAndCallerRouting) {
+  FP4MOE_REQUIRE_GPU();
+  const auto [model_idx, finalize, gather] = GetParam();
+  const ModelShape& shape = model_shapes()[static_cast<size_t>(model_idx)];
+  ModelData& data = model_data(shape);
+  const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape, finalize, gather));
+  EXPECT_EQ(layer.num_experts(), shape.num_experts);
+  EXPECT_EQ(layer.hidden(), shape.hidden);
+  EXPECT_EQ(layer.inter(), shape.inter);
+  EXPECT_EQ(layer.top_k(), shape.routing.top_k);
+
+  Stream stream;
+  const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
+  DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
+  for (int64_t num_tokens : kTokenCounts) {
+    const TokenBatch& batch = data.batch(num_tokens);
+    const DeviceInputs inputs(batch, data.correction_bias);
+    EXPECT_EQ(layer.plan(num_tokens).num_rows, num_tokens * shape.routing.top_k);
+    for (bool device_routing : {true, false}) {
+      const std::string what = shape.name + " T=" + std::to_string(num_tokens) + " " +
+                               (device_routing ? "device routing" : "caller routing") + " " +
+                               to_string(finalize) + " " + to_string(gather);
+      SCOPED_TRACE(what);
+      const std::vector<uint16_t> out = forward_bits(
+          layer, device_routing ? inputs.device_routing() : inputs.caller_routing(), output, workspace,
+          stream.get());
+      const double rel_err = expect_matches_reference(out, batch.reference, shape.hidden);
+      std::printf("  %-60s rel_err %.2e\n", what.c_str(), rel_err);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Models, ModelMatrix,
+    ::testing::Combine(::testing::Range(0, static_cast<int>(model_shapes().size())),
+                       ::testing::Values(FinalizeMode::kDeterministic, FinalizeMode::kAtomic),
+                       ::testing::Values(GatherMode::kFused, GatherMode::kSeparate)),
+    [](const ::testing::TestParamInfo<ModelModes>& param_info) {
+      return model_shapes()[static_cast<size_t>(std::get<0>(param_info.param))].name + "_" +
+             to_string(std::get<1>(param_info.param)) + "_" + to_string(std::get<2>(param_info.param));
+    });
+
+// ------------------------------------------- skewed and sparse caller routing
+
+// The model shapes plus a top-1 layer, where "90% of tokens to one expert"
+// is also 90% of all (token, slot) pairs; with top_k > 1 a token may name an
+// expert once only, so the hot expert gets at most 1/top_k of the pairs.
+const std::vector<ModelShape>& pattern_shapes() {
+  static const std::vector<ModelShape> shapes = [] {
+    std::vector<ModelShape> s = model_shapes();
+    s.push_back({"Top1", 64, 256, 144, softmax_routing(1, false)});
+    return s;
+  }();
+  return shapes;
+}
+
+using ShapePattern = std::tuple<int, RoutingPattern>;
+class CallerRoutingPatterns : public ::testing::TestWithParam<ShapePattern> {};
+
+TEST_P(CallerRoutingPatterns, MatchReference) {
+  FP4MOE_REQUIRE_GPU();
+  const auto [shape_idx, pattern] = GetParam();
+  const ModelShape& shape = pattern_shapes()[static_cast<size_t>(shape_idx)];
+  ModelData& data = model_data(shape);
+  for (FinalizeMode finalize : {FinalizeMode::kDeterministic, FinalizeMode::kAtomic}) {
+    const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape, finalize));
+    Stream stream;
+    const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
+    DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
+    for (int64_t num_tokens : {int64_t{3}, int64_t{64}, kMaxTokens}) {
+      std::mt19937 rng(static_cast<uint32_t>(num_tokens * 31 + shape_idx));
+      const std::vector<uint16_t> hidden = testing::random_bf16(static_cast<size_t>(num_tokens * shape.hidden), rng);
+      const Routing routing = patterned_routing(pattern, num_tokens, shape.num_experts, shape.routing.top_k, rng);
+      std::vector<int64_t> pairs_per_expert(static_cast<size_t>(shape.num_experts), 0);
+      for (int32_t id : routing.topk_ids) ++pairs_per_expert[static_cast<size_t>(id)];
+      const int64_t used = std::count_if(pairs_per_expert.begin(), pairs_per_expert.end(), [](int64_t n) { return n > 0; });
+      const int64_t busiest = *std::max_element(pairs_per_expert.begin(), pairs_per_expert.end());
+      const std::string what = shape.name + " " + to_string(pattern) + " T=" + std::to_string(num_tokens) + " " +
+                               to_string(finalize) + ": " + std::to_string(used) + " of " +
+                               std::to_string(shape.num_experts) + " experts used, busiest has " +
+                               std::to_string(busiest) + " of " + std::to_string(routing.topk_ids.size()) + " pairs";
+      SCOPED_TRACE(what);
+      const DeviceInputs inputs(hidden, {}, {}, routing, num_tokens);
+      const std::vector<uint16_t> out = forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
+      const double rel_err =
+          expect_matches_reference(out, reference_output(data.weights, hidden, routing, shape.activation), shape.hidden);
+      std::printf("  %-90s rel_err %.2e\n", what.c_str(), rel_err);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Patterns, CallerRoutingPatterns,
+    ::testing::Combine(::testing::Range(0, static_cast<int>(pattern_shapes().size())),
+                       ::testing::Values(RoutingPattern::kHotExpert, RoutingPattern::kFewExperts)),
+    [](const ::testing::TestParamInfo<ShapePattern>& param_info) {
+      return pattern_shapes()[static_cast<size_t>(std::get<0>(param_info.param))].name + "_" +
+             to_string(std::get<1>(param_info.param));
+    });
+
+// ------------------------------------------------------ forced tile configs
+
+TEST(MoeLayerConfigs, EveryCompiledConfigForcedInBothGemms) {
+  FP4MOE_REQUIRE_GPU();
+  ASSERT_FALSE(compiled_configs().empty());
+  for (const std::string name : {"GLM45", "Mixtral"}) {
+    const ModelShape& shape = shape_named(name);
+    ModelData& data = model_data(shape);
+    std::vector<std::unique_ptr<DeviceInputs>> inputs;
+    const int64_t token_counts[] = {3, 64, kMaxTokens};
+    for (int64_t t : token_counts) inputs.push_back(std::make_unique<DeviceInputs>(data.batch(t), data.correction_bias));
+    Stream stream;
+    DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
+    for (const TileConfig& config1 : compiled_configs()) {
+      for (const TileConfig& config2 : compiled_configs()) {
+        MoeLayerOptions options = layer_options(shape);
+        options.gemm1_config = config1;
+        options.gemm2_config = config2;
+        const MoeLayer layer = MoeLayer::prepare(data.weights, options);
+        const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
+        for (size_t i = 0; i < inputs.size(); ++i) {
+          const int64_t num_tokens = token_counts[i];
+          const std::string what = shape.name + " gemm1 " + config1.to_string() + " gemm2 " +
+                                   config2.to_string() + " T=" + std::to_string(num_tokens);
+          SCOPED_TRACE(what);
+          const MoeLayerPlan plan = layer.plan(num_tokens);
+          EXPECT_TRUE(same_tile(plan.gemm1.config, config1)) << "planned " << plan.gemm1.config.to_string();
+          EXPECT_TRUE(same_tile(plan.gemm2.config, config2)) << "planned " << plan.gemm2.config.to_string();
+          const std::vector<uint16_t> out =
+              forward_bits(layer, inputs[i]->device_routing(), output, workspace, stream.get());
+          const double rel_err = expect_matches_reference(out, data.batch(num_tokens).reference, shape.hidden);
+          std::printf("  %-60s rel_err %.2e\n", what.c_str(), rel_err);
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------ full-size GLM-5 layer
+
+// Runs fn(i) for i in [0, count) on all hardware threads.
+template <typename Fn>
+void parallel_for(int64_t count, const Fn& fn) {
+  std::atomic<int64_t> next{0};
+  std::vector<std::thread> threads;
+  const unsigned num_threads = std::max(1u, std::thread::hardware_concurrency());
+  for (unsigned w = 0; w < num_threads; ++w)
+    threads.emplace_back([&] {
+      for (int64_t i = next++; i < count; i = next++) fn(i);
+    });
+  for (std::thread& t : threads) t.join();
+}
+
+// Full-size weights from the fast generator (block scales 0.125 .. 2).
+MoeWeights fast_random_weights(const ModelShape& shape) {
+  MoeWeights w;
+  w.num_experts = shape.num_experts;
+  w.hidden = shape.hidden;
+  w.inter = shape.inter;
+  w.experts.resize(static_cast<size_t>(shape.num_experts));
+  const float gate_up_scale = 0.3f / std::sqrt(static_cast<float>(shape.hidden));
+  const float down_scale = 0.3f / std::sqrt(static_cast<float>(shape.inter));
+  parallel_for(shape.num_experts, [&](int64_t e) {
+    ExpertWeights& ex = w.experts[static_cast<size_t>(e)];
+    const uint64_t seed = 0xF00D0000ull + static_cast<uint64_t>(e) * 3;
+    ex.gate = testing::fast_random_nvfp4(shape.inter, shape.hidden, gate_up_scale, seed);
+    ex.up = testing::fast_random_nvfp4(shape.inter, shape.hidden, gate_up_scale, seed + 1);
+    ex.down = testing::fast_random_nvfp4(shape.hidden, shape.inter, down_scale, seed + 2);
+  });
+  return w;
+}
+
+size_t host_weight_bytes(const MoeWeights& w) {
+  size_t bytes = 0;
+  for (const ExpertWeights& ex : w.experts)
+    for (const Nvfp4Matrix* m : {&ex.gate, &ex.up, &ex.down}) bytes += m->packed.size() + m->scales.size();
+  return bytes;
+}
+
+TEST(MoeLayerFullSize, Glm5AtOneAnd64Tokens) {
+  FP4MOE_REQUIRE_GPU();
+  const ModelShape shape{"GLM5", 256, 6144, 2048, noaux_routing(8, 1, 1, 2.5f)};
+
+  auto start = std::chrono::steady_clock::now();
+  const MoeWeights weights = fast_random_weights(shape);
+  std::printf("  GLM-5: generated %.2f GB of NVFP4 weights in %.1f s\n", host_weight_bytes(weights) / 1e9,
+              seconds_since(start));
+
+  start = std::chrono::steady_clock::now();
+  const MoeLayer layer = MoeLayer::prepare(weights, layer_options(shape));
+  std::printf("  GLM-5: prepare (repack + upload %.2f GB) took %.1f s\n", layer.device_weight_bytes() / 1e9,
+              seconds_since(start));
+
+  std::mt19937 rng(55);
+  const std::vector<float> correction_bias = normal_floats(static_cast<size_t>(shape.num_experts), 0.1f, rng);
+  Stream stream;
+  const int64_t max_tokens = 64;
+  const DeviceBuffer<uint8_t> workspace = make_workspace(layer, max_tokens);
+  DeviceBuffer<uint16_t> output(static_cast<size_t>(max_tokens * shape.hidden));
+  for (int64_t num_tokens : {int64_t{1}, max_tokens}) {
+    SCOPED_TRACE("GLM-5 T=" + std::to_string(num_tokens));
+    TokenBatch b;
+    b.num_tokens = num_tokens;
+    b.hidden_states = testing::random_bf16(static_cast<size_t>(num_tokens * shape.hidden), rng);
+    b.router_logits = draw_router_logits(num_tokens, shape.num_experts, correction_bias, shape.routing, rng);
+    b.routing = route(b.router_logits.data(), num_tokens, shape.num_experts, correction_bias.data(), shape.routing);
+    start = std::chrono::steady_clock::now();
+    b.reference = reference_output(weights, b.hidden_states, b.routing, shape.activation);
+    const double reference_s = seconds_since(start);
+
+    const DeviceInputs inputs(b, correction_bias);
+    for (bool device_routing : {true, false}) {
+      const std::vector<uint16_t> out = forward_bits(
+          layer, device_routing ? inputs.device_routing() : inputs.caller_routing(), output, workspace, stream.get());
+      const double rel_err = expect_matches_reference(out, b.reference, shape.hidden);
+      std::printf("  GLM-5 T=%lld %s routing: reference %.1f s, rel_err %.2e\n", static_cast<long long>(num_tokens),
+                  device_routing ? "device" : "caller", reference_s, rel_err);
+    }
+  }
+}
+
+// -------------------------------------------------------------- determinism
+
+TEST(MoeLayerDeterminism, DeterministicForwardsAreBitIdentical) {
+  FP4MOE_REQUIRE_GPU();
+  for (const std::string name : {"DeepSeekV3", "GptOss"}) {
+    const ModelShape& shape = shape_named(name);
+    ModelData& data = model_data(shape);
+    const TokenBatch& batch = data.batch(kMaxTokens);
+    const DeviceInputs inputs(batch, data.correction_bias);
+    for (GatherMode gather : {GatherMode::kFused, GatherMode::kSeparate}) {
+      SCOPED_TRACE(shape.name + " " + to_string(gather));
+      const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape, FinalizeMode::kDeterministic, gather));
+      Stream stream;
+      const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
+      DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
+      const std::vector<uint16_t> first = forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
+      expect_matches_reference(first, batch.reference, shape.hidden);
+      for (int run = 1; run < 5; ++run) {
+        const std::vector<uint16_t> again = forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
+        EXPECT_EQ(first_difference(first, again), -1) << "run " << run << " differs from run 0";
+      }
+    }
+  }
+}
+
+// Repeated atomic forwards, with the token count changing in between, each
+// within tolerance: the accumulation buffer must be cleared for the next one.
+TEST(MoeLayerDeterminism, AtomicForwardsStayWithinTolerance) {
+  FP4MOE_REQUIRE_GPU();
+  const ModelShape& shape = shape_named("Qwen3_30B");
+  ModelData& data = model_data(shape);
+  const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape, FinalizeMode::kAtomic));
+  Stream stream;
+  const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
+  DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
+  for (int64_t num_tokens : {kMaxTokens, int64_t{64}, kMaxTokens, kMaxTokens, int64_t{3}, kMaxTokens}) {
+    SCOPED_TRACE("T=" + std::to_string(num_tokens));
+    const TokenBatch& batch = data.batch(num_tokens);
+    const DeviceInputs inputs(batch, data.correction_bias);
+    const std::vector<uint16_t> out = forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
+    expect_matches_reference(out, batch.reference, shape.hidden);
+  }
+}
+
+// ---------------------------------------------------------------- CUDA graph
+
+// One forward captured once, replayed with new contents in the same input
+// buffers: new hidden states with the old logits, then new logits too (so the
+// routing, and every expert's row count, changes under the graph).
+TEST(MoeLayerGraph, ReplaysWithNewInputsEqualEagerForwards) {
+  FP4MOE_REQUIRE_GPU();
+  const ModelShape& shape = shape_named("DeepSeekV3");
+  ModelData& data = model_data(shape);
+  const int64_t num_tokens = 64;
+  const TokenBatch a = data.make_batch(num_tokens);
+  const TokenBatch b = data.make_batch(num_tokens);
+  struct Replay {
+    const char* what;
+    const std::vector<uint16_t>* hidden;
+    const std::vector<float>* logits;
+  };
+  const Replay replays[] = {{"inputs A", &a.hidden_states, &a.router_logits},
+                            {"hidden B, logits A", &b.hidden_states, &a.router_logits},
+                            {"inputs B", &b.hidden_states, &b.router_logits}};
+
+  const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape));
+  Stream stream;
+  const DeviceBuffer<uint8_t> workspace = make_workspace(layer, num_tokens);
+  DeviceBuffer<uint16_t> output(static_cast<size_t>(num_tokens * shape.hidden));
+
+  std::vector<std::vector<uint16_t>> eager;
+  for (const Replay& r : replays) {
+    const DeviceInputs inputs(*r.hidden, *r.logits, data.correction_bias, Routing{}, num_tokens);
+    eager.push_back(forward_bits(layer, inputs.device_routing(), output, workspace, stream.get()));
+  }
+  expect_matches_reference(eager[0], a.reference, shape.hidden);
+  expect_matches_reference(eager[2], b.reference, shape.hidden);
+
+  const DeviceInputs live(a.hidden_states, a.router_logits, data.correction_bias, Routing{}, num_tokens);
+  cudaGraph_t graph = nullptr;
+  FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+  try {
+    layer.forward(live.device_routing(), output.get(), workspace.get(), workspace.bytes(), stream.get());
+  } catch (...) {
+    cudaStreamEndCapture(stream.get(), &graph);
+    if (graph) cudaGraphDestroy(graph);
+    throw;
+  }
+  FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+  cudaGraphExec_t exec = nullptr;
+  FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  for (size_t i = 0; i < std::size(replays); ++i) {
+    SCOPED_TRACE(std::string("replay with ") + replays[i].what);
+    const std::vector<uint16_t>& hidden = *replays[i].hidden;
+    const std::vector<float>& logits = *replays[i].logits;
+    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(live.hidden_states.get(), hidden.data(), hidden.size() * sizeof(uint16_t),
+                                      cudaMemcpyHostToDevice, stream.get()));
+    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(live.router_logits.get(), logits.data(), logits.size() * sizeof(float),
+                                      cudaMemcpyHostToDevice, stream.get()));
+    poison_async(output, stream.get());
+    FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+    const std::vector<uint16_t> replayed = download_after(output, stream.get());
+    EXPECT_EQ(first_difference(replayed, eager[i]), -1) << "the replay differs from the eager forward";
+  }
+  EXPECT_EQ(layer.device_errors(workspace.get(), stream.get()), "");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+// ------------------------------------------------------------- two threads
+
+TEST(MoeLayerThreads, TwoThreadsTwoStreamsOneLayer) {
+  FP4MOE_REQUIRE_GPU();
+  const ModelShape& shape = shape_named("Qwen3_30B");
+  ModelData& data = model_data(shape);
+  const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape));
+
+  // Thread 0 routes 1000 tokens on the device; thread 1 gives 64 tokens' routing.
+  struct Job {
+    const TokenBatch* batch;
+    bool device_routing;
+    std::unique_ptr<DeviceInputs> inputs;
+    std::vector<uint16_t> eager;
+    int num_mismatches = 0;
+  };
+  Job jobs[2] = {{&data.batch(kMaxTokens), true, nullptr, {}, 0}, {&data.batch(64), false, nullptr, {}, 0}};
+  for (Job& job : jobs) {
+    job.inputs = std::make_unique<DeviceInputs>(*job.batch, data.correction_bias);
+    Stream stream;
+    const DeviceBuffer<uint8_t> workspace = make_workspace(layer, job.batch->num_tokens);
+    DeviceBuffer<uint16_t> output(static_cast<size_t>(job.batch->num_tokens * shape.hidden));
+    const MoeForwardArgs args = job.device_routing ? job.inputs->device_routing() : job.inputs->caller_routing();
+    job.eager = forward_bits(layer, args, output, workspace, stream.get());
+    expect_matches_reference(job.eager, job.batch->reference, shape.hidden);
+  }
+
+  constexpr int kForwardsPerThread = 8;
+  auto run = [&](Job& job) {
+    Stream stream;
+    const DeviceBuffer<uint8_t> workspace = make_workspace(layer, job.batch->num_tokens);
+    DeviceBuffer<uint16_t> output(static_cast<size_t>(job.batch->num_tokens * shape.hidden));
+    const MoeForwardArgs args = job.device_routing ? job.inputs->device_routing() : job.inputs->caller_routing();
+    for (int i = 0; i < kForwardsPerThread; ++i)
+      if (first_difference(forward_bits(layer, args, output, workspace, stream.get()), job.eager) != -1)
+        ++job.num_mismatches;
+  };
+  std::thread other(run, std::ref(jobs[1]));
+  run(jobs[0]);
+  other.join();
+  EXPECT_EQ(jobs[0].num_mismatches, 0) << "thread 0 (T=1000, device routing) differs from its eager result";
+  EXPECT_EQ(jobs[1].num_mismatches, 0) << "thread 1 (T=64, caller routing) differs from its eager result";
+}
+
+// ------------------------------------------------------------------ workspace
+
+TEST(MoeLayerWorkspace, OneWorkspaceServesEveryTokenCountUpToItsMax) {
+  FP4MOE_REQUIRE_GPU();
+  const ModelShape& shape = shape_named("GLM45");
+  ModelData& data = model_data(shape);
+  const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape));
+  EXPECT_LE(layer.workspace_bytes(1), layer.workspace_bytes(64));
+  EXPECT_LE(layer.workspace_bytes(64), layer.workspace_bytes(kMaxTokens));
+  Stream stream;
+  const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
+  DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
+  for (int64_t num_tokens : {kMaxTokens, int64_t{1}, int64_t{64}, int64_t{3}, kMaxTokens}) {
+    SCOPED_TRACE("T=" + std::to_string(num_tokens) + " in a workspace for " + std::to_string(kMaxTokens));
+    const TokenBatch& batch = data.batch(num_tokens);
+    const DeviceInputs inputs(batch, data.correction_bias);
+    expect_matches_reference(forward_bits(layer, inputs.device_routing(), output, workspace, stream.get()),
+                             batch.reference, shape.hidden);
+  }
+}
+
+TEST(MoeLayerWorkspace, TooSmallWorkspaceThrowsBeforeLaunch) {
+  FP4MOE_REQUIRE_GPU();
+  const ModelShape& shape = shape_named("GLM45");
+  ModelData& data = model_data(shape);
+  const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape));
+  const TokenBatch& batch = data.batch(kMaxTokens);
+  const DeviceInputs inputs(batch, data.correction_bias);
+  const size_t needed = layer.workspace_bytes(kMaxTokens);
+  const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
+  Stream stream;
+  DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
+
+  std::vector<size_t> too_small = {needed - 1, 0};
+  if (layer.workspace_bytes(64) < needed) too_small.push_back(layer.workspace_bytes(64));
+  for (size_t given : too_small) {
+    SCOPED_TRACE("workspace of " + std::to_string(given) + " bytes, " + std::to_string(needed) + " needed");
+    poison_async(output, stream.get());
+    try {
+      layer.forward(inputs.device_routing(), output.get(), workspace.get(), given, stream.get());
+      ADD_FAILURE() << "forward accepted a workspace that is too small";
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), HasSubstr(std::to_string(needed)));
+    }
+    const std::vector<uint16_t> after = download_after(output, stream.get());
+    EXPECT_EQ(std::count(after.begin(), after.end(), uint16_t{0xFFFF}), static_cast<std::ptrdiff_t>(after.size()))
+        << "the output was written although forward threw";
+  }
+}
+
+// ------------------------------------------------------------- device errors
+
+// Ids outside [0, num_experts) in caller routing: reported by device_errors,
+// their slots contribute nothing, every other (token, slot) is computed.
+TEST(MoeLayerDeviceErrors, OutOfRangeIdsAreReportedAndSkipped) {
+  FP4MOE_REQUIRE_GPU();
+  const ModelShape& shape = shape_named("Mixtral");
+  ModelData& data = model_data(shape);
+  const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape));
+  const int64_t num_tokens = 64;
+  const int top_k = shape.routing.top_k;
+  const TokenBatch& batch = data.batch(num_tokens);
+  Stream stream;
+  DeviceBuffer<uint16_t> output(static_cast<size_t>(num_tokens * shape.hidden));
+
+  {
+    SCOPED_TRACE("valid routing");
+    const DeviceBuffer<uint8_t> workspace = make_workspace(layer, num_tokens);
+    const DeviceInputs inputs(batch, data.correction_bias);
+    forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
+    EXPECT_EQ(layer.device_errors(workspace.get(), stream.get()), "");
+  }
+
+  // (token, slot, bad id); the reference gets a valid unused id with weight 0 there.
+  const std::tuple<int64_t, int, int32_t> bad_slots[] = {
+      {5, 1, static_cast<int32_t>(shape.num_experts)}, {17, 0, -1}, {63, top_k - 1, 1 << 20}};
+  Routing given = batch.routing;
+  Routing expected = batch.routing;
+  for (const auto& [token, slot, bad_id] : bad_slots) {
+    const size_t pair = static_cast<size_t>(token * top_k + slot);
+    given.topk_ids[pair] = bad_id;
+    int32_t unused = 0;
+    while (std::find(expected.topk_ids.begin() + token * top_k, expected.topk_ids.begin() + (token + 1) * top_k,
+                     unused) != expected.topk_ids.begin() + (token + 1) * top_k)
+      ++unused;
+    expected.topk_ids[pair] = unused;
+    expected.topk_weights[pair] = 0.0f;
+  }
+  const DeviceBuffer<uint8_t> workspace = make_workspace(layer, num_tokens);
+  const DeviceInputs inputs(batch.hidden_states, {}, {}, given, num_tokens);
+  const std::vector<uint16_t> out = forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
+  expect_matches_reference(out, reference_output(data.weights, batch.hidden_states, expected, shape.activation),
+                           shape.hidden);
+  const std::string errors = layer.device_errors(workspace.get(), stream.get());
+  std::printf("  device_errors: %s\n", errors.c_str());
+  EXPECT_NE(errors, "");
+  std::string lower = errors;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  EXPECT_THAT(lower, HasSubstr("expert"));
+}
+
+// --------------------------------------------------------- load from a file
+
+TEST(MoeLayerLoad, CheckpointFileEqualsPrepareFromMemory) {
+  FP4MOE_REQUIRE_GPU();
+  const ModelShape& shape = shape_named("GptOss");  // with biases: they must round-trip too
+  ModelData& data = model_data(shape);
+  const std::string prefix = "model.layers.7.mlp.";
+  const std::filesystem::path path = std::filesystem::temp_directory_path() /
+                                     ("fp4moe_test_moe_layer_" + std::to_string(getpid()) + ".safetensors");
+  SafetensorsWriter writer;
+  add_moe_weights(writer, data.weights, prefix);
+  writer.write(path.string());
+
+  const MoeLayerOptions options = layer_options(shape);
+  const MoeLayer from_memory = MoeLayer::prepare(data.weights, options);
+  const MoeLayer from_file = MoeLayer::load(path.string(), prefix, options);
+  std::filesystem::remove(path);
+  EXPECT_EQ(from_file.num_experts(), from_memory.num_experts());
+  EXPECT_EQ(from_file.hidden(), from_memory.hidden());
+  EXPECT_EQ(from_file.inter(), from_memory.inter());
+  EXPECT_EQ(from_file.top_k(), from_memory.top_k());
+  EXPECT_EQ(from_file.device_weight_bytes(), from_memory.device_weight_bytes());
+
+  Stream stream;
+  const DeviceBuffer<uint8_t> workspace = make_workspace(from_memory, kMaxTokens);
+  DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
+  for (int64_t num_tokens : {int64_t{3}, kMaxTokens}) {
+    SCOPED_TRACE("T=" + std::to_string(num_tokens));
+    const TokenBatch& batch = data.batch(num_tokens);
+    const DeviceInputs inputs(batch, data.correction_bias);
+    const std::vector<uint16_t> memory_out =
+        forward_bits(from_memory, inputs.device_routing(), output, workspace, stream.get());
+    const std::vector<uint16_t> file_out = forward_bits(from_file, inputs.device_routing(), output, workspace, stream.get());
+    EXPECT_EQ(first_difference(memory_out, file_out), -1) << "loaded layer differs from the prepared one";
+    expect_matches_reference(file_out, batch.reference, shape.hidden);
+  }
+}
+
+}  // namespace
+}  // namespace fp4moe

@@ -1,0 +1,267 @@
+// CPU tests of MoeLayer::prepare's weight validation, which runs on the host
+// before anything touches the GPU: shapes that differ between experts, gate
+// and up with different global scales (they must share one), hidden or inter
+// not a multiple of 16, wrong bias sizes, zero experts, more than 512
+// experts, short buffers and NaN scales. Every case checks what the message
+// says, not only that it throws, so these run (and pass) without a GPU.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <functional>
+#include <random>
+#include <string>
+
+#include "fp4moe/error.hpp"
+#include "fp4moe/moe_layer.hpp"
+#include "gpu_test_util.hpp"
+
+namespace fp4moe {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+constexpr int64_t kHidden = 64;
+constexpr int64_t kInter = 32;
+
+// A small valid layer: num_experts experts of [kInter, kHidden] / [kHidden, kInter].
+MoeWeights valid_weights(int64_t num_experts = 4, bool with_bias = false,
+                         int64_t hidden = kHidden, int64_t inter = kInter) {
+  std::mt19937 rng(7);
+  MoeWeights w;
+  w.num_experts = num_experts;
+  w.hidden = hidden;
+  w.inter = inter;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    ExpertWeights ex;
+    ex.gate = testing::random_nvfp4(inter, hidden, 0.01f, rng);
+    ex.up = testing::random_nvfp4(inter, hidden, 0.01f, rng);
+    ex.down = testing::random_nvfp4(hidden, inter, 0.02f, rng);
+    if (with_bias) {
+      ex.gate_bias.assign(static_cast<size_t>(inter), 0.5f);
+      ex.up_bias.assign(static_cast<size_t>(inter), -0.25f);
+      ex.down_bias.assign(static_cast<size_t>(hidden), 0.125f);
+    }
+    w.experts.push_back(std::move(ex));
+  }
+  return w;
+}
+
+MoeLayerOptions options_for(int64_t num_experts) {
+  MoeLayerOptions o;
+  o.routing.top_k = static_cast<int>(std::min<int64_t>(2, std::max<int64_t>(num_experts, 1)));
+  return o;
+}
+
+std::string lowercase(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+// prepare()'s error message, lower-cased; empty (and a test failure) if it
+// did not throw fp4moe::Error.
+std::string prepare_error(const MoeWeights& weights, const MoeLayerOptions& options) {
+  try {
+    MoeLayer layer = MoeLayer::prepare(weights, options);
+    ADD_FAILURE() << "prepare() accepted weights it should have rejected";
+  } catch (const Error& e) {
+    return lowercase(e.what());
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "prepare() threw something other than fp4moe::Error: " << e.what();
+  }
+  return {};
+}
+
+std::string prepare_error(const MoeWeights& weights) {
+  return prepare_error(weights, options_for(weights.num_experts));
+}
+
+// Validation must come before any CUDA call: a weight error is never a CUDA error.
+auto is_validation_error() { return AllOf(Not(HasSubstr("cudaerror")), Not(HasSubstr("no cuda"))); }
+
+TEST(MoeLayerArgs, RejectsExpertsWhoseShapesDiffer) {
+  // Each case replaces one matrix of expert 2 by one of another shape (same
+  // global scale, so only the shape is wrong).
+  struct Case {
+    const char* proj;
+    std::function<void(ExpertWeights&)> reshape;
+  };
+  const Case cases[] = {
+      {"gate", [](ExpertWeights& ex) {
+         ex.gate = testing::fast_random_nvfp4(kInter - 16, kHidden, ex.gate.global_scale, 1);
+       }},
+      {"up", [](ExpertWeights& ex) {
+         ex.up = testing::fast_random_nvfp4(kInter, kHidden + 16, ex.up.global_scale, 2);
+       }},
+      {"down", [](ExpertWeights& ex) {
+         ex.down = testing::fast_random_nvfp4(kHidden, kInter + 16, ex.down.global_scale, 3);
+       }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.proj);
+    MoeWeights w = valid_weights();
+    c.reshape(w.experts[2]);
+    const std::string msg = prepare_error(w);
+    EXPECT_THAT(msg, HasSubstr("expert 2"));
+    EXPECT_THAT(msg, HasSubstr(c.proj));
+    EXPECT_THAT(msg, is_validation_error());
+  }
+}
+
+TEST(MoeLayerArgs, RejectsGateAndUpWithDifferentGlobalScales) {
+  MoeWeights w = valid_weights();
+  w.experts[3].up.global_scale = 2.0f * w.experts[3].gate.global_scale;
+  const std::string msg = prepare_error(w);
+  // The message must explain the rule, not just name a mismatch: gate and up
+  // share one weight_scale_2 because the layer runs them as one GEMM.
+  EXPECT_THAT(msg, HasSubstr("expert 3"));
+  EXPECT_THAT(msg, HasSubstr("gate"));
+  EXPECT_THAT(msg, HasSubstr("up"));
+  EXPECT_THAT(msg, HasSubstr("share"));
+  EXPECT_THAT(msg, is_validation_error());
+}
+
+TEST(MoeLayerArgs, RejectsHiddenOrInterNotAMultipleOf16) {
+  struct Case {
+    int64_t hidden, inter;
+    const char* name;
+    int64_t bad_value;
+  };
+  const Case cases[] = {{72, 32, "hidden", 72}, {264, 32, "hidden", 264},
+                        {64, 40, "inter", 40}, {64, 200, "inter", 200}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(c.name) + " = " + std::to_string(c.bad_value));
+    // The matrices match the (bad) layer dimensions, so only the alignment is wrong.
+    const MoeWeights w = valid_weights(4, false, c.hidden, c.inter);
+    const std::string msg = prepare_error(w);
+    EXPECT_THAT(msg, HasSubstr(c.name));
+    EXPECT_THAT(msg, HasSubstr(std::to_string(c.bad_value)));
+    EXPECT_THAT(msg, HasSubstr("16"));
+    EXPECT_THAT(msg, is_validation_error());
+  }
+}
+
+TEST(MoeLayerArgs, RejectsBiasesOfTheWrongSize) {
+  struct Case {
+    const char* name;
+    std::function<void(ExpertWeights&)> damage;
+    int64_t bad_size;
+  };
+  const Case cases[] = {
+      {"gate", [](ExpertWeights& ex) { ex.gate_bias.resize(kInter - 1); }, kInter - 1},
+      {"up", [](ExpertWeights& ex) { ex.up_bias.resize(kInter + 5); }, kInter + 5},
+      {"down", [](ExpertWeights& ex) { ex.down_bias.resize(kInter); }, kInter},
+      {"down", [](ExpertWeights& ex) { ex.down_bias.clear(); }, 0},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(c.name) + " bias of " + std::to_string(c.bad_size));
+    MoeWeights w = valid_weights(4, /*with_bias=*/true);
+    c.damage(w.experts[1]);
+    const std::string msg = prepare_error(w);
+    EXPECT_THAT(msg, HasSubstr("expert 1"));
+    EXPECT_THAT(msg, HasSubstr(c.name));
+    EXPECT_THAT(msg, HasSubstr("bias"));
+    EXPECT_THAT(msg, HasSubstr(std::to_string(c.bad_size)));
+    EXPECT_THAT(msg, is_validation_error());
+  }
+}
+
+TEST(MoeLayerArgs, RejectsBiasesOnSomeExpertsOnly) {
+  MoeWeights w = valid_weights(4, /*with_bias=*/true);
+  w.experts[2].gate_bias.clear();
+  w.experts[2].up_bias.clear();
+  w.experts[2].down_bias.clear();
+  const std::string msg = prepare_error(w);
+  EXPECT_THAT(msg, HasSubstr("expert 2"));
+  EXPECT_THAT(msg, HasSubstr("bias"));
+  EXPECT_THAT(msg, is_validation_error());
+}
+
+TEST(MoeLayerArgs, RejectsZeroExperts) {
+  MoeWeights w;
+  w.hidden = kHidden;
+  w.inter = kInter;
+  const std::string msg = prepare_error(w, MoeLayerOptions{});
+  EXPECT_THAT(msg, HasSubstr("expert"));
+  EXPECT_THAT(msg, HasSubstr("0"));
+  EXPECT_THAT(msg, is_validation_error());
+}
+
+TEST(MoeLayerArgs, RejectsMoreThan512Experts) {
+  const MoeWeights w = valid_weights(513, false, 16, 16);
+  const std::string msg = prepare_error(w);
+  EXPECT_THAT(msg, HasSubstr("513"));
+  EXPECT_THAT(msg, HasSubstr("512"));
+  EXPECT_THAT(msg, is_validation_error());
+}
+
+TEST(MoeLayerArgs, RejectsAnExpertCountThatDisagreesWithTheExperts) {
+  MoeWeights w = valid_weights(4);
+  w.num_experts = 5;
+  const std::string msg = prepare_error(w);
+  EXPECT_THAT(msg, HasSubstr("5"));
+  EXPECT_THAT(msg, HasSubstr("4"));
+  EXPECT_THAT(msg, HasSubstr("expert"));
+  EXPECT_THAT(msg, is_validation_error());
+}
+
+TEST(MoeLayerArgs, RejectsBuffersShorterThanTheirShape) {
+  // rows/cols say [kInter, kHidden] but the arrays are short: reading them
+  // would run off the end, so prepare must refuse.
+  MoeWeights w = valid_weights(4);
+  w.experts[1].down.packed.resize(w.experts[1].down.packed.size() - 8);
+  std::string msg = prepare_error(w);
+  EXPECT_THAT(msg, HasSubstr("expert 1"));
+  EXPECT_THAT(msg, HasSubstr("down"));
+  EXPECT_THAT(msg, is_validation_error());
+
+  w = valid_weights(4);
+  w.experts[0].gate.scales.pop_back();
+  msg = prepare_error(w);
+  EXPECT_THAT(msg, HasSubstr("expert 0"));
+  EXPECT_THAT(msg, HasSubstr("gate"));
+  EXPECT_THAT(msg, is_validation_error());
+}
+
+TEST(MoeLayerArgs, RejectsNanBlockScales) {
+  MoeWeights w = valid_weights(4);
+  w.experts[3].down.scales[5] = 0x7F;  // e4m3fn NaN
+  const std::string msg = prepare_error(w);
+  EXPECT_THAT(msg, HasSubstr("nan"));
+  EXPECT_THAT(msg, is_validation_error());
+}
+
+// The positive control: valid weights pass validation. With a GPU, prepare
+// succeeds; without one, the first thing that fails is the device, which
+// shows that the rejections above are validation, not CUDA, errors.
+TEST(MoeLayerArgs, AcceptsValidWeights) {
+  for (bool with_bias : {false, true}) {
+    SCOPED_TRACE(with_bias ? "with biases" : "without biases");
+    const MoeWeights w = valid_weights(4, with_bias);
+    MoeLayerOptions options = options_for(4);
+    if (with_bias) options.activation = Activation::kGptOss;
+    if (testing::has_cuda_device()) {
+      EXPECT_NO_THROW({
+        MoeLayer layer = MoeLayer::prepare(w, options);
+        EXPECT_EQ(layer.num_experts(), 4);
+        EXPECT_EQ(layer.hidden(), kHidden);
+        EXPECT_EQ(layer.inter(), kInter);
+        EXPECT_EQ(layer.top_k(), 2);
+      });
+    } else {
+      try {
+        MoeLayer layer = MoeLayer::prepare(w, options);
+        ADD_FAILURE() << "prepare() succeeded without a CUDA device";
+      } catch (const Error& e) {
+        EXPECT_THAT(lowercase(e.what()), HasSubstr("cuda")) << "expected a CUDA error, got: " << e.what();
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fp4moe
