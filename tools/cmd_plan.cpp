@@ -82,13 +82,14 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
   if (!out) {
     std::cout << "planner choice for " << label << ", per token count (GEMM1: N = 2*inter, K = hidden; GEMM2: N = "
                                                    "hidden, K = inter):\n";
-    std::printf("  %7s %8s  %-18s %-18s %s\n", "tokens", "rows", "GEMM1", "GEMM2", "why (GEMM1)");
+    std::printf("  %7s %8s  %-27s %-29s %s\n", "tokens", "rows", "GEMM1", "GEMM2", "why (GEMM1)");
   }
   for (int64_t t : o.tokens) {
     const int64_t rows = t * topk;
     const int64_t active = static_cast<int64_t>(expected_active_experts(experts, topk, t) + 0.5);
-    GemmProblem g1{experts, 2 * inter, hidden, rows, std::max<int64_t>(active, 1)};
-    GemmProblem g2{experts, hidden, inter, rows, std::max<int64_t>(active, 1)};
+    // The layer's GEMMs: GEMM1 with the fused SwiGLU, GEMM2 with the fused finalize.
+    GemmProblem g1{experts, 2 * inter, hidden, rows, std::max<int64_t>(active, 1), Epilogue::kSwiglu};
+    GemmProblem g2{experts, hidden, inter, rows, std::max<int64_t>(active, 1), Epilogue::kFinalize};
     const GemmPlan p1 = plan_gemm(g1, budget, num_sms);
     const GemmPlan p2 = plan_gemm(g2, budget, num_sms);
     auto name = [](const GemmPlan& p) { return p.config.to_string() + " sk" + std::to_string(p.split_k); };
@@ -96,7 +97,7 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
                           {"gemm1", {{"config", p1.config.to_string()}, {"split_k", p1.split_k}, {"reason", p1.reason}}},
                           {"gemm2", {{"config", p2.config.to_string()}, {"split_k", p2.split_k}, {"reason", p2.reason}}}});
     if (!out)
-      std::printf("  %7lld %8lld  %-18s %-18s %s\n", static_cast<long long>(t), static_cast<long long>(rows),
+      std::printf("  %7lld %8lld  %-27s %-29s %s\n", static_cast<long long>(t), static_cast<long long>(rows),
                   name(p1).c_str(), name(p2).c_str(), p1.reason.c_str());
   }
   if (out) out->push_back(j);

@@ -22,6 +22,7 @@
 
 #include "fp4moe/modelopt.hpp"
 #include "fp4moe/plan.hpp"
+#include "fp4moe/reference.hpp"  // Activation
 
 namespace fp4moe {
 
@@ -45,6 +46,13 @@ struct PreparedGemmWeights {
 // launch supports.
 PreparedGemmWeights prepare_gemm_weights(std::span<const Nvfp4Matrix* const> experts);
 
+// The [2 inter, k] matrix the kSwiglu epilogue expects: rows in groups of 16,
+// 8 gate rows then the 8 up rows of the same features (row 16b + i is gate
+// row 8b + i for i < 8, up row 8b + i - 8 otherwise), so one MMA tile holds
+// both halves of each output feature. gate and up must have the same shape,
+// rows % 8 == 0 and the same global scale (ModelOpt shares weight_scale_2).
+Nvfp4Matrix interleave_gate_up(const Nvfp4Matrix& gate, const Nvfp4Matrix& up);
+
 // Device pointers and sizes of one grouped GEMM call.
 struct GroupedGemmArgs {
   // Prepared weights in device memory (PreparedGemmWeights' arrays, uploaded).
@@ -54,27 +62,62 @@ struct GroupedGemmArgs {
   int64_t num_experts = 0;
   int64_t n = 0;
   int64_t k = 0;
-  // Activations, bf16 [num_rows, k] row-major, rows grouped by expert.
+  // Activations, bf16 [x_rows, k] row-major. Without gather_rows, x_rows =
+  // num_rows and row r of the problem is x row r (rows grouped by expert);
+  // with it, row r reads x row gather_rows[r] (device int32 [num_rows]).
   const void* x = nullptr;
+  const int32_t* gather_rows = nullptr;
+  int64_t x_rows = 0;  // 0: num_rows
   // Device int32 [num_experts + 1]: rows of expert e are
   // [offsets[e], offsets[e+1]); offsets[0] = 0, offsets[E] = num_rows.
   const int32_t* expert_offsets = nullptr;
   int64_t num_rows = 0;
-  // Output, bf16 [num_rows, n] row-major.
+  // Output, per plan.config.epilogue:
+  //   kNone      y bf16 [num_rows, n].
+  //   kSwiglu    weights made with interleave_gate_up(); y bf16 [num_rows, n/2]
+  //              = activation(gate + bias[e][f], up + bias[e][n/2 + f]).
+  //   kFinalize  out_f32 fp32 [out_rows, n]: row r of the problem, scaled,
+  //              (+ bias[e][c]) x row_weights[s], goes to out_f32 row
+  //              s / out_row_divisor with s = scatter_rows[r], stored (or, with
+  //              atomic_out, added atomically).
   void* y = nullptr;
+  Activation activation = Activation::kSwiGLU;
+  const float* bias = nullptr;  // optional fp32 [num_experts][n], device
+  const int32_t* scatter_rows = nullptr;
+  const float* row_weights = nullptr;  // optional (1.0 when null), indexed by s
+  float* out_f32 = nullptr;
+  int64_t out_rows = 0;
+  int out_row_divisor = 1;
+  bool atomic_out = false;
+  // Planning hint: experts expected to receive rows (0: as many as can).
+  int64_t expected_active_experts = 0;
   // Zero-initialised once at allocation (cudaMemset); the kernel leaves it
   // ready for the next call. grouped_gemm_workspace_bytes() says how much.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // Optional: the state that must stay zero between launches (device error
+  // word, split-K tile counters) kept outside `workspace`, e.g. at a fixed
+  // place of a larger workspace whose scratch layout changes between calls.
+  // split_counters needs at least plan.max_tiles entries when split_k > 1.
+  int32_t* error_flags = nullptr;
+  int32_t* split_counters = nullptr;
+  int64_t split_counters_capacity = 0;
   // Optional host copy of expert_offsets: when given, it is validated
   // (monotone, starting at 0, ending at num_rows) before launch.
   const int32_t* host_expert_offsets = nullptr;
 };
 
-// Plans for the local GPU (its SM count and shared-memory limit). A forced
-// config must be compiled and fit the device, else the call throws with the
-// region-by-region breakdown.
+// Plans for the local GPU (its SM count and shared-memory limit) among the
+// configs with `epilogue`. A forced config must be compiled and fit the
+// device, else the call throws with the region-by-region breakdown; its
+// epilogue field is replaced by `epilogue`.
 GemmPlan plan_grouped_gemm(const GroupedGemmArgs& args,
+                           const std::optional<TileConfig>& forced = std::nullopt,
+                           Epilogue epilogue = Epilogue::kNone);
+
+// The same for a problem description (shapes, rows, epilogue) without
+// pointers, e.g. to size a workspace ahead of the calls.
+GemmPlan plan_grouped_gemm(const GemmProblem& problem,
                            const std::optional<TileConfig>& forced = std::nullopt);
 
 size_t grouped_gemm_workspace_bytes(const GemmPlan& plan);
@@ -85,7 +128,8 @@ size_t grouped_gemm_workspace_bytes(const GemmPlan& plan);
 void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_t stream);
 
 // Device-side input errors seen by earlier launches using `workspace`
-// (offsets not monotone, or outside [0, num_rows]); synchronises the stream.
+// (offsets not monotone, or outside [0, num_rows]; gather or scatter rows out
+// of range); synchronises the stream.
 // Returns an empty string when there were none.
 std::string grouped_gemm_device_errors(const void* workspace, cudaStream_t stream);
 

@@ -33,8 +33,11 @@ bool local_arch_limits(ArchLimits* limits, std::string* device_name = nullptr);
 
 // ---------------------------------------------------------------- configs
 
+// What the grouped GEMM does with a finished tile (DESIGN.md §4).
 enum class Epilogue {
-  kNone,  // bf16 rows in expert-sorted order
+  kNone,      // bf16 rows in expert-sorted order
+  kSwiglu,    // GEMM1: gate and up rows interleaved in one tile -> act(gate, up), bf16, half width
+  kFinalize,  // GEMM2: (row (+ bias)) x router weight, fp32, scattered to the (token, slot) or token row
 };
 std::string to_string(Epilogue epilogue);
 
@@ -48,15 +51,15 @@ struct TileConfig {
   int warps = 4;      // warps per block; each owns block_n / warps weight rows
   Epilogue epilogue = Epilogue::kNone;
 
-  // "n128m8k256s4w4"
+  // "n128m8k256s4w4"; a fused epilogue adds a suffix: "n128m8k256s4w4-swiglu".
   std::string to_string() const;
   // Inverse of to_string; throws with the expected form on a malformed name.
   static TileConfig parse(std::string_view name);
   bool operator==(const TileConfig&) const = default;
 };
 
-// The configurations compiled into the library, in the order the planner
-// considers them.
+// The configurations compiled into the library (every tile shape with every
+// epilogue), in the order the planner considers them.
 const std::vector<TileConfig>& compiled_configs();
 bool is_compiled(const TileConfig& config);
 
@@ -101,6 +104,7 @@ struct GemmProblem {
   int64_t k = 0;
   int64_t num_rows = 0;  // routed rows over all experts (tokens * top_k)
   int64_t expected_active_experts = 0;  // 0: estimate from uniform routing
+  Epilogue epilogue = Epilogue::kNone;   // the planner only picks configs with this epilogue
 };
 
 struct GemmPlan {
@@ -110,7 +114,8 @@ struct GemmPlan {
   std::string reason;     // why this config and split
 };
 
-// Picks a config for `problem` among those fitting `smem_budget_bytes`.
+// Picks a config for `problem` among those with its epilogue fitting
+// `smem_budget_bytes`.
 // num_sms and blocks_per_sm size the split-K choice (waves of work).
 GemmPlan plan_gemm(const GemmProblem& problem, int64_t smem_budget_bytes, int num_sms,
                    int blocks_per_sm = 2);

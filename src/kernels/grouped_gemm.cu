@@ -27,11 +27,11 @@ struct KernelEntry {
 
 const std::vector<KernelEntry>& kernel_table() {
   static const std::vector<KernelEntry> table = {
-#define FP4MOE_X(BN, BM, BK, S, W)                                           \
-  {TileConfig{BN, BM, BK, S, W, Epilogue::kNone},                            \
-   &kernels::portable_grouped_gemm_kernel<BN, BM, BK, S, W>,                 \
-   portable_smem_layout(BN, BM, BK, S).total_bytes},
-      FP4MOE_PORTABLE_CONFIGS(FP4MOE_X)
+#define FP4MOE_X(BN, BM, BK, S, W, EPI)                                      \
+  {TileConfig{BN, BM, BK, S, W, EPI},                                        \
+   &kernels::portable_grouped_gemm_kernel<BN, BM, BK, S, W, EPI>,            \
+   portable_smem_layout(BN, BM, BK, S, EPI).total_bytes},
+      FP4MOE_PORTABLE_KERNELS(FP4MOE_X)
 #undef FP4MOE_X
   };
   return table;
@@ -102,12 +102,14 @@ void check_fits_device(const TileConfig& config, const DeviceInfo& dev) {
                  " B:\n", format_layout(config, dev.smem_per_block));
 }
 
-GemmProblem problem_of(const GroupedGemmArgs& a) {
+GemmProblem problem_of(const GroupedGemmArgs& a, Epilogue epilogue) {
   GemmProblem p;
   p.num_experts = a.num_experts;
   p.n = a.n;
   p.k = a.k;
   p.num_rows = a.num_rows;
+  p.expected_active_experts = a.expected_active_experts;
+  p.epilogue = epilogue;
   return p;
 }
 
@@ -116,7 +118,7 @@ size_t align16(size_t v) { return (v + 15) / 16 * 16; }
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // `for_launch`: also check what only the launch needs (the workspace).
-void validate_args(const GroupedGemmArgs& a, bool for_launch) {
+void validate_args(const GroupedGemmArgs& a, bool for_launch, Epilogue epilogue) {
   FP4MOE_CHECK(a.num_experts >= 1 && a.num_experts <= kMaxExperts, "grouped_gemm: num_experts = ",
                a.num_experts, "; expected 1..", kMaxExperts);
   FP4MOE_CHECK(a.n >= 16 && a.n % 16 == 0, "grouped_gemm: n = ", a.n,
@@ -128,14 +130,31 @@ void validate_args(const GroupedGemmArgs& a, bool for_launch) {
   FP4MOE_CHECK(a.n * a.k < (int64_t{1} << 40), "grouped_gemm: n * k too large");
   if (a.num_rows == 0) return;
   const std::pair<const void*, const char*> required[] = {
-      {a.weights, "weights"}, {a.scales, "scales"},   {a.global_scales, "global_scales"},
-      {a.x, "x"},             {a.y, "y"},             {a.expert_offsets, "expert_offsets"}};
+      {a.weights, "weights"}, {a.scales, "scales"}, {a.global_scales, "global_scales"},
+      {a.x, "x"},             {a.expert_offsets, "expert_offsets"}};
   for (const auto& [ptr, name] : required)
     FP4MOE_CHECK(ptr != nullptr, "grouped_gemm: ", name, " is null but num_rows = ", a.num_rows);
+  FP4MOE_CHECK(a.gather_rows == nullptr || a.x_rows >= 1, "grouped_gemm: gather_rows given but x_rows = ",
+               a.x_rows, "; expected the number of rows of x");
+  FP4MOE_CHECK(a.x_rows < (int64_t{1} << 31), "grouped_gemm: x_rows = ", a.x_rows, "; expected < 2^31");
   FP4MOE_CHECK(!for_launch || a.workspace != nullptr, "grouped_gemm: workspace is null but num_rows = ",
                a.num_rows);
-  const std::pair<const void*, const char*> vectors[] = {
-      {a.weights, "weights"}, {a.scales, "scales"}, {a.x, "x"}, {a.y, "y"}};
+  std::vector<std::pair<const void*, const char*>> vectors = {
+      {a.weights, "weights"}, {a.scales, "scales"}, {a.x, "x"}};
+  if (epilogue == Epilogue::kFinalize) {
+    FP4MOE_CHECK(a.out_f32 != nullptr && a.scatter_rows != nullptr,
+                 "grouped_gemm: the finalize epilogue needs out_f32 and scatter_rows");
+    FP4MOE_CHECK(a.out_row_divisor >= 1 && a.out_rows >= 1 && a.out_rows < (int64_t{1} << 31),
+                 "grouped_gemm: finalize out_rows = ", a.out_rows, ", out_row_divisor = ",
+                 a.out_row_divisor, "; expected both >= 1");
+    vectors.push_back({a.out_f32, "out_f32"});
+    if (a.bias) vectors.push_back({a.bias, "bias"});
+  } else {
+    FP4MOE_CHECK(a.y != nullptr, "grouped_gemm: y is null but num_rows = ", a.num_rows);
+    vectors.push_back({a.y, "y"});
+  }
+  FP4MOE_CHECK(epilogue != Epilogue::kNone || a.bias == nullptr,
+               "grouped_gemm: bias is only applied by the swiglu and finalize epilogues");
   for (const auto& [ptr, name] : vectors)
     FP4MOE_CHECK(aligned16(ptr), "grouped_gemm: ", name, " = ", ptr,
                  " is not 16-byte aligned (the kernel uses 16-byte loads and stores)");
@@ -152,14 +171,20 @@ void validate_args(const GroupedGemmArgs& a, bool for_launch) {
 
 }  // namespace
 
-GemmPlan plan_grouped_gemm(const GroupedGemmArgs& args, const std::optional<TileConfig>& forced) {
-  validate_args(args, /*for_launch=*/false);
+GemmPlan plan_grouped_gemm(const GroupedGemmArgs& args, const std::optional<TileConfig>& forced,
+                           Epilogue epilogue) {
+  validate_args(args, /*for_launch=*/false, epilogue);
+  return plan_grouped_gemm(problem_of(args, epilogue), forced);
+}
+
+GemmPlan plan_grouped_gemm(const GemmProblem& problem, const std::optional<TileConfig>& forced) {
   const DeviceInfo dev = current_device();
-  const GemmProblem problem = problem_of(args);
   if (forced) {
-    const KernelEntry& entry = find_kernel(*forced);
-    check_fits_device(*forced, dev);
-    return plan_gemm_with(problem, *forced, dev.num_sms, occupancy(entry, dev.device));
+    TileConfig config = *forced;
+    config.epilogue = problem.epilogue;
+    const KernelEntry& entry = find_kernel(config);
+    check_fits_device(config, dev);
+    return plan_gemm_with(problem, config, dev.num_sms, occupancy(entry, dev.device));
   }
   const GemmPlan first = plan_gemm(problem, dev.smem_per_block, dev.num_sms);
   const KernelEntry& entry = find_kernel(first.config);
@@ -177,11 +202,12 @@ size_t grouped_gemm_workspace_bytes(const GemmPlan& plan) {
 }
 
 void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_t stream) {
-  validate_args(args, /*for_launch=*/true);
+  const Epilogue epilogue = plan.config.epilogue;
+  validate_args(args, /*for_launch=*/true, epilogue);
   const KernelEntry& entry = find_kernel(plan.config);
   const DeviceInfo dev = current_device();
   check_fits_device(plan.config, dev);
-  const GemmPlan needed = plan_gemm_with(problem_of(args), plan.config, dev.num_sms);
+  const GemmPlan needed = plan_gemm_with(problem_of(args, epilogue), plan.config, dev.num_sms);
   FP4MOE_CHECK(plan.max_tiles >= needed.max_tiles, "grouped_gemm: the plan covers ",
                plan.max_tiles, " tiles but ", args.num_rows, " rows may need ", needed.max_tiles,
                "; plan again for this problem");
@@ -198,11 +224,27 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   p.scales = args.scales;
   p.global_scales = args.global_scales;
   p.x = static_cast<const __nv_bfloat16*>(args.x);
+  p.gather_rows = args.gather_rows;
+  p.x_rows = static_cast<int>(args.gather_rows ? args.x_rows : args.num_rows);
   p.expert_offsets = args.expert_offsets;
   p.y = static_cast<__nv_bfloat16*>(args.y);
+  p.bias = args.bias;
+  p.activation = args.activation == Activation::kGptOss ? kernels::kActGptOss : kernels::kActSwiglu;
+  p.scatter_rows = args.scatter_rows;
+  p.row_weights = args.row_weights;
+  p.out_f32 = args.out_f32;
+  p.out_rows = static_cast<int>(args.out_rows);
+  p.out_row_divisor = args.out_row_divisor;
+  p.atomic_out = args.atomic_out ? 1 : 0;
   auto* ws = static_cast<uint8_t*>(args.workspace);
-  p.error_flags = reinterpret_cast<int32_t*>(ws);
+  p.error_flags = args.error_flags ? args.error_flags : reinterpret_cast<int32_t*>(ws);
   p.tile_counters = reinterpret_cast<int32_t*>(ws + 16);
+  if (args.split_counters) {
+    FP4MOE_CHECK(plan.split_k == 1 || args.split_counters_capacity >= plan.max_tiles,
+                 "grouped_gemm: split_counters hold ", args.split_counters_capacity,
+                 " tiles; this plan needs ", plan.max_tiles);
+    p.tile_counters = args.split_counters;
+  }
   p.partials = reinterpret_cast<float*>(
       ws + 16 + align16(static_cast<size_t>(plan.max_tiles) * sizeof(int32_t)));
   p.num_experts = static_cast<int>(args.num_experts);
@@ -229,6 +271,7 @@ std::string grouped_gemm_device_errors(const void* workspace, cudaStream_t strea
   std::string out;
   if (flags & kernels::kErrorOffsetsNotMonotone) out += "expert_offsets not monotone; ";
   if (flags & kernels::kErrorOffsetsOutOfRange) out += "expert_offsets outside [0, num_rows]; ";
+  if (flags & kernels::kErrorGatherRowOutOfRange) out += "gather or scatter rows out of range; ";
   return out;
 }
 

@@ -18,6 +18,19 @@
 // block to finish a tile (an atomic counter, reset to zero afterwards) sums the
 // slices in slice order, so the result is deterministic.
 //
+// Activation rows may be gathered (row r of the problem reads x row
+// gather_rows[r]), so GEMM1 reads hidden states in token order through the
+// permutation. Epilogues (template parameter, DESIGN.md §4):
+//   kNone      y[row, n] = bf16(acc * global_scale)
+//   kSwiglu    the tile's 16-row groups hold 8 gate rows then the 8 up rows of
+//              the same features (interleave_gate_up()), so one thread holds
+//              gate and up of a (feature, token) in registers:
+//              y[row, n/2] = bf16(act(gate + bias_g, up + bias_u))
+//   kFinalize  v = (acc * global_scale + bias[col]) * row_weights[s], with
+//              s = scatter_rows[row]; stored fp32 to out_f32[s / out_row_divisor]
+//              (a (token, slot) row: deterministic) or added atomically (a
+//              token row: fast). The layer sums or converts afterwards.
+//
 // Tested in tests/kernels/test_grouped_gemm.cpp against the CPU reference.
 #pragma once
 
@@ -39,14 +52,29 @@ namespace fp4moe::kernels {
 // Bits of the device-side error word at the start of the workspace.
 inline constexpr int kErrorOffsetsNotMonotone = 1;
 inline constexpr int kErrorOffsetsOutOfRange = 2;
+inline constexpr int kErrorGatherRowOutOfRange = 8;  // 4 is the layer's (moe_ops.hpp)
+
+// Activation of the kSwiglu epilogue (fp4moe::Activation).
+inline constexpr int kActSwiglu = 0;  // silu(gate) * up
+inline constexpr int kActGptOss = 1;  // g = min(gate, 7), l = clamp(up, -7, 7), g sigma(1.702 g) (l + 1)
 
 struct PortableGemmParams {
   const uint8_t* weights;         // [E][n_pad/16][k_pad/64][512] fragment-ordered fp4
   const uint8_t* scales;          // [E][n_pad/16][k_pad/64][64] scale codes
   const float* global_scales;     // [E] weight_scale_2
-  const __nv_bfloat16* x;         // [num_rows, k] activations, rows sorted by expert
+  const __nv_bfloat16* x;         // [x_rows, k] activations
+  const int32_t* gather_rows;     // [num_rows] x row of each problem row; null: identity
+  int x_rows;                     // rows of x (gather bound)
   const int32_t* expert_offsets;  // [E + 1] first row of each expert; [E] = num_rows
-  __nv_bfloat16* y;               // [num_rows, n] output
+  __nv_bfloat16* y;               // kNone [num_rows, n], kSwiglu [num_rows, n/2] bf16
+  const float* bias;              // optional fp32 [E][n]: kSwiglu gate then up biases, kFinalize per column
+  int activation;                 // kSwiglu: kAct*
+  const int32_t* scatter_rows;    // kFinalize [num_rows]: output slot of each row
+  const float* row_weights;       // kFinalize: router weight per slot (indexed by scatter row)
+  float* out_f32;                 // kFinalize: fp32 [out_rows, n], row = slot / out_row_divisor
+  int out_rows;
+  int out_row_divisor;            // kFinalize: 1 (one row per slot) or top_k (one per token)
+  int atomic_out;                 // kFinalize: add atomically instead of storing
   int32_t* error_flags;           // workspace: kError* bits, sticky
   int32_t* tile_counters;         // workspace: split-K arrivals per tile, zero at rest
   float* partials;                // workspace: split-K fp32 tiles [tile][slice][BLOCK_N][BLOCK_M]
@@ -142,12 +170,22 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t codes4, int ks) {
   return dup * 16u + (layout::kScaleBf16Bias | (layout::kScaleBf16Bias << 16));
 }
 
+// The kSwiglu epilogue's activation of one (gate, up) pair, in fp32.
+__device__ __forceinline__ float activate(int activation, float gate, float up) {
+  if (activation == kActGptOss) {
+    const float g = fminf(gate, 7.0f);
+    const float l = fminf(fmaxf(up, -7.0f), 7.0f);
+    return g / (1.0f + __expf(-1.702f * g)) * (l + 1.0f);
+  }
+  return gate / (1.0f + __expf(-gate)) * up;
+}
+
 }  // namespace detail
 
-template <int BLOCK_N, int BLOCK_M, int BLOCK_K, int STAGES, int WARPS>
+template <int BLOCK_N, int BLOCK_M, int BLOCK_K, int STAGES, int WARPS, Epilogue EPI>
 __global__ void __launch_bounds__(WARPS * 32)
     portable_grouped_gemm_kernel(const PortableGemmParams p) {
-  constexpr PortableSmemLayout L = portable_smem_layout(BLOCK_N, BLOCK_M, BLOCK_K, STAGES);
+  constexpr PortableSmemLayout L = portable_smem_layout(BLOCK_N, BLOCK_M, BLOCK_K, STAGES, EPI);
   static_assert(L.total_bytes <= kPortableSmemLimit, "config exceeds the 99 KB portable budget");
   constexpr int THREADS = WARPS * 32;
   constexpr int WARP_ROWS = BLOCK_N / WARPS;      // weight rows per warp
@@ -157,14 +195,18 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int N_GROUPS = BLOCK_N / kFragRows;   // 16-row groups per tile
   constexpr int X_CHUNKS = BLOCK_K / 8;           // 16-byte chunks per activation row
   static_assert(WARP_ROWS % 16 == 0 && BLOCK_M % 8 == 0 && layout::kPadN % BLOCK_N == 0 &&
-                    layout::kPadK % BLOCK_K == 0,
+                    layout::kPadK % BLOCK_K == 0 && BLOCK_M <= THREADS,
                 "unsupported tile shape");
 
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_weights = smem + L.weight_offset;      // (STAGES, N_GROUPS, K_FRAGS, 512 B)
   uint8_t* s_scales = smem + L.scale_offset;        // (STAGES, N_GROUPS, K_FRAGS, 64 B)
   uint8_t* s_act = smem + L.act_offset;             // (STAGES, BLOCK_M, BLOCK_K) bf16, swizzled
-  __nv_bfloat16* s_out = reinterpret_cast<__nv_bfloat16*>(smem + L.epilogue_offset);  // (BLOCK_M, epi_row_elems)
+  __nv_bfloat16* s_out = reinterpret_cast<__nv_bfloat16*>(smem + L.epilogue_offset);  // (BLOCK_M, epi_row_elems) bf16
+  float* s_out_f32 = reinterpret_cast<float*>(smem + L.epilogue_offset);  // kFinalize: (BLOCK_M, epi_row_elems) fp32
+  int32_t* s_gather = reinterpret_cast<int32_t*>(smem + L.rows_offset);  // (BLOCK_M) x row per tile row
+  int32_t* s_scatter = s_gather + BLOCK_M;                                // (BLOCK_M) output slot, -1: none
+  float* s_row_weight = reinterpret_cast<float*>(s_scatter + BLOCK_M);    // (BLOCK_M) router weight
   int32_t* s_prefix = reinterpret_cast<int32_t*>(smem + L.schedule_offset);  // (kMaxExperts + 1)
   int32_t* s_warp_sums = s_prefix + kMaxExperts + 1;                           // (32)
   int32_t* s_flag = reinterpret_cast<int32_t*>(smem + L.flag_offset);
@@ -207,6 +249,31 @@ __global__ void __launch_bounds__(WARPS * 32)
     const int kt_end = (slice + 1) * k_tiles_total / p.split_k;
     const int num_k_tiles = kt_end - kt_begin;
 
+    // Row indices of the tile. Rows past the expert's end repeat its last row:
+    // their columns of the result are never stored.
+    if (tid < BLOCK_M) {
+      const int row = row_begin + min(tid, rows_valid - 1);
+      int src = row;
+      if (p.gather_rows) {
+        src = __ldg(p.gather_rows + row);
+        if (src < 0 || src >= p.x_rows) {
+          atomicOr(p.error_flags, kErrorGatherRowOutOfRange);
+          src = 0;
+        }
+      }
+      s_gather[tid] = src;
+      if constexpr (EPI == Epilogue::kFinalize) {
+        int slot = __ldg(p.scatter_rows + row);
+        if (slot < 0 || slot / p.out_row_divisor >= p.out_rows) {
+          atomicOr(p.error_flags, kErrorGatherRowOutOfRange);
+          slot = -1;
+        }
+        s_scatter[tid] = slot;
+        s_row_weight[tid] = (slot >= 0 && p.row_weights) ? __ldg(p.row_weights + slot) : 1.0f;
+      }
+    }
+    __syncthreads();
+
     const size_t group_base = static_cast<size_t>(e) * p.n_groups + n_tile * N_GROUPS;
     const uint8_t* g_weights = p.weights + group_base * frag_row_stride * kFragBytes;
     const uint8_t* g_scales = p.scales + group_base * frag_row_stride * kFragScaleBytes;
@@ -247,9 +314,8 @@ __global__ void __launch_bounds__(WARPS * 32)
         const int r = i / X_CHUNKS;
         const int c = i % X_CHUNKS;
         const int kk = kt * BLOCK_K + c * 8;
-        // Rows past the expert's end reuse its last row: their columns of the
-        // result are never stored. K past the end is zero-filled.
-        const int row = row_begin + min(r, rows_valid - 1);
+        // K past the end is zero-filled.
+        const int row = s_gather[r];
         const bool in_k = kk < p.k;
         const __nv_bfloat16* src = p.x + static_cast<size_t>(row) * p.k + (in_k ? kk : 0);
         ptx::cp_async_16(sa + (r * X_CHUNKS + (c ^ (r % 8))) * 16, src, in_k ? 16 : 0);
@@ -344,6 +410,26 @@ __global__ void __launch_bounds__(WARPS * 32)
     const int g = lane / 4;
     const int t = lane % 4;
     const float out_scale = __ldg(p.global_scales + e) * layout::kEpilogueScale;
+    // kSwiglu: feature f of the tile (0 .. BLOCK_N/2) from its scaled gate
+    // and up sums, biases added, activated.
+    const int n_half = p.n / 2;
+    auto swiglu = [&](int f, float gate_sum, float up_sum) {
+      float gate = gate_sum * out_scale;
+      float up = up_sum * out_scale;
+      const int feature = n_tile * (BLOCK_N / 2) + f;
+      if (p.bias && feature < n_half) {
+        gate += __ldg(p.bias + static_cast<size_t>(e) * p.n + feature);
+        up += __ldg(p.bias + static_cast<size_t>(e) * p.n + n_half + feature);
+      }
+      return __float2bfloat16_rn(detail::activate(p.activation, gate, up));
+    };
+    // Staging writes of one result, tile row f (weight row) and token tok.
+    auto stage = [&](int f, int tok, float sum) {
+      if constexpr (EPI == Epilogue::kFinalize)
+        s_out_f32[tok * L.epi_row_elems + f] = sum * out_scale;
+      else
+        s_out[tok * L.epi_row_elems + f] = __float2bfloat16_rn(sum * out_scale);
+    };
     bool store_tile = true;
     if (p.split_k > 1) {
       const int64_t tile_idx = static_cast<int64_t>(s_prefix[e] + m_tile) * n_tiles + n_tile;
@@ -372,46 +458,108 @@ __global__ void __launch_bounds__(WARPS * 32)
       store_tile = *s_flag != 0;
       if (store_tile) {
         __threadfence();
-        // Sum the slices in slice order (deterministic), into the bf16 staging tile.
-        for (int i = tid; i < BLOCK_N * BLOCK_M / 4; i += THREADS) {
-          const int f = i / (BLOCK_M / 4);
-          const int tok = (i % (BLOCK_M / 4)) * 4;
+        // Sum the slices in slice order (deterministic), into the staging tile.
+        auto sum_slices = [&](int f, int tok) {
           float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
           for (int s = 0; s < p.split_k; ++s) {
             const float4 v = __ldcg(reinterpret_cast<const float4*>(
                 tile_partials + s * (BLOCK_N * BLOCK_M) + f * BLOCK_M + tok));
             sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
           }
-          s_out[(tok + 0) * L.epi_row_elems + f] = __float2bfloat16_rn(sum.x * out_scale);
-          s_out[(tok + 1) * L.epi_row_elems + f] = __float2bfloat16_rn(sum.y * out_scale);
-          s_out[(tok + 2) * L.epi_row_elems + f] = __float2bfloat16_rn(sum.z * out_scale);
-          s_out[(tok + 3) * L.epi_row_elems + f] = __float2bfloat16_rn(sum.w * out_scale);
+          return sum;
+        };
+        if constexpr (EPI == Epilogue::kSwiglu) {
+          for (int i = tid; i < BLOCK_N / 2 * BLOCK_M / 4; i += THREADS) {
+            const int f = i / (BLOCK_M / 4);
+            const int tok = (i % (BLOCK_M / 4)) * 4;
+            const int gate_row = (f / 8) * 16 + f % 8;
+            const float4 gs = sum_slices(gate_row, tok);
+            const float4 us = sum_slices(gate_row + 8, tok);
+            s_out[(tok + 0) * L.epi_row_elems + f] = swiglu(f, gs.x, us.x);
+            s_out[(tok + 1) * L.epi_row_elems + f] = swiglu(f, gs.y, us.y);
+            s_out[(tok + 2) * L.epi_row_elems + f] = swiglu(f, gs.z, us.z);
+            s_out[(tok + 3) * L.epi_row_elems + f] = swiglu(f, gs.w, us.w);
+          }
+        } else {
+          for (int i = tid; i < BLOCK_N * BLOCK_M / 4; i += THREADS) {
+            const int f = i / (BLOCK_M / 4);
+            const int tok = (i % (BLOCK_M / 4)) * 4;
+            const float4 sum = sum_slices(f, tok);
+            stage(f, tok + 0, sum.x);
+            stage(f, tok + 1, sum.y);
+            stage(f, tok + 2, sum.z);
+            stage(f, tok + 3, sum.w);
+          }
         }
       }
     } else {
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < N8_TILES; ++nt)
+        for (int nt = 0; nt < N8_TILES; ++nt) {
+          if constexpr (EPI == Epilogue::kSwiglu) {
+            // Rows g (gate) and g + 8 (up) of this 16-row group are one feature.
+            const int f = (warp * WARP_ROWS + mt * 16) / 2 + g;
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int f = warp * WARP_ROWS + mt * 16 + g + (i / 2) * 8;
-            const int tok = nt * 8 + 2 * t + i % 2;
-            s_out[tok * L.epi_row_elems + f] = __float2bfloat16_rn(acc[mt][nt][i] * out_scale);
+            for (int h = 0; h < 2; ++h) {
+              const int tok = nt * 8 + 2 * t + h;
+              s_out[tok * L.epi_row_elems + f] = swiglu(f, acc[mt][nt][h], acc[mt][nt][2 + h]);
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              stage(warp * WARP_ROWS + mt * 16 + g + (i / 2) * 8, nt * 8 + 2 * t + i % 2,
+                    acc[mt][nt][i]);
           }
+        }
     }
     __syncthreads();
     if (store_tile) {
-      // (rows_valid, BLOCK_N) bf16 -> Y rows, 16-byte stores; N % 16 == 0 so
-      // a chunk is either wholly inside N or wholly past it.
-      constexpr int OUT_CHUNKS = BLOCK_N / 8;
-      const int n0 = n_tile * BLOCK_N;
-      for (int i = tid; i < rows_valid * OUT_CHUNKS; i += THREADS) {
-        const int r = i / OUT_CHUNKS;
-        const int c = i % OUT_CHUNKS;
-        if (n0 + c * 8 >= p.n) continue;
-        const uint4 v = *reinterpret_cast<const uint4*>(s_out + r * L.epi_row_elems + c * 8);
-        *reinterpret_cast<uint4*>(p.y + static_cast<size_t>(row_begin + r) * p.n + n0 + c * 8) = v;
+      if constexpr (EPI == Epilogue::kFinalize) {
+        // (rows_valid, BLOCK_N) fp32 -> (+ bias) x router weight -> the slot's
+        // (or token's) row, 16-byte stores or vector atomics.
+        constexpr int OUT_CHUNKS = BLOCK_N / 4;
+        const int n0 = n_tile * BLOCK_N;
+        for (int i = tid; i < rows_valid * OUT_CHUNKS; i += THREADS) {
+          const int r = i / OUT_CHUNKS;
+          const int col = n0 + (i % OUT_CHUNKS) * 4;
+          const int slot = s_scatter[r];
+          if (col >= p.n || slot < 0) continue;
+          float4 v = *reinterpret_cast<const float4*>(s_out_f32 + r * L.epi_row_elems + col - n0);
+          if (p.bias) {
+            const float4 b = __ldg(reinterpret_cast<const float4*>(p.bias + static_cast<size_t>(e) * p.n + col));
+            v.x += b.x; v.y += b.y; v.z += b.z; v.w += b.w;
+          }
+          const float w = s_row_weight[r];
+          v.x *= w; v.y *= w; v.z *= w; v.w *= w;
+          float* dst = p.out_f32 + static_cast<size_t>(slot / p.out_row_divisor) * p.n + col;
+          if (p.atomic_out) {
+#if __CUDA_ARCH__ >= 900
+            atomicAdd(reinterpret_cast<float4*>(dst), v);
+#else
+            atomicAdd(dst + 0, v.x);
+            atomicAdd(dst + 1, v.y);
+            atomicAdd(dst + 2, v.z);
+            atomicAdd(dst + 3, v.w);
+#endif
+          } else {
+            *reinterpret_cast<float4*>(dst) = v;
+          }
+        }
+      } else {
+        // (rows_valid, OUT_N) bf16 -> Y rows, 16-byte stores; the output width
+        // is a multiple of 8, so a chunk is wholly inside it or wholly past it.
+        constexpr int OUT_N = EPI == Epilogue::kSwiglu ? BLOCK_N / 2 : BLOCK_N;
+        constexpr int OUT_CHUNKS = OUT_N / 8;
+        const int y_cols = EPI == Epilogue::kSwiglu ? n_half : p.n;
+        const int n0 = n_tile * OUT_N;
+        for (int i = tid; i < rows_valid * OUT_CHUNKS; i += THREADS) {
+          const int r = i / OUT_CHUNKS;
+          const int c = i % OUT_CHUNKS;
+          if (n0 + c * 8 >= y_cols) continue;
+          const uint4 v = *reinterpret_cast<const uint4*>(s_out + r * L.epi_row_elems + c * 8);
+          *reinterpret_cast<uint4*>(p.y + static_cast<size_t>(row_begin + r) * y_cols + n0 + c * 8) = v;
+        }
       }
     }
     __syncthreads();  // the staging tile is read before the next unit's loads land

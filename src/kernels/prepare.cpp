@@ -1,7 +1,13 @@
 // Host packer: ModelOpt NVFP4 matrices -> the portable kernel's
 // fragment-ordered layout (see fragment_layout.hpp for the layout and why).
 // Tested in tests/kernels/test_prepare.cpp.
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/grouped_gemm.hpp"
@@ -39,7 +45,9 @@ PreparedGemmWeights prepare_gemm_weights(std::span<const Nvfp4Matrix* const> exp
   p.scales.assign(static_cast<size_t>(p.num_experts * groups * frags * kFragScaleBytes), 0);
   p.global_scales.resize(static_cast<size_t>(p.num_experts));
 
-  for (int64_t e = 0; e < p.num_experts; ++e) {
+  // Experts are independent: pack them on all hardware threads (a full
+  // DeepSeek-V3 layer is ~10^10 elements).
+  auto pack_expert = [&](int64_t e) {
     const Nvfp4Matrix& m = *experts[static_cast<size_t>(e)];
     FP4MOE_CHECK(m.rows == p.n && m.cols == p.k, "prepare_gemm_weights: expert ", e, " is [",
                  m.rows, ", ", m.cols, "], expected [", p.n, ", ", p.k, "] like expert 0");
@@ -94,8 +102,57 @@ PreparedGemmWeights prepare_gemm_weights(std::span<const Nvfp4Matrix* const> exp
         }
       }
     }
-  }
+  };
+  const int64_t num_threads = std::min<int64_t>(
+      p.num_experts, std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(p.num_experts));
+  std::vector<std::thread> threads;
+  for (int64_t w = 0; w < num_threads; ++w)
+    threads.emplace_back([&, w] {
+      for (int64_t e = w; e < p.num_experts; e += num_threads) {
+        try {
+          pack_expert(e);
+        } catch (...) {
+          errors[static_cast<size_t>(e)] = std::current_exception();
+        }
+      }
+    });
+  for (auto& thread : threads) thread.join();
+  for (const auto& error : errors)  // the lowest expert's error, as a serial loop would report
+    if (error) std::rethrow_exception(error);
   return p;
+}
+
+Nvfp4Matrix interleave_gate_up(const Nvfp4Matrix& gate, const Nvfp4Matrix& up) {
+  FP4MOE_CHECK(gate.rows == up.rows && gate.cols == up.cols, "interleave_gate_up: gate is [",
+               gate.rows, ", ", gate.cols, "] but up is [", up.rows, ", ", up.cols,
+               "]; expected the same shape");
+  FP4MOE_CHECK(gate.rows > 0 && gate.rows % 8 == 0 && gate.cols % 16 == 0,
+               "interleave_gate_up: [", gate.rows, ", ", gate.cols,
+               "]; expected rows a positive multiple of 8 and cols of 16");
+  FP4MOE_CHECK(gate.global_scale == up.global_scale, "interleave_gate_up: gate and up have different "
+               "weight_scale_2 (", gate.global_scale, " vs ", up.global_scale,
+               "); the fused SwiGLU applies one global scale to both, as ModelOpt shares it");
+  const size_t row_bytes = static_cast<size_t>(gate.cols / 2);
+  const size_t row_scales = static_cast<size_t>(gate.cols / 16);
+  FP4MOE_CHECK(gate.packed.size() == row_bytes * gate.rows && up.packed.size() == row_bytes * up.rows &&
+                   gate.scales.size() == row_scales * gate.rows && up.scales.size() == row_scales * up.rows,
+               "interleave_gate_up: packed or scale arrays do not match the shape");
+  Nvfp4Matrix out;
+  out.rows = 2 * gate.rows;
+  out.cols = gate.cols;
+  out.global_scale = gate.global_scale;
+  out.input_scale = gate.input_scale;
+  out.packed.resize(row_bytes * static_cast<size_t>(out.rows));
+  out.scales.resize(row_scales * static_cast<size_t>(out.rows));
+  for (int64_t r = 0; r < out.rows; ++r) {
+    const int64_t block = r / 16, i = r % 16;
+    const Nvfp4Matrix& src = i < 8 ? gate : up;
+    const int64_t src_row = block * 8 + i % 8;
+    std::memcpy(out.packed.data() + r * row_bytes, src.packed.data() + src_row * row_bytes, row_bytes);
+    std::memcpy(out.scales.data() + r * row_scales, src.scales.data() + src_row * row_scales, row_scales);
+  }
+  return out;
 }
 
 float PreparedGemmWeights::value(int64_t e, int64_t r, int64_t c) const {

@@ -2,19 +2,25 @@
 // kernel instantiations, the launch dispatch, the planner and the tests all
 // expand, so they cannot drift apart.
 //
-// X(BLOCK_N, BLOCK_M, BLOCK_K, STAGES, WARPS)
+// X(BLOCK_N, BLOCK_M, BLOCK_K, STAGES, WARPS, EPILOGUE)
 //   BLOCK_N  weight rows (output features) per tile, the MMA's M side
 //   BLOCK_M  token rows per tile, the MMA's N side
 //   BLOCK_K  K elements per pipeline stage
 //   STAGES   cp.async pipeline depth
 //   WARPS    warps per block; each owns BLOCK_N / WARPS weight rows
+//   EPILOGUE fp4moe::Epilogue: every tile shape is compiled with each epilogue
 //
 // Only configurations that earned their place in the sweeps of
 // docs/perf-notes.md (bench/results/*sweep*): one per token-tile size, each
 // <= 99 KB so the same list runs on SM120 and SM86 as on SM90.
 #pragma once
 
-#define FP4MOE_PORTABLE_CONFIGS(X) \
-  X(128, 8, 256, 4, 4)             \
-  X(128, 32, 128, 4, 4)            \
-  X(128, 64, 128, 3, 4)
+#define FP4MOE_PORTABLE_TILES(X, EPI) \
+  X(128, 8, 256, 4, 4, EPI)           \
+  X(128, 32, 128, 4, 4, EPI)          \
+  X(128, 64, 128, 3, 4, EPI)
+
+#define FP4MOE_PORTABLE_KERNELS(X)                          \
+  FP4MOE_PORTABLE_TILES(X, ::fp4moe::Epilogue::kNone)       \
+  FP4MOE_PORTABLE_TILES(X, ::fp4moe::Epilogue::kSwiglu)     \
+  FP4MOE_PORTABLE_TILES(X, ::fp4moe::Epilogue::kFinalize)

@@ -51,6 +51,8 @@ ArchLimits arch_limits(std::string_view name) {
 std::string to_string(Epilogue epilogue) {
   switch (epilogue) {
     case Epilogue::kNone: return "none";
+    case Epilogue::kSwiglu: return "swiglu";
+    case Epilogue::kFinalize: return "finalize";
   }
   return "?";
 }
@@ -58,12 +60,25 @@ std::string to_string(Epilogue epilogue) {
 std::string TileConfig::to_string() const {
   char buf[64];
   std::snprintf(buf, sizeof buf, "n%dm%dk%ds%dw%d", block_n, block_m, block_k, stages, warps);
-  return buf;
+  return epilogue == Epilogue::kNone ? std::string(buf)
+                                     : std::string(buf) + "-" + fp4moe::to_string(epilogue);
 }
 
 TileConfig TileConfig::parse(std::string_view name) {
   TileConfig c;
-  const std::string s(name);
+  std::string s(name);
+  if (const size_t dash = s.find('-'); dash != std::string::npos) {
+    const std::string suffix = s.substr(dash + 1);
+    bool known = false;
+    for (Epilogue e : {Epilogue::kNone, Epilogue::kSwiglu, Epilogue::kFinalize})
+      if (suffix == fp4moe::to_string(e)) {
+        c.epilogue = e;
+        known = true;
+      }
+    FP4MOE_CHECK(known, "malformed tile config '", name, "': unknown epilogue '", suffix,
+                 "'; expected none, swiglu or finalize");
+    s.resize(dash);
+  }
   int consumed = 0;
   if (std::sscanf(s.c_str(), "n%dm%dk%ds%dw%d%n", &c.block_n, &c.block_m, &c.block_k, &c.stages,
                   &c.warps, &consumed) != 5 ||
@@ -77,8 +92,8 @@ TileConfig TileConfig::parse(std::string_view name) {
 
 const std::vector<TileConfig>& compiled_configs() {
   static const std::vector<TileConfig> configs = {
-#define FP4MOE_X(BN, BM, BK, S, W) TileConfig{BN, BM, BK, S, W, Epilogue::kNone},
-      FP4MOE_PORTABLE_CONFIGS(FP4MOE_X)
+#define FP4MOE_X(BN, BM, BK, S, W, EPI) TileConfig{BN, BM, BK, S, W, EPI},
+      FP4MOE_PORTABLE_KERNELS(FP4MOE_X)
 #undef FP4MOE_X
   };
   return configs;
@@ -91,11 +106,24 @@ bool is_compiled(const TileConfig& config) {
 
 // ---------------------------------------------------------- shared memory
 
+namespace {
+// The staging row length of each epilogue, as src/plan/smem_model.hpp sets it.
+std::string epilogue_row_formula(Epilogue epilogue) {
+  switch (epilogue) {
+    case Epilogue::kNone: return "BLOCK_N+8";
+    case Epilogue::kSwiglu: return "BLOCK_N/2+8";
+    case Epilogue::kFinalize: return "BLOCK_N+4";
+  }
+  return "?";
+}
+}  // namespace
+
 SmemLayout smem_layout(const TileConfig& c) {
   FP4MOE_CHECK(c.block_n % kFragRows == 0 && c.block_k % kFragK == 0,
                "tile config ", c.to_string(), ": BLOCK_N must be a multiple of ", kFragRows,
                " and BLOCK_K of ", kFragK);
-  const PortableSmemLayout l = portable_smem_layout(c.block_n, c.block_m, c.block_k, c.stages);
+  const PortableSmemLayout l =
+      portable_smem_layout(c.block_n, c.block_m, c.block_k, c.stages, c.epilogue);
   const std::string stages = "STAGES=" + std::to_string(c.stages);
   auto dims = [](std::initializer_list<std::string> parts) {
     std::string s = "(";
@@ -114,9 +142,12 @@ SmemLayout smem_layout(const TileConfig& c) {
        l.act_offset, l.act_bytes, false},
       {"alignment", "padding to 128 B", l.act_offset + l.act_bytes,
        l.mainloop_end - (l.act_offset + l.act_bytes), false},
-      {"epilogue", dims({bm, "BLOCK_N+8=" + std::to_string(l.epi_row_elems)}) +
-                       " bf16, reuses the drained pipeline",
+      {"epilogue", dims({bm, epilogue_row_formula(c.epilogue) + "=" + std::to_string(l.epi_row_elems)}) +
+                       (l.epi_elem_bytes == 4 ? " fp32" : " bf16") + " " + fp4moe::to_string(c.epilogue) +
+                       " staging, reuses the pipeline",
        l.epilogue_offset, l.epilogue_bytes, true},
+      {"row indices", dims({"3", bm}) + " int32/fp32 gather row, output row, router weight",
+       l.rows_offset, l.rows_bytes, false},
       {"schedule", "(" + std::to_string(kMaxExperts + 1) + " + 32) int32 m-tile prefix per expert",
        l.schedule_offset, l.schedule_bytes, false},
       {"split-k flag", "(4) int32 + padding", l.flag_offset, l.total_bytes - l.flag_offset, false},
@@ -259,12 +290,14 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   validate_problem(p);
   std::vector<TileConfig> fitting;
   for (const auto& c : compiled_configs())
-    if (check_fit(c, smem_budget_bytes).fits) fitting.push_back(c);
+    if (c.epilogue == p.epilogue && check_fit(c, smem_budget_bytes).fits) fitting.push_back(c);
   if (fitting.empty()) {
     std::ostringstream os;
-    os << "no compiled tile config fits " << smem_budget_bytes << " B of shared memory per block:";
+    os << "no compiled tile config with the " << to_string(p.epilogue) << " epilogue fits "
+       << smem_budget_bytes << " B of shared memory per block:";
     for (const auto& c : compiled_configs())
-      os << "\n  " << c.to_string() << ": " << check_fit(c, smem_budget_bytes).advice;
+      if (c.epilogue == p.epilogue)
+        os << "\n  " << c.to_string() << ": " << check_fit(c, smem_budget_bytes).advice;
     FP4MOE_THROW(os.str());
   }
   const double active = p.expected_active_experts > 0

@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "fp4moe/plan.hpp"  // Epilogue
+
 namespace fp4moe {
 
 // Per-block opt-in shared memory limits (bytes).
@@ -55,12 +57,21 @@ struct PortableSmemLayout {
   int64_t act_offset = 0, act_bytes = 0;
   int64_t mainloop_end = 0;
 
-  // Epilogue staging of the output tile, (BLOCK_M, BLOCK_N + 8) bf16: the
-  // 16-byte pad per row spreads a warp's column writes over all banks. It
-  // reuses the drained mainloop buffers.
+  // Epilogue staging of the output tile, token-major so rows leave with
+  // 16-byte stores; it reuses the drained mainloop buffers. Per epilogue:
+  //   kNone      (BLOCK_M, BLOCK_N + 8)     bf16
+  //   kSwiglu    (BLOCK_M, BLOCK_N / 2 + 8) bf16  (gate and up rows make one output)
+  //   kFinalize  (BLOCK_M, BLOCK_N + 4)     fp32  (scaled by the router weight on the way out)
+  // The pad (16 B) spreads a warp's column writes over all banks.
   int epi_row_elems = 0;
+  int epi_elem_bytes = 0;
   int64_t epilogue_offset = 0, epilogue_bytes = 0;
   int64_t union_end = 0;
+
+  // Per token row of the tile, live through mainloop and epilogue: the
+  // activation row it reads (gather), and for kFinalize the output row it
+  // goes to and its router weight. (3, BLOCK_M) 4-byte words.
+  int64_t rows_offset = 0, rows_bytes = 0;
 
   // Scheduler: m-tile prefix sums per expert, int32 (kMaxExperts + 1), then
   // 32 int32 of per-warp partial sums used while building them.
@@ -72,7 +83,7 @@ struct PortableSmemLayout {
 };
 
 constexpr PortableSmemLayout portable_smem_layout(int block_n, int block_m, int block_k,
-                                                  int stages) {
+                                                  int stages, Epilogue epilogue) {
   PortableSmemLayout l;
   l.weight_stage_bytes = int64_t{block_n} * block_k / 2;
   l.scale_stage_bytes = int64_t{block_n} * block_k / 16;
@@ -86,13 +97,20 @@ constexpr PortableSmemLayout portable_smem_layout(int block_n, int block_m, int 
   l.act_bytes = stages * l.act_stage_bytes;
   l.mainloop_end = align_up(l.act_offset + l.act_bytes, kSmemAlign);
 
-  l.epi_row_elems = block_n + 8;
+  switch (epilogue) {
+    case Epilogue::kNone: l.epi_row_elems = block_n + 8; l.epi_elem_bytes = 2; break;
+    case Epilogue::kSwiglu: l.epi_row_elems = block_n / 2 + 8; l.epi_elem_bytes = 2; break;
+    case Epilogue::kFinalize: l.epi_row_elems = block_n + 4; l.epi_elem_bytes = 4; break;
+  }
   l.epilogue_offset = 0;
-  l.epilogue_bytes = int64_t{block_m} * l.epi_row_elems * 2;
+  l.epilogue_bytes = int64_t{block_m} * l.epi_row_elems * l.epi_elem_bytes;
   l.union_end = align_up(l.mainloop_end > l.epilogue_bytes ? l.mainloop_end : l.epilogue_bytes,
                          kSmemAlign);
 
-  l.schedule_offset = l.union_end;
+  l.rows_offset = l.union_end;
+  l.rows_bytes = 3 * int64_t{block_m} * 4;
+
+  l.schedule_offset = align_up(l.rows_offset + l.rows_bytes, 16);
   l.schedule_bytes = (kMaxExperts + 1 + 32) * 4;
   l.flag_offset = align_up(l.schedule_offset + l.schedule_bytes, 16);
   l.flag_bytes = 16;

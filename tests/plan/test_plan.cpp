@@ -14,12 +14,37 @@ TEST(TileConfig, RoundTripsThroughItsName) {
   EXPECT_THROW(TileConfig::parse("n128m8k256"), Error);
   EXPECT_THROW(TileConfig::parse("n128m8k256s4w4x"), Error);
   EXPECT_THROW(TileConfig::parse("n0m8k256s4w4"), Error);
+  EXPECT_EQ(TileConfig::parse("n128m8k256s4w4-swiglu").epilogue, Epilogue::kSwiglu);
+  EXPECT_EQ(TileConfig::parse("n128m8k256s4w4-finalize").epilogue, Epilogue::kFinalize);
+  EXPECT_EQ(TileConfig::parse("n128m8k256s4w4").epilogue, Epilogue::kNone);
+  EXPECT_THROW(TileConfig::parse("n128m8k256s4w4-gelu"), Error);
+}
+
+TEST(TileConfig, EveryTileShapeIsCompiledWithEveryEpilogue) {
+  for (const TileConfig& c : compiled_configs())
+    for (Epilogue e : {Epilogue::kNone, Epilogue::kSwiglu, Epilogue::kFinalize}) {
+      TileConfig other = c;
+      other.epilogue = e;
+      EXPECT_TRUE(is_compiled(other)) << other.to_string();
+    }
+}
+
+TEST(SmemModel, EpilogueStagingPerKind) {
+  // (BLOCK_M, row) with row = BLOCK_N+8 bf16, BLOCK_N/2+8 bf16, BLOCK_N+4 fp32.
+  EXPECT_EQ(portable_smem_layout(128, 64, 128, 3, Epilogue::kNone).epilogue_bytes, 64 * 136 * 2);
+  EXPECT_EQ(portable_smem_layout(128, 64, 128, 3, Epilogue::kSwiglu).epilogue_bytes, 64 * 72 * 2);
+  EXPECT_EQ(portable_smem_layout(128, 64, 128, 3, Epilogue::kFinalize).epilogue_bytes, 64 * 132 * 4);
+  // A staging tile larger than the drained pipeline grows the union (a
+  // one-stage, short-K tile with a fp32 finalize staging).
+  const PortableSmemLayout tiny = portable_smem_layout(128, 64, 64, 1, Epilogue::kFinalize);
+  EXPECT_GT(tiny.epilogue_bytes, tiny.mainloop_end);
+  EXPECT_EQ(tiny.union_end, align_up(tiny.epilogue_bytes, kSmemAlign));
 }
 
 TEST(SmemModel, RegionsAreDisjointAlignedAndSumToTotal) {
   for (const TileConfig& c : compiled_configs()) {
     const SmemLayout layout = smem_layout(c);
-    const PortableSmemLayout l = portable_smem_layout(c.block_n, c.block_m, c.block_k, c.stages);
+    const PortableSmemLayout l = portable_smem_layout(c.block_n, c.block_m, c.block_k, c.stages, c.epilogue);
     EXPECT_EQ(l.weight_bytes, int64_t{c.stages} * c.block_n * c.block_k / 2) << c.to_string();
     EXPECT_EQ(l.scale_bytes, int64_t{c.stages} * c.block_n * c.block_k / 16) << c.to_string();
     EXPECT_EQ(l.act_bytes, int64_t{c.stages} * c.block_m * c.block_k * 2) << c.to_string();
@@ -31,7 +56,10 @@ TEST(SmemModel, RegionsAreDisjointAlignedAndSumToTotal) {
       EXPECT_EQ(off % kSmemAlign, 0) << c.to_string();
     // The epilogue reuses the mainloop and stays inside the union.
     EXPECT_LE(l.epilogue_offset + l.epilogue_bytes, l.union_end);
-    EXPECT_LE(l.union_end, l.schedule_offset);
+    EXPECT_EQ(l.epilogue_bytes, int64_t{c.block_m} * l.epi_row_elems * l.epi_elem_bytes);
+    EXPECT_LE(l.union_end, l.rows_offset);
+    EXPECT_EQ(l.rows_bytes, 3 * 4 * int64_t{c.block_m});
+    EXPECT_LE(l.rows_offset + l.rows_bytes, l.schedule_offset);
     EXPECT_LE(l.schedule_offset + l.schedule_bytes, l.flag_offset);
     EXPECT_LE(l.flag_offset + l.flag_bytes, l.total_bytes);
     EXPECT_EQ(layout.total_bytes, l.total_bytes);

@@ -1,0 +1,141 @@
+// The MoE layer on the GPU: routing, permutation, GEMM1 with a fused SwiGLU,
+// GEMM2 with a fused finalize (router weight x row, scattered to the token's
+// output row), all asynchronous on one stream with no host synchronisation,
+// so forward() can be captured in a CUDA graph and replayed.
+//
+//   MoeLayer layer = MoeLayer::prepare(weights, options);   // once: repack, upload
+//   size_t bytes = layer.workspace_bytes(max_tokens);       // cudaMalloc + cudaMemset(0) once
+//   layer.forward({hidden, num_tokens, router_logits, bias}, output, ws, bytes, stream);
+//
+// A forward reads bf16 hidden states [T, hidden] and writes bf16 output
+// [T, hidden]. Routing is either computed on the device from fp32 router
+// logits (the mode in MoeLayerOptions::routing) or given by the caller as
+// topk_ids/topk_weights. forward() is const: one layer may run on several
+// streams at once, each with its own workspace.
+//
+// Tested in tests/layer/test_moe_layer.cpp (GPU) against the CPU reference
+// (fp4moe::moe_reference) and in tests/layer/test_moe_layer_args.cpp (host
+// validation, no GPU needed).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "fp4moe/modelopt.hpp"
+#include "fp4moe/plan.hpp"
+#include "fp4moe/reference.hpp"
+
+namespace fp4moe {
+
+// How GEMM2's per-(token, slot) rows are combined into a token's output row.
+enum class FinalizeMode {
+  kDeterministic,  // fp32 row per (token, slot), summed in slot order: bit-identical runs
+  kAtomic,         // fp32 atomic adds into the token's row: order varies run to run
+};
+std::string to_string(FinalizeMode mode);
+FinalizeMode parse_finalize_mode(const std::string& name);  // "deterministic", "atomic"
+
+// How GEMM1 reads the activation rows of the permuted (expert-sorted) order.
+enum class GatherMode {
+  kFused,     // GEMM1's loads read hidden_states rows through the permutation
+  kSeparate,  // one pass copies them into expert order first
+};
+std::string to_string(GatherMode mode);
+GatherMode parse_gather_mode(const std::string& name);  // "fused", "separate"
+
+struct MoeLayerOptions {
+  Activation activation = Activation::kSwiGLU;
+  // Used by forward() when router logits are given.
+  RoutingParams routing;
+  FinalizeMode finalize = FinalizeMode::kDeterministic;
+  GatherMode gather = GatherMode::kFused;
+  // Force tile configs (e.g. from `fp4moe plan`); otherwise the planner picks
+  // per token count. The epilogue field is ignored (set by the layer).
+  std::optional<TileConfig> gemm1_config;
+  std::optional<TileConfig> gemm2_config;
+};
+
+// What a forward of `num_tokens` tokens will launch.
+struct MoeLayerPlan {
+  int64_t num_tokens = 0;
+  int64_t num_rows = 0;  // num_tokens * top_k
+  GemmPlan gemm1;        // [rows, hidden] x [2 inter, hidden]^T -> SwiGLU -> [rows, inter]
+  GemmPlan gemm2;        // [rows, inter] x [hidden, inter]^T -> finalize -> [T, hidden]
+  std::string describe() const;  // multi-line, for the CLI
+};
+
+// One forward's inputs (device pointers).
+struct MoeForwardArgs {
+  const void* hidden_states = nullptr;  // bf16 [num_tokens, hidden], 16-byte aligned
+  int64_t num_tokens = 0;
+  // Either router logits (routing computed on the device) ...
+  const float* router_logits = nullptr;    // fp32 [num_tokens, num_experts]
+  const float* correction_bias = nullptr;  // fp32 [num_experts], kNoauxTc only; null = zeros
+  // ... or the caller's routing (both set, router_logits null).
+  const int32_t* topk_ids = nullptr;       // int32 [num_tokens, top_k]
+  const float* topk_weights = nullptr;     // fp32 [num_tokens, top_k]
+};
+
+// Optional events recorded on the stream between the stages of a forward, for
+// benchmarks that split the layer's time; null members are skipped. Stages
+// that do not run (routing with caller-given ids, the gather in fused mode)
+// leave their two events back to back.
+struct MoeStageEvents {
+  cudaEvent_t start = nullptr;     // before routing
+  cudaEvent_t routed = nullptr;    // after routing
+  cudaEvent_t sorted = nullptr;    // after the permutation
+  cudaEvent_t gathered = nullptr;  // after the separate gather
+  cudaEvent_t gemm1 = nullptr;     // after GEMM1 + SwiGLU
+  cudaEvent_t gemm2 = nullptr;     // after GEMM2 + finalize scatter
+  cudaEvent_t end = nullptr;       // after the finalize reduction
+};
+
+class MoeLayer {
+ public:
+  // Validates the weights (shapes, shared gate/up global scale, biases) and
+  // uploads them, repacked, to the current device. Throws fp4moe::Error with
+  // what was wrong. This is the expensive one-time step.
+  static MoeLayer prepare(const MoeWeights& weights, const MoeLayerOptions& options = {});
+  // load_moe_weights(path, prefix) then prepare().
+  static MoeLayer load(const std::string& path, const std::string& prefix,
+                       const MoeLayerOptions& options = {});
+
+  MoeLayer(MoeLayer&&) noexcept;
+  MoeLayer& operator=(MoeLayer&&) noexcept;
+  ~MoeLayer();
+
+  int64_t num_experts() const;
+  int64_t hidden() const;
+  int64_t inter() const;
+  int top_k() const;
+  const MoeLayerOptions& options() const;
+  size_t device_weight_bytes() const;  // what prepare() uploaded
+
+  MoeLayerPlan plan(int64_t num_tokens) const;
+
+  // Workspace for any forward of up to max_tokens tokens. Allocate it once,
+  // zero it once (cudaMemset); forwards leave it ready for the next one.
+  size_t workspace_bytes(int64_t max_tokens) const;
+
+  // output: bf16 [num_tokens, hidden], 16-byte aligned. Validates every
+  // argument on the host before any launch; launches only (no allocation, no
+  // host synchronisation). Expert ids out of range (caller-given routing) are
+  // reported by device_errors(); their slots contribute nothing.
+  void forward(const MoeForwardArgs& args, void* output, void* workspace, size_t workspace_bytes,
+               cudaStream_t stream, const MoeStageEvents* events = nullptr) const;
+
+  // Device-side errors recorded in `workspace` by earlier forwards (expert
+  // ids out of range); synchronises the stream. Empty when there were none.
+  std::string device_errors(const void* workspace, cudaStream_t stream) const;
+
+ private:
+  struct Impl;
+  explicit MoeLayer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fp4moe

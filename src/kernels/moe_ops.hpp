@@ -1,0 +1,79 @@
+// Host launchers of the small kernels around the two grouped GEMMs of an MoE
+// layer: routing, the permutation of (token, slot) pairs into expert order,
+// the optional one-pass gather of activation rows, and the finalize reduction
+// that turns per-pair (or accumulated) fp32 rows into the bf16 output.
+//
+// Every launcher is asynchronous on `stream`, allocates nothing, never
+// synchronises with the host and needs no memset beforehand, so a sequence of
+// them can be captured in a CUDA graph. Input sizes are validated on the host
+// before any launch (fp4moe::Error); device-side input errors (expert ids out
+// of range) set bits in a caller-given int32 error word.
+//
+// Implemented in src/kernels/moe_ops.cu; tested in tests/kernels/test_moe_ops.cpp
+// against the CPU reference (src/ref/routing.cpp).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "fp4moe/reference.hpp"
+
+namespace fp4moe::kernels {
+
+// Bits of the layer's device-side error word (the grouped GEMM's bits are 1, 2).
+inline constexpr int kErrorExpertIdOutOfRange = 4;
+
+// Largest top_k the routing and finalize kernels support.
+inline constexpr int kMaxTopK = 32;
+
+// Routes router_logits fp32 [num_tokens, num_experts] into topk_ids int32 and
+// topk_weights fp32 [num_tokens, top_k] (row-major), with the CPU reference's
+// semantics and tie rule (fp4moe::route, include/fp4moe/reference.hpp): equal
+// scores rank by lower expert (or group) index; a token's ids are listed in
+// selection order. Scores are computed in fp32. correction_bias fp32
+// [num_experts] is read for kNoauxTc only and may be null (zeros).
+// Throws (before launch) on the parameter errors route() throws on, and when
+// num_experts > 512 or top_k > kMaxTopK.
+void launch_route(const float* router_logits, const float* correction_bias, int64_t num_tokens,
+                  int64_t num_experts, const RoutingParams& params, int32_t* topk_ids,
+                  float* topk_weights, cudaStream_t stream);
+
+// Counting sort of the num_tokens * top_k pairs by expert. Pair p = token *
+// top_k + slot has expert topk_ids[p]. Writes
+//   expert_offsets [num_experts + 1]: rows of expert e are [offsets[e], offsets[e+1]),
+//                  offsets[0] = 0, offsets[E] = number of pairs with a valid id;
+//   token_of_row   [num_tokens * top_k]: the token of each permuted row;
+//   pair_of_row    [num_tokens * top_k]: the pair of each permuted row.
+// Entries past offsets[E] are left unwritten. The order of rows within one
+// expert is unspecified (results computed per row do not depend on it). Ids
+// outside [0, num_experts) are not placed and set kErrorExpertIdOutOfRange in
+// *error_flags (atomicOr). num_experts <= 512.
+void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_k,
+                           int64_t num_experts, int32_t* expert_offsets, int32_t* token_of_row,
+                           int32_t* pair_of_row, int32_t* error_flags, cudaStream_t stream);
+
+// x_sorted[r, :] = x[token_of_row[r], :] for r < num_rows, bf16 rows of
+// `hidden` elements (hidden % 8 == 0, pointers 16-byte aligned). Rows r with
+// r >= expert_offsets[num_experts] (ids that were not placed) are skipped.
+void launch_gather_rows(const void* x, const int32_t* token_of_row, const int32_t* expert_offsets,
+                        int64_t num_experts, int64_t num_rows, int64_t hidden, void* x_sorted,
+                        cudaStream_t stream);
+
+// The last step of the layer, output bf16 [num_tokens, hidden]:
+//   per_pair (deterministic): output[t, :] = bf16(sum over slots j = 0..top_k-1,
+//     in slot order, of pair_rows[t * top_k + j, :]), skipping slots whose id
+//     topk_ids[t * top_k + j] is outside [0, num_experts) (they were never
+//     written). pair_rows is fp32 [num_tokens * top_k, hidden].
+//   accumulated (atomic mode): output[t, :] = bf16(accum[t, :]), then
+//     accum[t, :] = 0 so the buffer is ready for the next forward. accum is
+//     fp32 [num_tokens, hidden].
+// hidden % 4 == 0, pointers 16-byte aligned. A token with no valid slot gets
+// zeros.
+void launch_finalize_pairs(const float* pair_rows, const int32_t* topk_ids, int64_t num_tokens,
+                           int top_k, int64_t num_experts, int64_t hidden, void* output,
+                           cudaStream_t stream);
+void launch_finalize_accumulated(float* accum, int64_t num_tokens, int64_t hidden, void* output,
+                                 cudaStream_t stream);
+
+}  // namespace fp4moe::kernels

@@ -1,0 +1,500 @@
+// The GPU MoE layer (include/fp4moe/moe_layer.hpp): weight preparation and
+// upload, workspace layout, planning per token count and the forward's
+// sequence of launches:
+//
+//   route (or caller ids) -> sort pairs by expert -> [gather] -> GEMM1 + SwiGLU
+//     -> GEMM2 + finalize scatter -> finalize reduction
+//
+// Workspace: a fixed header holds everything that must stay zero between
+// forwards (device error words, split-K tile counters), so forwards of any
+// token count can share one workspace; the scratch after it is carved per
+// forward from the token count.
+// Tested in tests/layer/test_moe_layer.cpp (GPU) and test_moe_layer_args.cpp.
+#include "fp4moe/moe_layer.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <utility>
+
+#include "fp4moe/cuda_check.hpp"
+#include "fp4moe/error.hpp"
+#include "fp4moe/grouped_gemm.hpp"
+#include "kernels/moe_ops.hpp"
+#include "plan/smem_model.hpp"
+
+namespace fp4moe {
+
+std::string to_string(FinalizeMode mode) {
+  return mode == FinalizeMode::kAtomic ? "atomic" : "deterministic";
+}
+FinalizeMode parse_finalize_mode(const std::string& name) {
+  if (name == "deterministic") return FinalizeMode::kDeterministic;
+  if (name == "atomic") return FinalizeMode::kAtomic;
+  FP4MOE_THROW("unknown finalize mode '", name, "': expected deterministic or atomic");
+}
+std::string to_string(GatherMode mode) { return mode == GatherMode::kSeparate ? "separate" : "fused"; }
+GatherMode parse_gather_mode(const std::string& name) {
+  if (name == "fused") return GatherMode::kFused;
+  if (name == "separate") return GatherMode::kSeparate;
+  FP4MOE_THROW("unknown gather mode '", name, "': expected fused or separate");
+}
+
+std::string MoeLayerPlan::describe() const {
+  std::ostringstream os;
+  os << num_tokens << " tokens -> " << num_rows << " routed rows\n"
+     << "  GEMM1 + SwiGLU  " << gemm1.config.to_string() << " split_k " << gemm1.split_k << ": "
+     << gemm1.reason << "\n"
+     << "  GEMM2 + finalize " << gemm2.config.to_string() << " split_k " << gemm2.split_k << ": "
+     << gemm2.reason << "\n";
+  return os.str();
+}
+
+namespace {
+
+// Split-K tile counters per GEMM in the workspace header. Split-K only pays
+// when tiles are few (less than a couple of waves), so plans with more tiles
+// than this run unsplit.
+constexpr int64_t kSplitCounterCapacity = 4096;
+constexpr size_t kAlign = 256;
+
+size_t align_bytes(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+// Header: [layer error word | GEMM1 error word | GEMM2 error word] (16 B
+// each), then the GEMM1 and GEMM2 split-K counters.
+constexpr size_t kErrorWordsBytes = 48;
+constexpr size_t kHeaderBytes =
+    (kErrorWordsBytes + 2 * kSplitCounterCapacity * 4 + kAlign - 1) / kAlign * kAlign;
+
+template <typename T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  explicit DeviceArray(const std::vector<T>& host) {
+    if (host.empty()) return;
+    FP4MOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr_), host.size() * sizeof(T)));
+    bytes_ = host.size() * sizeof(T);
+    const cudaError_t status = cudaMemcpy(ptr_, host.data(), bytes_, cudaMemcpyHostToDevice);
+    if (status != cudaSuccess) {
+      cudaFree(ptr_);
+      ptr_ = nullptr;
+      FP4MOE_CUDA_CHECK(status);
+    }
+  }
+  ~DeviceArray() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  DeviceArray(DeviceArray&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(o.bytes_) {}
+  DeviceArray& operator=(DeviceArray&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  T* get() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  T* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+struct DeviceGemmWeights {
+  DeviceArray<uint8_t> weights;
+  DeviceArray<uint8_t> scales;
+  DeviceArray<float> global_scales;
+  size_t bytes() const { return weights.bytes() + scales.bytes() + global_scales.bytes(); }
+};
+
+DeviceGemmWeights upload(const PreparedGemmWeights& p) {
+  DeviceGemmWeights d;
+  d.weights = DeviceArray<uint8_t>(p.weights);
+  d.scales = DeviceArray<uint8_t>(p.scales);
+  d.global_scales = DeviceArray<float>(p.global_scales);
+  return d;
+}
+
+void check_matrix(const Nvfp4Matrix& m, int64_t rows, int64_t cols, int64_t expert_idx,
+                  const char* name) {
+  FP4MOE_CHECK(m.rows == rows && m.cols == cols, "MoeLayer: expert ", expert_idx, " ", name, " is [",
+               m.rows, ", ", m.cols, "]; expected [", rows, ", ", cols, "]");
+  FP4MOE_CHECK(m.packed.size() == static_cast<size_t>(rows * cols / 2) &&
+                   m.scales.size() == static_cast<size_t>(rows * cols / 16),
+               "MoeLayer: expert ", expert_idx, " ", name, " has ", m.packed.size(),
+               " packed bytes and ", m.scales.size(), " scales; expected ", rows * cols / 2, " and ",
+               rows * cols / 16);
+}
+
+// Everything prepare() checks before touching the GPU.
+void validate_weights(const MoeWeights& w, const MoeLayerOptions& o) {
+  FP4MOE_CHECK(w.num_experts >= 1 && w.num_experts <= kMaxExperts, "MoeLayer: ", w.num_experts,
+               " experts; expected 1..", kMaxExperts);
+  FP4MOE_CHECK(static_cast<int64_t>(w.experts.size()) == w.num_experts, "MoeLayer: num_experts = ",
+               w.num_experts, " but ", w.experts.size(), " experts are given");
+  FP4MOE_CHECK(w.hidden >= 16 && w.hidden % 16 == 0, "MoeLayer: hidden = ", w.hidden,
+               "; expected a positive multiple of 16 (the NVFP4 block)");
+  FP4MOE_CHECK(w.inter >= 16 && w.inter % 16 == 0, "MoeLayer: inter = ", w.inter,
+               "; expected a positive multiple of 16 (the NVFP4 block)");
+  const int k = o.routing.top_k;
+  FP4MOE_CHECK(k >= 1 && k <= w.num_experts && k <= kernels::kMaxTopK, "MoeLayer: top_k = ", k,
+               "; expected 1..", std::min<int64_t>(w.num_experts, kernels::kMaxTopK));
+  const bool bias = w.has_bias();
+  for (int64_t e = 0; e < w.num_experts; ++e) {
+    const ExpertWeights& x = w.experts[static_cast<size_t>(e)];
+    check_matrix(x.gate, w.inter, w.hidden, e, "gate");
+    check_matrix(x.up, w.inter, w.hidden, e, "up");
+    check_matrix(x.down, w.hidden, w.inter, e, "down");
+    FP4MOE_CHECK(x.gate.global_scale == x.up.global_scale, "MoeLayer: expert ", e,
+                 " has different gate and up weight_scale_2 (", x.gate.global_scale, " vs ",
+                 x.up.global_scale, "); the fused SwiGLU needs the shared scale ModelOpt writes");
+    const std::pair<const std::vector<float>*, std::pair<const char*, int64_t>> biases[] = {
+        {&x.gate_bias, {"gate_bias", w.inter}},
+        {&x.up_bias, {"up_bias", w.inter}},
+        {&x.down_bias, {"down_bias", w.hidden}}};
+    for (const auto& [values, what] : biases) {
+      const size_t expected = bias ? static_cast<size_t>(what.second) : 0;
+      FP4MOE_CHECK(values->size() == expected, "MoeLayer: expert ", e, " ", what.first, " has ",
+                   values->size(), " entries; expected ", expected,
+                   bias ? "" : " (expert 0 has no biases)");
+    }
+  }
+}
+
+template <typename F>
+void parallel_for(int64_t count, F&& body) {
+  const int64_t num_threads =
+      std::min<int64_t>(count, std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> threads;
+  for (int64_t w = 0; w < num_threads; ++w)
+    threads.emplace_back([&, w] {
+      for (int64_t i = w; i < count; i += num_threads) body(i);
+    });
+  for (auto& t : threads) t.join();
+}
+
+// Byte offsets of one forward's scratch, after the header.
+struct ScratchLayout {
+  size_t topk_ids = 0, topk_weights = 0, offsets = 0, token_of_row = 0, pair_of_row = 0;
+  size_t x_sorted = 0, activated = 0, finalize = 0, gemm1_ws = 0, gemm2_ws = 0;
+  size_t gemm1_ws_bytes = 0, gemm2_ws_bytes = 0;
+  size_t end = 0;
+};
+
+}  // namespace
+
+struct MoeLayer::Impl {
+  int64_t num_experts = 0, hidden = 0, inter = 0;
+  int top_k = 0;
+  bool has_bias = false;
+  MoeLayerOptions options;
+  DeviceGemmWeights w13;  // interleaved gate/up, [E][2 inter, hidden]
+  DeviceGemmWeights w2;   // down, [E][hidden, inter]
+  DeviceArray<float> bias13;  // [E][2 inter]: gate biases then up biases
+  DeviceArray<float> bias2;   // [E][hidden]
+
+  mutable std::mutex mutex;
+  mutable std::map<int64_t, MoeLayerPlan> plans;          // by token count
+  mutable std::map<int64_t, size_t> workspace_by_tokens;  // by max_tokens
+
+  GemmProblem problem(int gemm, int64_t num_tokens) const {
+    GemmProblem p;
+    p.num_experts = num_experts;
+    p.n = gemm == 1 ? 2 * inter : hidden;
+    p.k = gemm == 1 ? hidden : inter;
+    p.num_rows = num_tokens * top_k;
+    p.expected_active_experts = static_cast<int64_t>(
+        std::ceil(expected_active_experts(num_experts, top_k, num_tokens)));
+    p.epilogue = gemm == 1 ? Epilogue::kSwiglu : Epilogue::kFinalize;
+    return p;
+  }
+
+  static GemmPlan cap_split(GemmPlan plan) {
+    if (plan.split_k > 1 && plan.max_tiles > kSplitCounterCapacity) {
+      plan.split_k = 1;
+      plan.reason += "; split-K off (more tiles than the workspace's counters)";
+    }
+    return plan;
+  }
+
+  MoeLayerPlan plan(int64_t num_tokens) const {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      auto it = plans.find(num_tokens);
+      if (it != plans.end()) return it->second;
+    }
+    MoeLayerPlan p;
+    p.num_tokens = num_tokens;
+    p.num_rows = num_tokens * top_k;
+    p.gemm1 = cap_split(plan_grouped_gemm(problem(1, num_tokens), options.gemm1_config));
+    p.gemm2 = cap_split(plan_grouped_gemm(problem(2, num_tokens), options.gemm2_config));
+    std::lock_guard<std::mutex> lock(mutex);
+    return plans.emplace(num_tokens, p).first->second;
+  }
+
+  ScratchLayout scratch(int64_t num_tokens) const {
+    const MoeLayerPlan p = plan(num_tokens);
+    const size_t pairs = static_cast<size_t>(num_tokens * top_k);
+    ScratchLayout s;
+    size_t at = kHeaderBytes;
+    auto take = [&](size_t bytes) {
+      const size_t offset = at;
+      at = align_bytes(at + bytes);
+      return offset;
+    };
+    s.topk_ids = take(pairs * 4);
+    s.topk_weights = take(pairs * 4);
+    s.offsets = take(static_cast<size_t>(num_experts + 1) * 4);
+    s.token_of_row = take(pairs * 4);
+    s.pair_of_row = take(pairs * 4);
+    if (options.gather == GatherMode::kSeparate) s.x_sorted = take(pairs * hidden * 2);
+    s.activated = take(pairs * inter * 2);
+    const size_t finalize_rows =
+        options.finalize == FinalizeMode::kDeterministic ? pairs : static_cast<size_t>(num_tokens);
+    s.finalize = take(finalize_rows * hidden * 4);
+    s.gemm1_ws_bytes = grouped_gemm_workspace_bytes(p.gemm1);
+    s.gemm2_ws_bytes = grouped_gemm_workspace_bytes(p.gemm2);
+    s.gemm1_ws = take(s.gemm1_ws_bytes);
+    s.gemm2_ws = take(s.gemm2_ws_bytes);
+    s.end = at;
+    return s;
+  }
+
+  size_t workspace_bytes(int64_t max_tokens) const {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      auto it = workspace_by_tokens.find(max_tokens);
+      if (it != workspace_by_tokens.end()) return it->second;
+    }
+    // Every region but the split-K partials grows with the token count; the
+    // partials exist only while tiles are few, so the smaller counts where
+    // a split is possible are checked one by one.
+    size_t bytes = scratch(max_tokens).end;
+    int max_block_m = 1;
+    for (const TileConfig& c : compiled_configs()) max_block_m = std::max(max_block_m, c.block_m);
+    const int64_t min_n_tiles = (std::min(2 * inter, hidden) + 127) / 128;
+    for (int64_t t = 1; t < max_tokens; ++t) {
+      if ((t * top_k / max_block_m) * min_n_tiles > kSplitCounterCapacity) break;
+      bytes = std::max(bytes, scratch(t).end);
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    workspace_by_tokens.emplace(max_tokens, bytes);
+    return bytes;
+  }
+};
+
+MoeLayer::MoeLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+MoeLayer::MoeLayer(MoeLayer&&) noexcept = default;
+MoeLayer& MoeLayer::operator=(MoeLayer&&) noexcept = default;
+MoeLayer::~MoeLayer() = default;
+
+MoeLayer MoeLayer::prepare(const MoeWeights& weights, const MoeLayerOptions& options) {
+  validate_weights(weights, options);
+  auto impl = std::make_unique<Impl>();
+  impl->num_experts = weights.num_experts;
+  impl->hidden = weights.hidden;
+  impl->inter = weights.inter;
+  impl->top_k = options.routing.top_k;
+  impl->has_bias = weights.has_bias();
+  impl->options = options;
+  const int64_t E = weights.num_experts;
+  {
+    std::vector<Nvfp4Matrix> gate_up(static_cast<size_t>(E));
+    parallel_for(E, [&](int64_t e) {
+      const ExpertWeights& x = weights.experts[static_cast<size_t>(e)];
+      gate_up[static_cast<size_t>(e)] = interleave_gate_up(x.gate, x.up);
+    });
+    std::vector<const Nvfp4Matrix*> ptrs;
+    for (const auto& m : gate_up) ptrs.push_back(&m);
+    impl->w13 = upload(prepare_gemm_weights(ptrs));
+  }
+  {
+    std::vector<const Nvfp4Matrix*> ptrs;
+    for (const auto& x : weights.experts) ptrs.push_back(&x.down);
+    impl->w2 = upload(prepare_gemm_weights(ptrs));
+  }
+  if (impl->has_bias) {
+    std::vector<float> b13, b2;
+    for (const auto& x : weights.experts) {
+      b13.insert(b13.end(), x.gate_bias.begin(), x.gate_bias.end());
+      b13.insert(b13.end(), x.up_bias.begin(), x.up_bias.end());
+      b2.insert(b2.end(), x.down_bias.begin(), x.down_bias.end());
+    }
+    impl->bias13 = DeviceArray<float>(b13);
+    impl->bias2 = DeviceArray<float>(b2);
+  }
+  return MoeLayer(std::move(impl));
+}
+
+MoeLayer MoeLayer::load(const std::string& path, const std::string& prefix,
+                        const MoeLayerOptions& options) {
+  return prepare(load_moe_weights(path, prefix), options);
+}
+
+int64_t MoeLayer::num_experts() const { return impl_->num_experts; }
+int64_t MoeLayer::hidden() const { return impl_->hidden; }
+int64_t MoeLayer::inter() const { return impl_->inter; }
+int MoeLayer::top_k() const { return impl_->top_k; }
+const MoeLayerOptions& MoeLayer::options() const { return impl_->options; }
+size_t MoeLayer::device_weight_bytes() const {
+  return impl_->w13.bytes() + impl_->w2.bytes() + impl_->bias13.bytes() + impl_->bias2.bytes();
+}
+
+MoeLayerPlan MoeLayer::plan(int64_t num_tokens) const {
+  FP4MOE_CHECK(num_tokens >= 1 && num_tokens * impl_->top_k < (int64_t{1} << 31),
+               "MoeLayer::plan: num_tokens = ", num_tokens, "; expected 1 .. 2^31 / top_k");
+  return impl_->plan(num_tokens);
+}
+
+size_t MoeLayer::workspace_bytes(int64_t max_tokens) const {
+  FP4MOE_CHECK(max_tokens >= 1 && max_tokens * impl_->top_k < (int64_t{1} << 31),
+               "MoeLayer::workspace_bytes: max_tokens = ", max_tokens,
+               "; expected 1 .. 2^31 / top_k");
+  return impl_->workspace_bytes(max_tokens);
+}
+
+namespace {
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+void record(cudaEvent_t event, cudaStream_t stream) {
+  if (event) FP4MOE_CUDA_CHECK(cudaEventRecord(event, stream));
+}
+}  // namespace
+
+void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace,
+                       size_t workspace_bytes, cudaStream_t stream,
+                       const MoeStageEvents* events) const {
+  const Impl& m = *impl_;
+  const int64_t T = args.num_tokens;
+  FP4MOE_CHECK(T >= 0 && T * m.top_k < (int64_t{1} << 31), "MoeLayer::forward: num_tokens = ", T,
+               "; expected 0 .. 2^31 / top_k");
+  if (T == 0) return;
+  FP4MOE_CHECK(args.hidden_states && aligned16(args.hidden_states),
+               "MoeLayer::forward: hidden_states must be a 16-byte aligned device pointer (bf16 [",
+               T, ", ", m.hidden, "])");
+  FP4MOE_CHECK(output && aligned16(output),
+               "MoeLayer::forward: output must be a 16-byte aligned device pointer (bf16 [", T, ", ",
+               m.hidden, "])");
+  const bool device_routing = args.router_logits != nullptr;
+  FP4MOE_CHECK(device_routing != (args.topk_ids != nullptr || args.topk_weights != nullptr),
+               "MoeLayer::forward: give either router_logits or topk_ids + topk_weights, not both");
+  FP4MOE_CHECK(device_routing || (args.topk_ids && args.topk_weights),
+               "MoeLayer::forward: topk_ids and topk_weights go together");
+  FP4MOE_CHECK(workspace && aligned16(workspace), "MoeLayer::forward: workspace must be a 16-byte "
+               "aligned device pointer");
+  const ScratchLayout s = m.scratch(T);
+  FP4MOE_CHECK(workspace_bytes >= s.end, "MoeLayer::forward: workspace of ", workspace_bytes,
+               " B; ", T, " tokens need ", s.end, " B (workspace_bytes(", T, "))");
+  const MoeLayerPlan plan = m.plan(T);
+
+  auto* ws = static_cast<uint8_t*>(workspace);
+  auto* layer_errors = reinterpret_cast<int32_t*>(ws);
+  auto* gemm1_errors = reinterpret_cast<int32_t*>(ws + 16);
+  auto* gemm2_errors = reinterpret_cast<int32_t*>(ws + 32);
+  auto* gemm1_counters = reinterpret_cast<int32_t*>(ws + kErrorWordsBytes);
+  int32_t* gemm2_counters = gemm1_counters + kSplitCounterCapacity;
+  auto* ids = reinterpret_cast<int32_t*>(ws + s.topk_ids);
+  auto* weights = reinterpret_cast<float*>(ws + s.topk_weights);
+  auto* offsets = reinterpret_cast<int32_t*>(ws + s.offsets);
+  auto* token_of_row = reinterpret_cast<int32_t*>(ws + s.token_of_row);
+  auto* pair_of_row = reinterpret_cast<int32_t*>(ws + s.pair_of_row);
+  auto* finalize = reinterpret_cast<float*>(ws + s.finalize);
+  const int64_t pairs = T * m.top_k;
+  const MoeStageEvents no_events;
+  const MoeStageEvents& ev = events ? *events : no_events;
+
+  record(ev.start, stream);
+  const int32_t* topk_ids = args.topk_ids;
+  const float* topk_weights = args.topk_weights;
+  if (device_routing) {
+    kernels::launch_route(args.router_logits, args.correction_bias, T, m.num_experts,
+                          m.options.routing, ids, weights, stream);
+    topk_ids = ids;
+    topk_weights = weights;
+  }
+  record(ev.routed, stream);
+  kernels::launch_sort_by_expert(topk_ids, T, m.top_k, m.num_experts, offsets, token_of_row,
+                                 pair_of_row, layer_errors, stream);
+  record(ev.sorted, stream);
+  const bool separate_gather = m.options.gather == GatherMode::kSeparate;
+  if (separate_gather)
+    kernels::launch_gather_rows(args.hidden_states, token_of_row, offsets, m.num_experts, pairs,
+                                m.hidden, ws + s.x_sorted, stream);
+  record(ev.gathered, stream);
+
+  GroupedGemmArgs g1;
+  g1.weights = m.w13.weights.get();
+  g1.scales = m.w13.scales.get();
+  g1.global_scales = m.w13.global_scales.get();
+  g1.num_experts = m.num_experts;
+  g1.n = 2 * m.inter;
+  g1.k = m.hidden;
+  g1.x = separate_gather ? static_cast<const void*>(ws + s.x_sorted) : args.hidden_states;
+  g1.gather_rows = separate_gather ? nullptr : token_of_row;
+  g1.x_rows = separate_gather ? pairs : T;
+  g1.expert_offsets = offsets;
+  g1.num_rows = pairs;
+  g1.y = ws + s.activated;
+  g1.activation = m.options.activation;
+  g1.bias = m.bias13.get();
+  g1.workspace = ws + s.gemm1_ws;
+  g1.workspace_bytes = s.gemm1_ws_bytes;
+  g1.error_flags = gemm1_errors;
+  g1.split_counters = gemm1_counters;
+  g1.split_counters_capacity = kSplitCounterCapacity;
+  grouped_gemm(g1, plan.gemm1, stream);
+  record(ev.gemm1, stream);
+
+  const bool atomic = m.options.finalize == FinalizeMode::kAtomic;
+  if (atomic)
+    FP4MOE_CUDA_CHECK(cudaMemsetAsync(finalize, 0, static_cast<size_t>(T * m.hidden) * 4, stream));
+  GroupedGemmArgs g2;
+  g2.weights = m.w2.weights.get();
+  g2.scales = m.w2.scales.get();
+  g2.global_scales = m.w2.global_scales.get();
+  g2.num_experts = m.num_experts;
+  g2.n = m.hidden;
+  g2.k = m.inter;
+  g2.x = ws + s.activated;
+  g2.expert_offsets = offsets;
+  g2.num_rows = pairs;
+  g2.bias = m.bias2.get();
+  g2.scatter_rows = pair_of_row;
+  g2.row_weights = topk_weights;
+  g2.out_f32 = finalize;
+  g2.out_rows = atomic ? T : pairs;
+  g2.out_row_divisor = atomic ? m.top_k : 1;
+  g2.atomic_out = atomic;
+  g2.workspace = ws + s.gemm2_ws;
+  g2.workspace_bytes = s.gemm2_ws_bytes;
+  g2.error_flags = gemm2_errors;
+  g2.split_counters = gemm2_counters;
+  g2.split_counters_capacity = kSplitCounterCapacity;
+  grouped_gemm(g2, plan.gemm2, stream);
+  record(ev.gemm2, stream);
+
+  if (atomic)
+    kernels::launch_finalize_accumulated(finalize, T, m.hidden, output, stream);
+  else
+    kernels::launch_finalize_pairs(finalize, topk_ids, T, m.top_k, m.num_experts, m.hidden, output,
+                                   stream);
+  record(ev.end, stream);
+}
+
+std::string MoeLayer::device_errors(const void* workspace, cudaStream_t stream) const {
+  FP4MOE_CHECK(workspace != nullptr, "MoeLayer::device_errors: workspace is null");
+  int32_t words[12] = {};
+  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(words, workspace, kErrorWordsBytes, cudaMemcpyDeviceToHost, stream));
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::string out;
+  if (words[0] & kernels::kErrorExpertIdOutOfRange)
+    out += "expert ids outside [0, " + std::to_string(impl_->num_experts) + ") (their slots were skipped); ";
+  for (int gemm = 1; gemm <= 2; ++gemm) {
+    const std::string errors = grouped_gemm_device_errors(
+        static_cast<const uint8_t*>(workspace) + 16 * gemm, stream);
+    if (!errors.empty()) out += "GEMM" + std::to_string(gemm) + ": " + errors;
+  }
+  return out;
+}
+
+}  // namespace fp4moe
