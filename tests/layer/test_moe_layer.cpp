@@ -33,6 +33,7 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <string>
 #include <thread>
@@ -45,6 +46,11 @@
 #include "gpu_test_util.hpp"
 
 namespace fp4moe {
+
+// Readable test parameters in gtest's listing (found by ADL; internal linkage).
+static void PrintTo(FinalizeMode mode, std::ostream* os) { *os << to_string(mode); }
+static void PrintTo(GatherMode mode, std::ostream* os) { *os << to_string(mode); }
+
 namespace {
 
 using testing::DeviceBuffer;
@@ -156,9 +162,11 @@ MoeWeights random_weights(const ModelShape& shape, std::mt19937& rng) {
     ex.up = testing::random_nvfp4(shape.inter, shape.hidden, gate_up_scale, rng);
     ex.down = testing::random_nvfp4(shape.hidden, shape.inter, down_scale, rng);
     if (shape.with_bias) {
-      ex.gate_bias = normal_floats(static_cast<size_t>(shape.inter), 1.0f, rng);
-      ex.up_bias = normal_floats(static_cast<size_t>(shape.inter), 1.0f, rng);
-      ex.down_bias = normal_floats(static_cast<size_t>(shape.hidden), 1.0f, rng);
+      // Comparable to what they are added to (gate/up rows ~10, output rows
+      // ~50-100 with these scales), so a bias dropped or applied twice fails.
+      ex.gate_bias = normal_floats(static_cast<size_t>(shape.inter), 4.0f, rng);
+      ex.up_bias = normal_floats(static_cast<size_t>(shape.inter), 4.0f, rng);
+      ex.down_bias = normal_floats(static_cast<size_t>(shape.hidden), 40.0f, rng);
     }
     w.experts.push_back(std::move(ex));
   }
@@ -183,7 +191,8 @@ double routing_margin(const float* logits, int64_t num_experts, const float* cor
     const int64_t group_size = num_experts / p.num_groups;
     std::vector<double> group_score(static_cast<size_t>(p.num_groups));
     for (int g = 0; g < p.num_groups; ++g) {
-      std::vector<double> members(score.begin() + g * group_size, score.begin() + (g + 1) * group_size);
+      std::vector<double> members(score.begin() + g * group_size,
+                                  score.begin() + (g + 1) * group_size);
       std::partial_sort(members.begin(), members.begin() + 2, members.end(), std::greater<>());
       group_score[g] = members[0] + members[1];
     }
@@ -221,7 +230,8 @@ std::vector<float> draw_router_logits(int64_t num_tokens, int64_t num_experts,
   return logits;
 }
 
-std::vector<float> reference_output(const MoeWeights& weights, const std::vector<uint16_t>& hidden_states,
+std::vector<float> reference_output(const MoeWeights& weights,
+                                    const std::vector<uint16_t>& hidden_states,
                                     const Routing& routing, Activation activation) {
   const std::vector<float> x = bf16_to_floats(hidden_states);  // exact
   std::vector<float> out(static_cast<size_t>(routing.num_tokens * weights.hidden));
@@ -246,15 +256,19 @@ struct ModelData {
   std::mt19937 rng;
   std::map<int64_t, TokenBatch> batches;
 
-  const float* bias_or_null() const { return correction_bias.empty() ? nullptr : correction_bias.data(); }
+  const float* bias_or_null() const {
+    return correction_bias.empty() ? nullptr : correction_bias.data();
+  }
 
   // A fresh batch of T tokens (new random hidden states and logits).
   TokenBatch make_batch(int64_t num_tokens) {
     TokenBatch b;
     b.num_tokens = num_tokens;
     b.hidden_states = testing::random_bf16(static_cast<size_t>(num_tokens * shape.hidden), rng);
-    b.router_logits = draw_router_logits(num_tokens, shape.num_experts, correction_bias, shape.routing, rng);
-    b.routing = route(b.router_logits.data(), num_tokens, shape.num_experts, bias_or_null(), shape.routing);
+    b.router_logits =
+        draw_router_logits(num_tokens, shape.num_experts, correction_bias, shape.routing, rng);
+    b.routing =
+        route(b.router_logits.data(), num_tokens, shape.num_experts, bias_or_null(), shape.routing);
     b.reference = reference_output(weights, b.hidden_states, b.routing, shape.activation);
     return b;
   }
@@ -276,7 +290,8 @@ ModelData& model_data(const ModelShape& shape) {
     slot->rng.seed(static_cast<uint32_t>(std::hash<std::string>{}(shape.name)));
     slot->weights = random_weights(shape, slot->rng);
     if (shape.routing.mode == RoutingMode::kNoauxTc)
-      slot->correction_bias = normal_floats(static_cast<size_t>(shape.num_experts), 0.1f, slot->rng);
+      slot->correction_bias =
+          normal_floats(static_cast<size_t>(shape.num_experts), 0.1f, slot->rng);
   }
   return *slot;
 }
@@ -287,25 +302,30 @@ enum class RoutingPattern {
   kFewExperts,  // all tokens use a handful of experts; the rest get none
 };
 
-std::string to_string(RoutingPattern p) { return p == RoutingPattern::kHotExpert ? "HotExpert" : "FewExperts"; }
+std::string to_string(RoutingPattern p) {
+  return p == RoutingPattern::kHotExpert ? "HotExpert" : "FewExperts";
+}
+void PrintTo(RoutingPattern p, std::ostream* os) { *os << to_string(p); }
 
 // max(3, top_k + 1) experts spread over [0, num_experts), both ends included.
 std::vector<int32_t> few_expert_pool(int64_t num_experts, int top_k) {
   const int64_t n = std::min<int64_t>(num_experts, std::max(3, top_k + 1));
   std::vector<int32_t> pool;
-  for (int64_t i = 0; i < n; ++i) pool.push_back(static_cast<int32_t>(n == 1 ? 0 : i * (num_experts - 1) / (n - 1)));
+  for (int64_t i = 0; i < n; ++i)
+    pool.push_back(static_cast<int32_t>(n == 1 ? 0 : i * (num_experts - 1) / (n - 1)));
   return pool;
 }
 
-Routing patterned_routing(RoutingPattern pattern, int64_t num_tokens, int64_t num_experts, int top_k,
-                          std::mt19937& rng) {
+Routing patterned_routing(RoutingPattern pattern, int64_t num_tokens, int64_t num_experts,
+                          int top_k, std::mt19937& rng) {
   Routing r;
   r.num_tokens = num_tokens;
   r.top_k = top_k;
   std::vector<int32_t> pool(static_cast<size_t>(num_experts));
   std::iota(pool.begin(), pool.end(), 0);
   if (pattern == RoutingPattern::kFewExperts) pool = few_expert_pool(num_experts, top_k);
-  const int32_t hot_expert = static_cast<int32_t>(num_experts / 2 + 1) % static_cast<int32_t>(num_experts);
+  const int32_t hot_expert =
+      static_cast<int32_t>(num_experts / 2 + 1) % static_cast<int32_t>(num_experts);
   std::uniform_real_distribution<float> weight(0.1f, 1.0f);
   std::bernoulli_distribution is_hot(0.9);
   std::uniform_int_distribution<int> slot(0, top_k - 1);
@@ -397,7 +417,8 @@ void poison_async(DeviceBuffer<uint16_t>& buffer, cudaStream_t stream) {
 template <typename T>
 std::vector<T> download_after(const DeviceBuffer<T>& buffer, cudaStream_t stream) {
   std::vector<T> host(buffer.size());
-  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(host.data(), buffer.get(), buffer.bytes(), cudaMemcpyDeviceToHost, stream));
+  FP4MOE_CUDA_CHECK(
+      cudaMemcpyAsync(host.data(), buffer.get(), buffer.bytes(), cudaMemcpyDeviceToHost, stream));
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return host;
 }
@@ -415,18 +436,19 @@ std::vector<uint16_t> output_rows(std::vector<uint16_t> all, size_t count) {
 // Poisons `output` (0xFF bytes: bf16 NaN), runs one forward on `stream`,
 // waits, and returns the bf16 bits of the num_tokens output rows.
 std::vector<uint16_t> forward_bits(const MoeLayer& layer, const MoeForwardArgs& args,
-                                   DeviceBuffer<uint16_t>& output, const DeviceBuffer<uint8_t>& workspace,
-                                   cudaStream_t stream) {
+                                   DeviceBuffer<uint16_t>& output,
+                                   const DeviceBuffer<uint8_t>& workspace, cudaStream_t stream) {
   poison_async(output, stream);
   layer.forward(args, output.get(), workspace.get(), workspace.bytes(), stream);
-  return output_rows(download_after(output, stream), static_cast<size_t>(args.num_tokens * layer.hidden()));
+  return output_rows(download_after(output, stream),
+                     static_cast<size_t>(args.num_tokens * layer.hidden()));
 }
 
 // Checks a bf16 layer output against the reference: ||out - ref|| / ||ref||
 // < 1e-2, every element within compare()'s atol + rtol |ref|, none
 // unwritten. Returns the relative error for the log.
 double expect_matches_reference(const std::vector<uint16_t>& out, const std::vector<float>& ref,
-                                 int64_t hidden) {
+                                int64_t hidden) {
   EXPECT_EQ(out.size(), ref.size());
   if (out.size() != ref.size()) return 1.0;
   const testing::Comparison c =
@@ -481,9 +503,9 @@ TEST_P(ModelMatrix, MatchesReferenceWithDeviceAndCallerRouting) {
                                (device_routing ? "device routing" : "caller routing") + " " +
                                to_string(finalize) + " " + to_string(gather);
       SCOPED_TRACE(what);
-      const std::vector<uint16_t> out = forward_bits(
-          layer, device_routing ? inputs.device_routing() : inputs.caller_routing(), output, workspace,
-          stream.get());
+      const std::vector<uint16_t> out =
+          forward_bits(layer, device_routing ? inputs.device_routing() : inputs.caller_routing(),
+                       output, workspace, stream.get());
       const double rel_err = expect_matches_reference(out, batch.reference, shape.hidden);
       std::printf("  %-60s rel_err %.2e\n", what.c_str(), rel_err);
     }
@@ -497,7 +519,8 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(GatherMode::kFused, GatherMode::kSeparate)),
     [](const ::testing::TestParamInfo<ModelModes>& param_info) {
       return model_shapes()[static_cast<size_t>(std::get<0>(param_info.param))].name + "_" +
-             to_string(std::get<1>(param_info.param)) + "_" + to_string(std::get<2>(param_info.param));
+             to_string(std::get<1>(param_info.param)) + "_" +
+             to_string(std::get<2>(param_info.param));
     });
 
 // ------------------------------------------- skewed and sparse caller routing
@@ -529,21 +552,26 @@ TEST_P(CallerRoutingPatterns, MatchReference) {
     DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
     for (int64_t num_tokens : {int64_t{3}, int64_t{64}, kMaxTokens}) {
       std::mt19937 rng(static_cast<uint32_t>(num_tokens * 31 + shape_idx));
-      const std::vector<uint16_t> hidden = testing::random_bf16(static_cast<size_t>(num_tokens * shape.hidden), rng);
-      const Routing routing = patterned_routing(pattern, num_tokens, shape.num_experts, shape.routing.top_k, rng);
+      const std::vector<uint16_t> hidden =
+          testing::random_bf16(static_cast<size_t>(num_tokens * shape.hidden), rng);
+      const Routing routing =
+          patterned_routing(pattern, num_tokens, shape.num_experts, shape.routing.top_k, rng);
       std::vector<int64_t> pairs_per_expert(static_cast<size_t>(shape.num_experts), 0);
       for (int32_t id : routing.topk_ids) ++pairs_per_expert[static_cast<size_t>(id)];
-      const int64_t used = std::count_if(pairs_per_expert.begin(), pairs_per_expert.end(), [](int64_t n) { return n > 0; });
+      const int64_t used = std::count_if(pairs_per_expert.begin(), pairs_per_expert.end(),
+                                         [](int64_t n) { return n > 0; });
       const int64_t busiest = *std::max_element(pairs_per_expert.begin(), pairs_per_expert.end());
-      const std::string what = shape.name + " " + to_string(pattern) + " T=" + std::to_string(num_tokens) + " " +
-                               to_string(finalize) + ": " + std::to_string(used) + " of " +
-                               std::to_string(shape.num_experts) + " experts used, busiest has " +
-                               std::to_string(busiest) + " of " + std::to_string(routing.topk_ids.size()) + " pairs";
+      const std::string what =
+          shape.name + " " + to_string(pattern) + " T=" + std::to_string(num_tokens) + " " +
+          to_string(finalize) + ": " + std::to_string(used) + " of " +
+          std::to_string(shape.num_experts) + " experts used, busiest has " +
+          std::to_string(busiest) + " of " + std::to_string(routing.topk_ids.size()) + " pairs";
       SCOPED_TRACE(what);
       const DeviceInputs inputs(hidden, {}, {}, routing, num_tokens);
-      const std::vector<uint16_t> out = forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
-      const double rel_err =
-          expect_matches_reference(out, reference_output(data.weights, hidden, routing, shape.activation), shape.hidden);
+      const std::vector<uint16_t> out =
+          forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
+      const double rel_err = expect_matches_reference(
+          out, reference_output(data.weights, hidden, routing, shape.activation), shape.hidden);
       std::printf("  %-90s rel_err %.2e\n", what.c_str(), rel_err);
     }
   }
@@ -560,19 +588,32 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ------------------------------------------------------ forced tile configs
 
+// The compiled tile shapes: compiled_configs() lists each once per epilogue,
+// and the layer sets the epilogue itself.
+std::vector<TileConfig> compiled_tiles() {
+  std::vector<TileConfig> tiles;
+  for (const TileConfig& c : compiled_configs())
+    if (std::none_of(tiles.begin(), tiles.end(),
+                     [&](const TileConfig& t) { return same_tile(t, c); }))
+      tiles.push_back(c);
+  return tiles;
+}
+
 TEST(MoeLayerConfigs, EveryCompiledConfigForcedInBothGemms) {
   FP4MOE_REQUIRE_GPU();
-  ASSERT_FALSE(compiled_configs().empty());
+  const std::vector<TileConfig> tiles = compiled_tiles();
+  ASSERT_FALSE(tiles.empty());
   for (const std::string name : {"GLM45", "Mixtral"}) {
     const ModelShape& shape = shape_named(name);
     ModelData& data = model_data(shape);
     std::vector<std::unique_ptr<DeviceInputs>> inputs;
     const int64_t token_counts[] = {3, 64, kMaxTokens};
-    for (int64_t t : token_counts) inputs.push_back(std::make_unique<DeviceInputs>(data.batch(t), data.correction_bias));
+    for (int64_t t : token_counts)
+      inputs.push_back(std::make_unique<DeviceInputs>(data.batch(t), data.correction_bias));
     Stream stream;
     DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
-    for (const TileConfig& config1 : compiled_configs()) {
-      for (const TileConfig& config2 : compiled_configs()) {
+    for (const TileConfig& config1 : tiles) {
+      for (const TileConfig& config2 : tiles) {
         MoeLayerOptions options = layer_options(shape);
         options.gemm1_config = config1;
         options.gemm2_config = config2;
@@ -584,11 +625,14 @@ TEST(MoeLayerConfigs, EveryCompiledConfigForcedInBothGemms) {
                                    config2.to_string() + " T=" + std::to_string(num_tokens);
           SCOPED_TRACE(what);
           const MoeLayerPlan plan = layer.plan(num_tokens);
-          EXPECT_TRUE(same_tile(plan.gemm1.config, config1)) << "planned " << plan.gemm1.config.to_string();
-          EXPECT_TRUE(same_tile(plan.gemm2.config, config2)) << "planned " << plan.gemm2.config.to_string();
+          EXPECT_TRUE(same_tile(plan.gemm1.config, config1))
+              << "planned " << plan.gemm1.config.to_string();
+          EXPECT_TRUE(same_tile(plan.gemm2.config, config2))
+              << "planned " << plan.gemm2.config.to_string();
           const std::vector<uint16_t> out =
               forward_bits(layer, inputs[i]->device_routing(), output, workspace, stream.get());
-          const double rel_err = expect_matches_reference(out, data.batch(num_tokens).reference, shape.hidden);
+          const double rel_err =
+              expect_matches_reference(out, data.batch(num_tokens).reference, shape.hidden);
           std::printf("  %-60s rel_err %.2e\n", what.c_str(), rel_err);
         }
       }
@@ -633,7 +677,8 @@ MoeWeights fast_random_weights(const ModelShape& shape) {
 size_t host_weight_bytes(const MoeWeights& w) {
   size_t bytes = 0;
   for (const ExpertWeights& ex : w.experts)
-    for (const Nvfp4Matrix* m : {&ex.gate, &ex.up, &ex.down}) bytes += m->packed.size() + m->scales.size();
+    for (const Nvfp4Matrix* m : {&ex.gate, &ex.up, &ex.down})
+      bytes += m->packed.size() + m->scales.size();
   return bytes;
 }
 
@@ -643,16 +688,17 @@ TEST(MoeLayerFullSize, Glm5AtOneAnd64Tokens) {
 
   auto start = std::chrono::steady_clock::now();
   const MoeWeights weights = fast_random_weights(shape);
-  std::printf("  GLM-5: generated %.2f GB of NVFP4 weights in %.1f s\n", host_weight_bytes(weights) / 1e9,
-              seconds_since(start));
+  std::printf("  GLM-5: generated %.2f GB of NVFP4 weights in %.1f s\n",
+              host_weight_bytes(weights) / 1e9, seconds_since(start));
 
   start = std::chrono::steady_clock::now();
   const MoeLayer layer = MoeLayer::prepare(weights, layer_options(shape));
-  std::printf("  GLM-5: prepare (repack + upload %.2f GB) took %.1f s\n", layer.device_weight_bytes() / 1e9,
-              seconds_since(start));
+  std::printf("  GLM-5: prepare (repack + upload %.2f GB) took %.1f s\n",
+              layer.device_weight_bytes() / 1e9, seconds_since(start));
 
   std::mt19937 rng(55);
-  const std::vector<float> correction_bias = normal_floats(static_cast<size_t>(shape.num_experts), 0.1f, rng);
+  const std::vector<float> correction_bias =
+      normal_floats(static_cast<size_t>(shape.num_experts), 0.1f, rng);
   Stream stream;
   const int64_t max_tokens = 64;
   const DeviceBuffer<uint8_t> workspace = make_workspace(layer, max_tokens);
@@ -662,19 +708,23 @@ TEST(MoeLayerFullSize, Glm5AtOneAnd64Tokens) {
     TokenBatch b;
     b.num_tokens = num_tokens;
     b.hidden_states = testing::random_bf16(static_cast<size_t>(num_tokens * shape.hidden), rng);
-    b.router_logits = draw_router_logits(num_tokens, shape.num_experts, correction_bias, shape.routing, rng);
-    b.routing = route(b.router_logits.data(), num_tokens, shape.num_experts, correction_bias.data(), shape.routing);
+    b.router_logits =
+        draw_router_logits(num_tokens, shape.num_experts, correction_bias, shape.routing, rng);
+    b.routing = route(b.router_logits.data(), num_tokens, shape.num_experts, correction_bias.data(),
+                      shape.routing);
     start = std::chrono::steady_clock::now();
     b.reference = reference_output(weights, b.hidden_states, b.routing, shape.activation);
     const double reference_s = seconds_since(start);
 
     const DeviceInputs inputs(b, correction_bias);
     for (bool device_routing : {true, false}) {
-      const std::vector<uint16_t> out = forward_bits(
-          layer, device_routing ? inputs.device_routing() : inputs.caller_routing(), output, workspace, stream.get());
+      const std::vector<uint16_t> out =
+          forward_bits(layer, device_routing ? inputs.device_routing() : inputs.caller_routing(),
+                       output, workspace, stream.get());
       const double rel_err = expect_matches_reference(out, b.reference, shape.hidden);
-      std::printf("  GLM-5 T=%lld %s routing: reference %.1f s, rel_err %.2e\n", static_cast<long long>(num_tokens),
-                  device_routing ? "device" : "caller", reference_s, rel_err);
+      std::printf("  GLM-5 T=%lld %s routing: reference %.1f s, rel_err %.2e\n",
+                  static_cast<long long>(num_tokens), device_routing ? "device" : "caller",
+                  reference_s, rel_err);
     }
   }
 }
@@ -690,14 +740,17 @@ TEST(MoeLayerDeterminism, DeterministicForwardsAreBitIdentical) {
     const DeviceInputs inputs(batch, data.correction_bias);
     for (GatherMode gather : {GatherMode::kFused, GatherMode::kSeparate}) {
       SCOPED_TRACE(shape.name + " " + to_string(gather));
-      const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape, FinalizeMode::kDeterministic, gather));
+      const MoeLayer layer = MoeLayer::prepare(
+          data.weights, layer_options(shape, FinalizeMode::kDeterministic, gather));
       Stream stream;
       const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
       DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
-      const std::vector<uint16_t> first = forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
+      const std::vector<uint16_t> first =
+          forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
       expect_matches_reference(first, batch.reference, shape.hidden);
       for (int run = 1; run < 5; ++run) {
-        const std::vector<uint16_t> again = forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
+        const std::vector<uint16_t> again =
+            forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
         EXPECT_EQ(first_difference(first, again), -1) << "run " << run << " differs from run 0";
       }
     }
@@ -710,15 +763,18 @@ TEST(MoeLayerDeterminism, AtomicForwardsStayWithinTolerance) {
   FP4MOE_REQUIRE_GPU();
   const ModelShape& shape = shape_named("Qwen3_30B");
   ModelData& data = model_data(shape);
-  const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape, FinalizeMode::kAtomic));
+  const MoeLayer layer =
+      MoeLayer::prepare(data.weights, layer_options(shape, FinalizeMode::kAtomic));
   Stream stream;
   const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
   DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
-  for (int64_t num_tokens : {kMaxTokens, int64_t{64}, kMaxTokens, kMaxTokens, int64_t{3}, kMaxTokens}) {
+  for (int64_t num_tokens :
+       {kMaxTokens, int64_t{64}, kMaxTokens, kMaxTokens, int64_t{3}, kMaxTokens}) {
     SCOPED_TRACE("T=" + std::to_string(num_tokens));
     const TokenBatch& batch = data.batch(num_tokens);
     const DeviceInputs inputs(batch, data.correction_bias);
-    const std::vector<uint16_t> out = forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
+    const std::vector<uint16_t> out =
+        forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
     expect_matches_reference(out, batch.reference, shape.hidden);
   }
 }
@@ -757,11 +813,13 @@ TEST(MoeLayerGraph, ReplaysWithNewInputsEqualEagerForwards) {
   expect_matches_reference(eager[0], a.reference, shape.hidden);
   expect_matches_reference(eager[2], b.reference, shape.hidden);
 
-  const DeviceInputs live(a.hidden_states, a.router_logits, data.correction_bias, Routing{}, num_tokens);
+  const DeviceInputs live(a.hidden_states, a.router_logits, data.correction_bias, Routing{},
+                          num_tokens);
   cudaGraph_t graph = nullptr;
   FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
   try {
-    layer.forward(live.device_routing(), output.get(), workspace.get(), workspace.bytes(), stream.get());
+    layer.forward(live.device_routing(), output.get(), workspace.get(), workspace.bytes(),
+                  stream.get());
   } catch (...) {
     cudaStreamEndCapture(stream.get(), &graph);
     if (graph) cudaGraphDestroy(graph);
@@ -775,14 +833,17 @@ TEST(MoeLayerGraph, ReplaysWithNewInputsEqualEagerForwards) {
     SCOPED_TRACE(std::string("replay with ") + replays[i].what);
     const std::vector<uint16_t>& hidden = *replays[i].hidden;
     const std::vector<float>& logits = *replays[i].logits;
-    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(live.hidden_states.get(), hidden.data(), hidden.size() * sizeof(uint16_t),
-                                      cudaMemcpyHostToDevice, stream.get()));
-    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(live.router_logits.get(), logits.data(), logits.size() * sizeof(float),
-                                      cudaMemcpyHostToDevice, stream.get()));
+    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(live.hidden_states.get(), hidden.data(),
+                                      hidden.size() * sizeof(uint16_t), cudaMemcpyHostToDevice,
+                                      stream.get()));
+    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(live.router_logits.get(), logits.data(),
+                                      logits.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                      stream.get()));
     poison_async(output, stream.get());
     FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
     const std::vector<uint16_t> replayed = download_after(output, stream.get());
-    EXPECT_EQ(first_difference(replayed, eager[i]), -1) << "the replay differs from the eager forward";
+    EXPECT_EQ(first_difference(replayed, eager[i]), -1)
+        << "the replay differs from the eager forward";
   }
   EXPECT_EQ(layer.device_errors(workspace.get(), stream.get()), "");
   cudaGraphExecDestroy(exec);
@@ -805,13 +866,15 @@ TEST(MoeLayerThreads, TwoThreadsTwoStreamsOneLayer) {
     std::vector<uint16_t> eager;
     int num_mismatches = 0;
   };
-  Job jobs[2] = {{&data.batch(kMaxTokens), true, nullptr, {}, 0}, {&data.batch(64), false, nullptr, {}, 0}};
+  Job jobs[2] = {{&data.batch(kMaxTokens), true, nullptr, {}, 0},
+                 {&data.batch(64), false, nullptr, {}, 0}};
   for (Job& job : jobs) {
     job.inputs = std::make_unique<DeviceInputs>(*job.batch, data.correction_bias);
     Stream stream;
     const DeviceBuffer<uint8_t> workspace = make_workspace(layer, job.batch->num_tokens);
     DeviceBuffer<uint16_t> output(static_cast<size_t>(job.batch->num_tokens * shape.hidden));
-    const MoeForwardArgs args = job.device_routing ? job.inputs->device_routing() : job.inputs->caller_routing();
+    const MoeForwardArgs args =
+        job.device_routing ? job.inputs->device_routing() : job.inputs->caller_routing();
     job.eager = forward_bits(layer, args, output, workspace, stream.get());
     expect_matches_reference(job.eager, job.batch->reference, shape.hidden);
   }
@@ -821,16 +884,20 @@ TEST(MoeLayerThreads, TwoThreadsTwoStreamsOneLayer) {
     Stream stream;
     const DeviceBuffer<uint8_t> workspace = make_workspace(layer, job.batch->num_tokens);
     DeviceBuffer<uint16_t> output(static_cast<size_t>(job.batch->num_tokens * shape.hidden));
-    const MoeForwardArgs args = job.device_routing ? job.inputs->device_routing() : job.inputs->caller_routing();
+    const MoeForwardArgs args =
+        job.device_routing ? job.inputs->device_routing() : job.inputs->caller_routing();
     for (int i = 0; i < kForwardsPerThread; ++i)
-      if (first_difference(forward_bits(layer, args, output, workspace, stream.get()), job.eager) != -1)
+      if (first_difference(forward_bits(layer, args, output, workspace, stream.get()), job.eager) !=
+          -1)
         ++job.num_mismatches;
   };
   std::thread other(run, std::ref(jobs[1]));
   run(jobs[0]);
   other.join();
-  EXPECT_EQ(jobs[0].num_mismatches, 0) << "thread 0 (T=1000, device routing) differs from its eager result";
-  EXPECT_EQ(jobs[1].num_mismatches, 0) << "thread 1 (T=64, caller routing) differs from its eager result";
+  EXPECT_EQ(jobs[0].num_mismatches, 0)
+      << "thread 0 (T=1000, device routing) differs from its eager result";
+  EXPECT_EQ(jobs[1].num_mismatches, 0)
+      << "thread 1 (T=64, caller routing) differs from its eager result";
 }
 
 // ------------------------------------------------------------------ workspace
@@ -846,40 +913,65 @@ TEST(MoeLayerWorkspace, OneWorkspaceServesEveryTokenCountUpToItsMax) {
   const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
   DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
   for (int64_t num_tokens : {kMaxTokens, int64_t{1}, int64_t{64}, int64_t{3}, kMaxTokens}) {
-    SCOPED_TRACE("T=" + std::to_string(num_tokens) + " in a workspace for " + std::to_string(kMaxTokens));
+    SCOPED_TRACE("T=" + std::to_string(num_tokens) + " in a workspace for " +
+                 std::to_string(kMaxTokens));
     const TokenBatch& batch = data.batch(num_tokens);
     const DeviceInputs inputs(batch, data.correction_bias);
-    expect_matches_reference(forward_bits(layer, inputs.device_routing(), output, workspace, stream.get()),
-                             batch.reference, shape.hidden);
+    expect_matches_reference(
+        forward_bits(layer, inputs.device_routing(), output, workspace, stream.get()),
+        batch.reference, shape.hidden);
   }
 }
 
+// Refused before anything is launched (the poisoned output stays poisoned).
+// For max_tokens = 1, workspace_bytes(1) is exactly what a 1-token forward
+// needs, so one byte less must fail and the message must quote that number.
+// For T = 1000 only sizes far below need are used: a forward of T tokens may
+// need less than workspace_bytes(T), the maximum over all counts up to T.
 TEST(MoeLayerWorkspace, TooSmallWorkspaceThrowsBeforeLaunch) {
   FP4MOE_REQUIRE_GPU();
   const ModelShape& shape = shape_named("GLM45");
   ModelData& data = model_data(shape);
   const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape));
-  const TokenBatch& batch = data.batch(kMaxTokens);
-  const DeviceInputs inputs(batch, data.correction_bias);
-  const size_t needed = layer.workspace_bytes(kMaxTokens);
-  const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
   Stream stream;
   DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
+  const size_t one_token_bytes = layer.workspace_bytes(1);
 
-  std::vector<size_t> too_small = {needed - 1, 0};
-  if (layer.workspace_bytes(64) < needed) too_small.push_back(layer.workspace_bytes(64));
-  for (size_t given : too_small) {
-    SCOPED_TRACE("workspace of " + std::to_string(given) + " bytes, " + std::to_string(needed) + " needed");
+  struct Case {
+    int64_t num_tokens;
+    size_t given_bytes;
+    bool quotes_need;  // the message must contain workspace_bytes(num_tokens)
+  };
+  const Case cases[] = {{1, 0, true},
+                        {1, one_token_bytes / 2, true},
+                        {1, one_token_bytes - 1, true},
+                        {kMaxTokens, 0, false},
+                        {kMaxTokens, one_token_bytes, false}};
+  for (const Case& c : cases) {
+    const size_t needed = layer.workspace_bytes(c.num_tokens);
+    SCOPED_TRACE("T=" + std::to_string(c.num_tokens) + ": workspace of " +
+                 std::to_string(c.given_bytes) +
+                 " bytes, workspace_bytes(T) = " + std::to_string(needed));
+    const TokenBatch& batch = data.batch(c.num_tokens);
+    const DeviceInputs inputs(batch, data.correction_bias);
+    const DeviceBuffer<uint8_t> workspace = make_workspace(layer, c.num_tokens);
     poison_async(output, stream.get());
     try {
-      layer.forward(inputs.device_routing(), output.get(), workspace.get(), given, stream.get());
+      layer.forward(inputs.device_routing(), output.get(), workspace.get(), c.given_bytes,
+                    stream.get());
       ADD_FAILURE() << "forward accepted a workspace that is too small";
     } catch (const Error& e) {
-      EXPECT_THAT(e.what(), HasSubstr(std::to_string(needed)));
+      EXPECT_THAT(e.what(), HasSubstr("workspace"));
+      if (c.quotes_need) EXPECT_THAT(e.what(), HasSubstr(std::to_string(needed)));
     }
     const std::vector<uint16_t> after = download_after(output, stream.get());
-    EXPECT_EQ(std::count(after.begin(), after.end(), uint16_t{0xFFFF}), static_cast<std::ptrdiff_t>(after.size()))
+    EXPECT_EQ(std::count(after.begin(), after.end(), uint16_t{0xFFFF}),
+              static_cast<std::ptrdiff_t>(after.size()))
         << "the output was written although forward threw";
+    // The right size still works after the refusal.
+    expect_matches_reference(
+        forward_bits(layer, inputs.device_routing(), output, workspace, stream.get()),
+        batch.reference, shape.hidden);
   }
 }
 
@@ -915,7 +1007,8 @@ TEST(MoeLayerDeviceErrors, OutOfRangeIdsAreReportedAndSkipped) {
     const size_t pair = static_cast<size_t>(token * top_k + slot);
     given.topk_ids[pair] = bad_id;
     int32_t unused = 0;
-    while (std::find(expected.topk_ids.begin() + token * top_k, expected.topk_ids.begin() + (token + 1) * top_k,
+    while (std::find(expected.topk_ids.begin() + token * top_k,
+                     expected.topk_ids.begin() + (token + 1) * top_k,
                      unused) != expected.topk_ids.begin() + (token + 1) * top_k)
       ++unused;
     expected.topk_ids[pair] = unused;
@@ -923,14 +1016,17 @@ TEST(MoeLayerDeviceErrors, OutOfRangeIdsAreReportedAndSkipped) {
   }
   const DeviceBuffer<uint8_t> workspace = make_workspace(layer, num_tokens);
   const DeviceInputs inputs(batch.hidden_states, {}, {}, given, num_tokens);
-  const std::vector<uint16_t> out = forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
-  expect_matches_reference(out, reference_output(data.weights, batch.hidden_states, expected, shape.activation),
-                           shape.hidden);
+  const std::vector<uint16_t> out =
+      forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
+  expect_matches_reference(
+      out, reference_output(data.weights, batch.hidden_states, expected, shape.activation),
+      shape.hidden);
   const std::string errors = layer.device_errors(workspace.get(), stream.get());
   std::printf("  device_errors: %s\n", errors.c_str());
   EXPECT_NE(errors, "");
   std::string lower = errors;
-  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return std::tolower(c); });
   EXPECT_THAT(lower, HasSubstr("expert"));
 }
 
@@ -941,8 +1037,9 @@ TEST(MoeLayerLoad, CheckpointFileEqualsPrepareFromMemory) {
   const ModelShape& shape = shape_named("GptOss");  // with biases: they must round-trip too
   ModelData& data = model_data(shape);
   const std::string prefix = "model.layers.7.mlp.";
-  const std::filesystem::path path = std::filesystem::temp_directory_path() /
-                                     ("fp4moe_test_moe_layer_" + std::to_string(getpid()) + ".safetensors");
+  const std::filesystem::path path =
+      std::filesystem::temp_directory_path() /
+      ("fp4moe_test_moe_layer_" + std::to_string(getpid()) + ".safetensors");
   SafetensorsWriter writer;
   add_moe_weights(writer, data.weights, prefix);
   writer.write(path.string());
@@ -966,8 +1063,10 @@ TEST(MoeLayerLoad, CheckpointFileEqualsPrepareFromMemory) {
     const DeviceInputs inputs(batch, data.correction_bias);
     const std::vector<uint16_t> memory_out =
         forward_bits(from_memory, inputs.device_routing(), output, workspace, stream.get());
-    const std::vector<uint16_t> file_out = forward_bits(from_file, inputs.device_routing(), output, workspace, stream.get());
-    EXPECT_EQ(first_difference(memory_out, file_out), -1) << "loaded layer differs from the prepared one";
+    const std::vector<uint16_t> file_out =
+        forward_bits(from_file, inputs.device_routing(), output, workspace, stream.get());
+    EXPECT_EQ(first_difference(memory_out, file_out), -1)
+        << "loaded layer differs from the prepared one";
     expect_matches_reference(file_out, batch.reference, shape.hidden);
   }
 }

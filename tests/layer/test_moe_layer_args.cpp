@@ -2,8 +2,9 @@
 // before anything touches the GPU: shapes that differ between experts, gate
 // and up with different global scales (they must share one), hidden or inter
 // not a multiple of 16, wrong bias sizes, zero experts, more than 512
-// experts, short buffers and NaN scales. Every case checks what the message
-// says, not only that it throws, so these run (and pass) without a GPU.
+// experts, short buffers, NaN and negative block scales. Every case checks
+// what the message says, not only that it throws, so these run (and pass)
+// without a GPU.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -28,8 +29,8 @@ constexpr int64_t kHidden = 64;
 constexpr int64_t kInter = 32;
 
 // A small valid layer: num_experts experts of [kInter, kHidden] / [kHidden, kInter].
-MoeWeights valid_weights(int64_t num_experts = 4, bool with_bias = false,
-                         int64_t hidden = kHidden, int64_t inter = kInter) {
+MoeWeights valid_weights(int64_t num_experts = 4, bool with_bias = false, int64_t hidden = kHidden,
+                         int64_t inter = kInter) {
   std::mt19937 rng(7);
   MoeWeights w;
   w.num_experts = num_experts;
@@ -91,13 +92,16 @@ TEST(MoeLayerArgs, RejectsExpertsWhoseShapesDiffer) {
     std::function<void(ExpertWeights&)> reshape;
   };
   const Case cases[] = {
-      {"gate", [](ExpertWeights& ex) {
+      {"gate",
+       [](ExpertWeights& ex) {
          ex.gate = testing::fast_random_nvfp4(kInter - 16, kHidden, ex.gate.global_scale, 1);
        }},
-      {"up", [](ExpertWeights& ex) {
+      {"up",
+       [](ExpertWeights& ex) {
          ex.up = testing::fast_random_nvfp4(kInter, kHidden + 16, ex.up.global_scale, 2);
        }},
-      {"down", [](ExpertWeights& ex) {
+      {"down",
+       [](ExpertWeights& ex) {
          ex.down = testing::fast_random_nvfp4(kHidden, kInter + 16, ex.down.global_scale, 3);
        }},
   };
@@ -131,8 +135,10 @@ TEST(MoeLayerArgs, RejectsHiddenOrInterNotAMultipleOf16) {
     const char* name;
     int64_t bad_value;
   };
-  const Case cases[] = {{72, 32, "hidden", 72}, {264, 32, "hidden", 264},
-                        {64, 40, "inter", 40}, {64, 200, "inter", 200}};
+  const Case cases[] = {{72, 32, "hidden", 72},
+                        {264, 32, "hidden", 264},
+                        {64, 40, "inter", 40},
+                        {64, 200, "inter", 200}};
   for (const Case& c : cases) {
     SCOPED_TRACE(std::string(c.name) + " = " + std::to_string(c.bad_value));
     // The matrices match the (bad) layer dimensions, so only the alignment is wrong.
@@ -227,12 +233,32 @@ TEST(MoeLayerArgs, RejectsBuffersShorterThanTheirShape) {
   EXPECT_THAT(msg, is_validation_error());
 }
 
-TEST(MoeLayerArgs, RejectsNanBlockScales) {
-  MoeWeights w = valid_weights(4);
-  w.experts[3].down.scales[5] = 0x7F;  // e4m3fn NaN
-  const std::string msg = prepare_error(w);
-  EXPECT_THAT(msg, HasSubstr("nan"));
-  EXPECT_THAT(msg, is_validation_error());
+TEST(MoeLayerArgs, RejectsNanOrNegativeBlockScales) {
+  // Every projection: down is packed separately from gate/up, and must be
+  // checked before anything is uploaded too.
+  struct Case {
+    const char* what;
+    std::function<std::vector<uint8_t>&(ExpertWeights&)> scales;
+    uint8_t code;
+    const char* fragment;
+  };
+  const Case cases[] = {
+      {"gate NaN", [](ExpertWeights& ex) -> std::vector<uint8_t>& { return ex.gate.scales; }, 0x7F,
+       "nan"},
+      {"up negative", [](ExpertWeights& ex) -> std::vector<uint8_t>& { return ex.up.scales; }, 0xB8,
+       "negative"},
+      {"down NaN", [](ExpertWeights& ex) -> std::vector<uint8_t>& { return ex.down.scales; }, 0xFF,
+       "nan"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    MoeWeights w = valid_weights(4);
+    c.scales(w.experts[3])[5] = c.code;
+    const std::string msg = prepare_error(w);
+    EXPECT_THAT(msg, HasSubstr("expert 3"));
+    EXPECT_THAT(msg, HasSubstr(c.fragment));
+    EXPECT_THAT(msg, is_validation_error());
+  }
 }
 
 // The positive control: valid weights pass validation. With a GPU, prepare
@@ -257,7 +283,8 @@ TEST(MoeLayerArgs, AcceptsValidWeights) {
         MoeLayer layer = MoeLayer::prepare(w, options);
         ADD_FAILURE() << "prepare() succeeded without a CUDA device";
       } catch (const Error& e) {
-        EXPECT_THAT(lowercase(e.what()), HasSubstr("cuda")) << "expected a CUDA error, got: " << e.what();
+        EXPECT_THAT(lowercase(e.what()), HasSubstr("cuda"))
+            << "expected a CUDA error, got: " << e.what();
       }
     }
   }
