@@ -123,14 +123,16 @@ class MoeLayer {
 
   // output: bf16 [num_tokens, hidden], 16-byte aligned. Validates every
   // argument on the host before any launch; launches only (no allocation, no
-  // host synchronisation). Expert ids out of range (caller-given routing) are
+  // host synchronisation); num_tokens = 0 does nothing. Caller-given routing
+  // has options().routing.top_k slots per token. Expert ids out of range are
   // reported by device_errors(); their slots contribute nothing.
   void forward(const MoeForwardArgs& args, void* output, void* workspace, size_t workspace_bytes,
                cudaStream_t stream, const MoeStageEvents* events = nullptr) const;
 
   // Device-side errors recorded in `workspace` by earlier forwards (expert
-  // ids out of range); synchronises the stream. Empty when there were none.
-  std::string device_errors(const void* workspace, cudaStream_t stream) const;
+  // ids out of range), then clears them; synchronises the stream. Empty when
+  // there were none.
+  std::string device_errors(void* workspace, cudaStream_t stream) const;
 
  private:
   struct Impl;

@@ -299,6 +299,9 @@ MoeLayer MoeLayer::prepare(const MoeWeights& weights, const MoeLayerOptions& opt
   impl->has_bias = weights.has_bias();
   impl->options = options;
   const int64_t E = weights.num_experts;
+  // Both GEMMs are packed (and their scales checked) on the host before
+  // anything is uploaded, so a bad checkpoint is refused without GPU work.
+  PreparedGemmWeights packed13, packed2;
   {
     std::vector<Nvfp4Matrix> gate_up(static_cast<size_t>(E));
     parallel_for(E, [&](int64_t e) {
@@ -307,13 +310,15 @@ MoeLayer MoeLayer::prepare(const MoeWeights& weights, const MoeLayerOptions& opt
     });
     std::vector<const Nvfp4Matrix*> ptrs;
     for (const auto& m : gate_up) ptrs.push_back(&m);
-    impl->w13 = upload(prepare_gemm_weights(ptrs));
+    packed13 = prepare_gemm_weights(ptrs);
   }
   {
     std::vector<const Nvfp4Matrix*> ptrs;
     for (const auto& x : weights.experts) ptrs.push_back(&x.down);
-    impl->w2 = upload(prepare_gemm_weights(ptrs));
+    packed2 = prepare_gemm_weights(ptrs);
   }
+  impl->w13 = upload(packed13);
+  impl->w2 = upload(packed2);
   if (impl->has_bias) {
     std::vector<float> b13, b2;
     for (const auto& x : weights.experts) {
@@ -384,7 +389,7 @@ void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace
                "aligned device pointer");
   const ScratchLayout s = m.scratch(T);
   FP4MOE_CHECK(workspace_bytes >= s.end, "MoeLayer::forward: workspace of ", workspace_bytes,
-               " B; ", T, " tokens need ", s.end, " B (workspace_bytes(", T, "))");
+               " B; ", T, " tokens need ", s.end, " B (allocate workspace_bytes(max_tokens))");
   const MoeLayerPlan plan = m.plan(T);
 
   auto* ws = static_cast<uint8_t*>(workspace);
@@ -481,7 +486,7 @@ void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace
   record(ev.end, stream);
 }
 
-std::string MoeLayer::device_errors(const void* workspace, cudaStream_t stream) const {
+std::string MoeLayer::device_errors(void* workspace, cudaStream_t stream) const {
   FP4MOE_CHECK(workspace != nullptr, "MoeLayer::device_errors: workspace is null");
   int32_t words[12] = {};
   FP4MOE_CUDA_CHECK(cudaMemcpyAsync(words, workspace, kErrorWordsBytes, cudaMemcpyDeviceToHost, stream));
@@ -494,6 +499,9 @@ std::string MoeLayer::device_errors(const void* workspace, cudaStream_t stream) 
         static_cast<const uint8_t*>(workspace) + 16 * gemm, stream);
     if (!errors.empty()) out += "GEMM" + std::to_string(gemm) + ": " + errors;
   }
+  // Reported once: the words are cleared for the next forwards.
+  FP4MOE_CUDA_CHECK(cudaMemsetAsync(workspace, 0, kErrorWordsBytes, stream));
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return out;
 }
 

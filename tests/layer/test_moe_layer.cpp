@@ -1028,6 +1028,8 @@ TEST(MoeLayerDeviceErrors, OutOfRangeIdsAreReportedAndSkipped) {
   std::transform(lower.begin(), lower.end(), lower.begin(),
                  [](unsigned char c) { return std::tolower(c); });
   EXPECT_THAT(lower, HasSubstr("expert"));
+  // Reported once: the error words are cleared.
+  EXPECT_EQ(layer.device_errors(workspace.get(), stream.get()), "");
 }
 
 // --------------------------------------------------------- load from a file
