@@ -41,7 +41,7 @@ __device__ __forceinline__ uint32_t hash32(uint64_t x) {
   return static_cast<uint32_t>(x);
 }
 
-__global__ void fill_random_bytes(uint8_t* out, size_t n, uint64_t seed) {
+__global__ void fill_random_bytes_kernel(uint8_t* out, size_t n, uint64_t seed) {
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n / 4; i += size_t{gridDim.x} * blockDim.x)
     reinterpret_cast<uint32_t*>(out)[i] = hash32(seed * 0x9E3779B97F4A7C15ull + i);
 }
@@ -56,7 +56,7 @@ __global__ void fill_random_scales(uint8_t* out, size_t n, uint64_t seed) {
   }
 }
 
-__global__ void fill_random_bf16(__nv_bfloat16* out, size_t n, uint64_t seed) {
+__global__ void fill_random_bf16_kernel(__nv_bfloat16* out, size_t n, uint64_t seed) {
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
     const uint32_t h = hash32(seed ^ (i * 0x2545F4914F6CDD1Dull));
     out[i] = __float2bfloat16((static_cast<float>(h & 0xFFFF) / 32768.0f) - 1.0f);
@@ -102,80 +102,7 @@ __global__ void read_to_evict_l2(const uint4* buf, size_t count, uint32_t* sink)
   if (acc == 0x9E3779B9u) *sink = acc;  // never true for the zero-filled buffer; keeps the loads
 }
 
-template <typename T>
-struct DeviceArray {
-  T* ptr = nullptr;
-  size_t count = 0;
-  explicit DeviceArray(size_t n) : count(n) {
-    if (n) FP4MOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), n * sizeof(T)));
-  }
-  ~DeviceArray() {
-    if (ptr) cudaFree(ptr);
-  }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-};
-
 constexpr int kFillGrid = 1024, kFillBlock = 256;
-
-// Times `launch` `iters` times, flushing L2 before each; returns the median in us.
-template <typename Launch>
-double time_median_us(Launch&& launch, int iters, uint8_t* flush, size_t flush_bytes) {
-  std::vector<cudaEvent_t> start(iters), stop(iters);
-  for (int i = 0; i < iters; ++i) {
-    FP4MOE_CUDA_CHECK(cudaEventCreate(&start[i]));
-    FP4MOE_CUDA_CHECK(cudaEventCreate(&stop[i]));
-  }
-  launch();  // warm-up
-  for (int i = 0; i < iters; ++i) {
-    read_to_evict_l2<<<kFillGrid, kFillBlock>>>(reinterpret_cast<const uint4*>(flush), flush_bytes / 16,
-                                                reinterpret_cast<uint32_t*>(flush));
-    FP4MOE_CUDA_CHECK(cudaEventRecord(start[i]));
-    launch();
-    FP4MOE_CUDA_CHECK(cudaEventRecord(stop[i]));
-  }
-  FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<float> ms(iters);
-  for (int i = 0; i < iters; ++i) {
-    FP4MOE_CUDA_CHECK(cudaEventElapsedTime(&ms[i], start[i], stop[i]));
-    cudaEventDestroy(start[i]);
-    cudaEventDestroy(stop[i]);
-  }
-  std::nth_element(ms.begin(), ms.begin() + iters / 2, ms.end());
-  return ms[iters / 2] * 1e3;
-}
-
-struct Ceilings {
-  double copy_bytes_per_s = 0;
-  double bf16_flops_per_s = 0;
-};
-
-Ceilings measure_ceilings(cublasHandle_t cublas, uint8_t* flush, size_t flush_bytes) {
-  Ceilings c;
-  const size_t copy_bytes = size_t{2} << 30;
-  DeviceArray<uint8_t> a(copy_bytes), b(copy_bytes);
-  fill_random_bytes<<<kFillGrid, kFillBlock>>>(a.ptr, copy_bytes, 1);
-  const double copy_us = time_median_us(
-      [&] { FP4MOE_CUDA_CHECK(cudaMemcpyAsync(b.ptr, a.ptr, copy_bytes, cudaMemcpyDeviceToDevice)); }, 10,
-      flush, flush_bytes);
-  c.copy_bytes_per_s = 2.0 * copy_bytes / (copy_us * 1e-6);  // read + write
-
-  const int dim = 8192;
-  DeviceArray<__nv_bfloat16> ma(size_t{dim} * dim), mb(size_t{dim} * dim), mc(size_t{dim} * dim);
-  fill_random_bf16<<<kFillGrid, kFillBlock>>>(ma.ptr, ma.count, 2);
-  fill_random_bf16<<<kFillGrid, kFillBlock>>>(mb.ptr, mb.count, 3);
-  FP4MOE_CHECK_LAUNCH();
-  const float alpha = 1.0f, beta = 0.0f;
-  const double gemm_us = time_median_us(
-      [&] {
-        BENCH_CUBLAS_CHECK(cublasGemmEx(cublas, CUBLAS_OP_N, CUBLAS_OP_N, dim, dim, dim, &alpha, ma.ptr,
-                                        CUDA_R_16BF, dim, mb.ptr, CUDA_R_16BF, dim, &beta, mc.ptr, CUDA_R_16BF,
-                                        dim, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-      },
-      10, flush, flush_bytes);
-  c.bf16_flops_per_s = 2.0 * dim * dim * static_cast<double>(dim) / (gemm_us * 1e-6);
-  return c;
-}
 
 // Random distinct top-k experts per token -> rows per expert.
 std::vector<int32_t> random_routing_counts(int64_t num_experts, int top_k, int64_t tokens, std::mt19937_64& rng) {
@@ -190,6 +117,105 @@ std::vector<int32_t> random_routing_counts(int64_t num_experts, int top_k, int64
     }
   }
   return counts;
+}
+
+}  // namespace
+
+// ------------------------------------------------------ shared measurement
+
+L2Flusher::L2Flusher(size_t bytes) : buffer_(bytes) {
+  // Zeros: read_to_evict_l2's sink condition is then never true.
+  FP4MOE_CUDA_CHECK(cudaMemset(buffer_.ptr, 0, bytes));
+}
+
+void L2Flusher::flush(cudaStream_t stream) const {
+  read_to_evict_l2<<<kFillGrid, kFillBlock, 0, stream>>>(reinterpret_cast<const uint4*>(buffer_.ptr),
+                                                         buffer_.count / 16, reinterpret_cast<uint32_t*>(buffer_.ptr));
+  FP4MOE_CHECK_LAUNCH();
+}
+
+double time_median_us(const std::function<void()>& launch, int iterations, const L2Flusher& flusher,
+                      cudaStream_t stream) {
+  FP4MOE_CHECK(iterations >= 1, "time_median_us: iterations must be >= 1, not ", iterations);
+  std::vector<cudaEvent_t> start(iterations), stop(iterations);
+  for (int i = 0; i < iterations; ++i) {
+    FP4MOE_CUDA_CHECK(cudaEventCreate(&start[i]));
+    FP4MOE_CUDA_CHECK(cudaEventCreate(&stop[i]));
+  }
+  launch();  // warm-up
+  for (int i = 0; i < iterations; ++i) {
+    flusher.flush(stream);
+    FP4MOE_CUDA_CHECK(cudaEventRecord(start[i], stream));
+    launch();
+    FP4MOE_CUDA_CHECK(cudaEventRecord(stop[i], stream));
+  }
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<float> ms(iterations);
+  for (int i = 0; i < iterations; ++i) {
+    FP4MOE_CUDA_CHECK(cudaEventElapsedTime(&ms[i], start[i], stop[i]));
+    cudaEventDestroy(start[i]);
+    cudaEventDestroy(stop[i]);
+  }
+  std::nth_element(ms.begin(), ms.begin() + iterations / 2, ms.end());
+  return ms[iterations / 2] * 1e3;
+}
+
+Ceilings measure_ceilings(const L2Flusher& flusher) {
+  Ceilings c;
+  const size_t copy_bytes = size_t{2} << 30;
+  DeviceArray<uint8_t> a(copy_bytes), b(copy_bytes);
+  fill_random_bytes(a.ptr, copy_bytes, 1);
+  const double copy_us = time_median_us(
+      [&] { FP4MOE_CUDA_CHECK(cudaMemcpyAsync(b.ptr, a.ptr, copy_bytes, cudaMemcpyDeviceToDevice)); }, 10,
+      flusher);
+  c.copy_bytes_per_s = 2.0 * copy_bytes / (copy_us * 1e-6);  // read + write
+
+  cublasHandle_t cublas;
+  BENCH_CUBLAS_CHECK(cublasCreate(&cublas));
+  const int dim = 8192;
+  DeviceArray<__nv_bfloat16> ma(size_t{dim} * dim), mb(size_t{dim} * dim), mc(size_t{dim} * dim);
+  fill_random_bf16(ma.ptr, ma.count, 2);
+  fill_random_bf16(mb.ptr, mb.count, 3);
+  const float alpha = 1.0f, beta = 0.0f;
+  double gemm_us = 0;
+  try {
+    gemm_us = time_median_us(
+        [&] {
+          BENCH_CUBLAS_CHECK(cublasGemmEx(cublas, CUBLAS_OP_N, CUBLAS_OP_N, dim, dim, dim, &alpha, ma.ptr,
+                                          CUDA_R_16BF, dim, mb.ptr, CUDA_R_16BF, dim, &beta, mc.ptr, CUDA_R_16BF,
+                                          dim, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        },
+        10, flusher);
+  } catch (...) {
+    cublasDestroy(cublas);
+    throw;
+  }
+  cublasDestroy(cublas);
+  c.bf16_flops_per_s = 2.0 * dim * dim * static_cast<double>(dim) / (gemm_us * 1e-6);
+  return c;
+}
+
+GemmCost grouped_gemm_cost(int64_t active_experts, int64_t rows, int64_t n, int64_t k) {
+  GemmCost cost;
+  cost.bytes = static_cast<double>(active_experts) * static_cast<double>(n) * static_cast<double>(k) * (0.5 + 1.0 / 16) +
+               static_cast<double>(rows) * static_cast<double>(k) * 2 + static_cast<double>(rows) * static_cast<double>(n) * 2;
+  cost.flops = 2.0 * static_cast<double>(rows) * static_cast<double>(n) * static_cast<double>(k);
+  return cost;
+}
+
+double roofline_us(const GemmCost& cost, const Ceilings& ceilings) {
+  return std::max(cost.bytes / ceilings.copy_bytes_per_s, cost.flops / ceilings.bf16_flops_per_s) * 1e6;
+}
+
+void fill_random_bytes(uint8_t* dst, size_t count, uint64_t seed, cudaStream_t stream) {
+  FP4MOE_CHECK(count % 4 == 0, "fill_random_bytes: count ", count, " is not a multiple of 4");
+  fill_random_bytes_kernel<<<kFillGrid, kFillBlock, 0, stream>>>(dst, count, seed);
+  FP4MOE_CHECK_LAUNCH();
+}
+
+void fill_random_bf16(void* dst, size_t count, uint64_t seed, cudaStream_t stream) {
+  fill_random_bf16_kernel<<<kFillGrid, kFillBlock, 0, stream>>>(static_cast<__nv_bfloat16*>(dst), count, seed);
+  FP4MOE_CHECK_LAUNCH();
 }
 
 std::string gpu_name() {
@@ -207,7 +233,7 @@ std::string today() {
   return buf;
 }
 
-}  // namespace
+// ------------------------------------------------------ grouped-GEMM bench
 
 void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json) {
   int count = 0;
@@ -215,10 +241,8 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
     FP4MOE_THROW("fp4moe bench needs a CUDA GPU; none was found");
   cublasHandle_t cublas;
   BENCH_CUBLAS_CHECK(cublasCreate(&cublas));
-  const size_t flush_bytes = size_t{512} << 20;  // > 3x the 60 MB L2 of an H200
-  DeviceArray<uint8_t> flush(flush_bytes);
-  FP4MOE_CUDA_CHECK(cudaMemset(flush.ptr, 0, flush_bytes));
-  const Ceilings ceil = measure_ceilings(cublas, flush.ptr, flush_bytes);
+  const L2Flusher flusher;
+  const Ceilings ceil = measure_ceilings(flusher);
   const std::string gpu = gpu_name();
   const std::string date = today();
   table << "# " << gpu << ", " << date << ": copy " << std::fixed << std::setprecision(2)
@@ -243,7 +267,7 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
       const size_t s_bytes = static_cast<size_t>(E * n_pad * k_pad / 16);
       DeviceArray<uint8_t> weights(w_bytes), scales(s_bytes);
       DeviceArray<float> global(static_cast<size_t>(E));
-      fill_random_bytes<<<kFillGrid, kFillBlock>>>(weights.ptr, w_bytes, 11 + gemm);
+      fill_random_bytes(weights.ptr, w_bytes, 11 + gemm);
       fill_random_scales<<<kFillGrid, kFillBlock>>>(scales.ptr, s_bytes, 13 + gemm);
       FP4MOE_CHECK_LAUNCH();
       {
@@ -268,8 +292,7 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
         const int64_t rows = offsets.back();
         DeviceArray<__nv_bfloat16> x(static_cast<size_t>(rows * k)), y(static_cast<size_t>(rows * n));
         DeviceArray<int32_t> d_offsets(offsets.size());
-        fill_random_bf16<<<kFillGrid, kFillBlock>>>(x.ptr, x.count, 17 + tokens);
-        FP4MOE_CHECK_LAUNCH();
+        fill_random_bf16(x.ptr, x.count, 17 + tokens);
         FP4MOE_CUDA_CHECK(cudaMemcpy(d_offsets.ptr, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice));
 
         GroupedGemmArgs args;
@@ -290,14 +313,13 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
         args.workspace = workspace.ptr;
         args.workspace_bytes = workspace.count;
         const int iters = std::max(3, tokens >= 4096 ? opt.iterations / 4 : opt.iterations);
-        const double t_us = time_median_us([&] { grouped_gemm(args, plan, nullptr); }, iters, flush.ptr, flush_bytes);
+        const double t_us = time_median_us([&] { grouped_gemm(args, plan, nullptr); }, iters, flusher);
         const std::string device_errors = grouped_gemm_device_errors(workspace.ptr, nullptr);
         FP4MOE_CHECK(device_errors.empty(), "device reported: ", device_errors);
 
-        const double bytes = active * static_cast<double>(n) * k * (0.5 + 1.0 / 16) + rows * static_cast<double>(k) * 2 +
-                             rows * static_cast<double>(n) * 2;
-        const double flops = 2.0 * rows * static_cast<double>(n) * k;
-        const double roof_us = std::max(bytes / ceil.copy_bytes_per_s, flops / ceil.bf16_flops_per_s) * 1e6;
+        const GemmCost cost = grouped_gemm_cost(active, rows, n, k);
+        const double bytes = cost.bytes, flops = cost.flops;
+        const double roof_us = roofline_us(cost, ceil);
 
         double cublas_us = 0, rel_err = -1;
         if (opt.with_cublas) {
@@ -337,7 +359,7 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
                     CUDA_R_16BF, lda.data(), d_b.ptr, CUDA_R_16BF, ldb.data(), beta.data(), d_c.ptr, CUDA_R_16BF,
                     ldc.data(), groups, group_size.data(), CUBLAS_COMPUTE_32F));
               },
-              iters, flush.ptr, flush_bytes);
+              iters, flusher);
           // Cross-check: both compute X . W^T from the same weights.
           std::vector<uint16_t> ours(static_cast<size_t>(rows * n)), theirs(static_cast<size_t>(rows * n));
           FP4MOE_CUDA_CHECK(cudaMemcpy(ours.data(), y.ptr, ours.size() * 2, cudaMemcpyDeviceToHost));

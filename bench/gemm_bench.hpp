@@ -9,17 +9,92 @@
 // measured at start-up. L2 is flushed before every timed launch; times are
 // medians of CUDA-event-timed launches. One JSON line per case.
 // Run through `fp4moe bench`.
+//
+// The measurement pieces (ceilings, roofline, L2 flush, event timing, device
+// buffers, random fills) are shared with the layer benchmark
+// (bench/layer_bench.hpp) and the `fp4moe demo` timing table, so that every
+// efficiency the project prints comes from the same yardstick.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
 
+#include "fp4moe/cuda_check.hpp"
 #include "fp4moe/plan.hpp"
 
 namespace fp4moe::bench {
+
+// ------------------------------------------------------ shared measurement
+
+// Owning device array (cudaMalloc/cudaFree); count elements of T.
+template <typename T>
+struct DeviceArray {
+  T* ptr = nullptr;
+  size_t count = 0;
+  explicit DeviceArray(size_t n) : count(n) {
+    if (n) FP4MOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), n * sizeof(T)));
+  }
+  ~DeviceArray() {
+    if (ptr) cudaFree(ptr);
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  size_t bytes() const { return count * sizeof(T); }
+};
+
+// The two ceilings of the roofline (DESIGN.md §6), measured on the current
+// device: a device-to-device copy rate (read + write bytes per second) and
+// the cuBLAS dense bf16 GEMM rate at 8192^3.
+struct Ceilings {
+  double copy_bytes_per_s = 0;
+  double bf16_flops_per_s = 0;
+};
+
+// Reads a buffer larger than 3x the L2 before each timed launch, so that the
+// launch starts from a cold L2 (see read_to_evict_l2 in gemm_bench.cu for why
+// it reads instead of writing).
+class L2Flusher {
+ public:
+  explicit L2Flusher(size_t bytes = size_t{512} << 20);  // > 3x the 60 MB L2 of an H200
+  void flush(cudaStream_t stream) const;
+
+ private:
+  DeviceArray<uint8_t> buffer_;
+};
+
+// Median, in us, of `iterations` CUDA-event-timed calls of `launch` on
+// `stream`, each preceded by an L2 flush; one untimed warm-up call first.
+double time_median_us(const std::function<void()>& launch, int iterations, const L2Flusher& flusher,
+                      cudaStream_t stream = nullptr);
+
+Ceilings measure_ceilings(const L2Flusher& flusher);
+
+// Bytes and flops of one grouped GEMM with `rows` routed rows over
+// `active_experts` experts (DESIGN.md §6):
+//   bytes = active * n*k*(1/2 + 1/16) + rows*k*2 + rows*n*2,  flops = 2*rows*n*k.
+struct GemmCost {
+  double bytes = 0;
+  double flops = 0;
+};
+GemmCost grouped_gemm_cost(int64_t active_experts, int64_t rows, int64_t n, int64_t k);
+// t_roof = max(bytes / BW, flops / P), in us.
+double roofline_us(const GemmCost& cost, const Ceilings& ceilings);
+
+// Deterministic pseudo-random device fills (hash of seed and index), for
+// benchmark inputs: bytes (count a multiple of 4), bf16 values in [-1, 1).
+void fill_random_bytes(uint8_t* dst, size_t count, uint64_t seed, cudaStream_t stream = nullptr);
+void fill_random_bf16(void* dst, size_t count, uint64_t seed, cudaStream_t stream = nullptr);
+
+std::string gpu_name();  // of the current device
+std::string today();     // YYYY-MM-DD (UTC)
+
+// ------------------------------------------------------ grouped-GEMM bench
 
 struct ModelSpec {
   std::string name;

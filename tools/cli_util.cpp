@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
 
@@ -220,20 +221,141 @@ Device resolve_device(Device requested) {
     case Device::kCpu:
       return Device::kCpu;
     case Device::kAuto:
-      // NOTE: the CUDA MoE layer is not built yet; when it is, kAuto becomes
-      // kCuda whenever probe_gpu() finds a device.
-      return Device::kCpu;
-    case Device::kCuda:
-      FP4MOE_THROW("--device cuda: the CUDA MoE layer is not built yet in this version of fp4moe; "
-                   "use --device cpu (or auto) for the CPU reference backend");
+      return probe_gpu().num_devices > 0 ? Device::kCuda : Device::kCpu;
+    case Device::kCuda: {
+      const GpuInfo gpu = probe_gpu();
+      FP4MOE_CHECK(gpu.num_devices > 0, "--device cuda needs a CUDA GPU, and this machine has ",
+                   gpu.description, "; use --device cpu (or auto) for the CPU reference backend");
+      return Device::kCuda;
+    }
   }
   FP4MOE_THROW("invalid device");
 }
 
+namespace {
+
+// An owning device allocation of `bytes` bytes on the current device.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    if (bytes) FP4MOE_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
+  }
+  ~DeviceBuffer() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* get() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+  template <typename T>
+  void upload(const std::vector<T>& host, cudaStream_t stream) {
+    FP4MOE_CHECK(host.size() * sizeof(T) == bytes_, "upload of ", host.size() * sizeof(T), " bytes into a buffer of ",
+                 bytes_);
+    if (bytes_) FP4MOE_CUDA_CHECK(cudaMemcpyAsync(ptr_, host.data(), bytes_, cudaMemcpyHostToDevice, stream));
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// A CUDA stream and two events, released on every exit path.
+struct CudaStreamAndEvents {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  CudaStreamAndEvents() {
+    FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    FP4MOE_CUDA_CHECK(cudaEventCreate(&start));
+    FP4MOE_CUDA_CHECK(cudaEventCreate(&stop));
+  }
+  ~CudaStreamAndEvents() {
+    if (stream) cudaStreamSynchronize(stream);
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    if (stream) cudaStreamDestroy(stream);
+  }
+  CudaStreamAndEvents(const CudaStreamAndEvents&) = delete;
+  CudaStreamAndEvents& operator=(const CudaStreamAndEvents&) = delete;
+};
+
+MoeRunStats run_moe_layer_cuda(const MoeWeights& weights, const float* hidden_states, const Routing& routing,
+                               const MoeLayerOptions& layer_options, float* output) {
+  const int64_t num_tokens = routing.num_tokens;
+  const int64_t hidden = weights.hidden;
+  FP4MOE_CHECK(num_tokens >= 1, "run_moe_layer: ", num_tokens, " tokens; expected at least 1");
+  FP4MOE_CHECK(routing.topk_ids.size() == static_cast<size_t>(num_tokens * routing.top_k) &&
+                   routing.topk_weights.size() == routing.topk_ids.size(),
+               "run_moe_layer: routing holds ", routing.topk_ids.size(), " ids and ", routing.topk_weights.size(),
+               " weights; expected ", num_tokens, " x ", routing.top_k);
+
+  MoeLayerOptions options = layer_options;
+  options.routing.top_k = routing.top_k;  // the layer's top-k is that of the given routing
+  const MoeLayer layer = MoeLayer::prepare(weights, options);
+
+  MoeRunStats stats;
+  int device_idx = 0;
+  cudaDeviceProp prop{};
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&device_idx));
+  FP4MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_idx));
+  stats.backend = std::string("cuda (") + prop.name + ")";
+  stats.plan = layer.plan(num_tokens).describe();
+
+  std::vector<uint16_t> hidden_bf16(static_cast<size_t>(num_tokens * hidden));
+  for (size_t i = 0; i < hidden_bf16.size(); ++i) hidden_bf16[i] = float_to_bf16(hidden_states[i]);
+
+  CudaStreamAndEvents cuda;
+  DeviceBuffer d_hidden(hidden_bf16.size() * sizeof(uint16_t));
+  DeviceBuffer d_ids(routing.topk_ids.size() * sizeof(int32_t));
+  DeviceBuffer d_weights(routing.topk_weights.size() * sizeof(float));
+  DeviceBuffer d_output(static_cast<size_t>(num_tokens * hidden) * sizeof(uint16_t));
+  DeviceBuffer workspace(layer.workspace_bytes(num_tokens));
+  d_hidden.upload(hidden_bf16, cuda.stream);
+  d_ids.upload(routing.topk_ids, cuda.stream);
+  d_weights.upload(routing.topk_weights, cuda.stream);
+  if (workspace.bytes()) FP4MOE_CUDA_CHECK(cudaMemsetAsync(workspace.get(), 0, workspace.bytes(), cuda.stream));
+
+  MoeForwardArgs args;
+  args.hidden_states = d_hidden.get();
+  args.num_tokens = num_tokens;
+  args.topk_ids = static_cast<const int32_t*>(d_ids.get());
+  args.topk_weights = static_cast<const float*>(d_weights.get());
+  // One untimed forward first: the first launches of a process load the
+  // kernels' modules (lazy loading), which is not the layer's time.
+  layer.forward(args, d_output.get(), workspace.get(), workspace.bytes(), cuda.stream);
+  FP4MOE_CUDA_CHECK(cudaEventRecord(cuda.start, cuda.stream));
+  layer.forward(args, d_output.get(), workspace.get(), workspace.bytes(), cuda.stream);
+  FP4MOE_CUDA_CHECK(cudaEventRecord(cuda.stop, cuda.stream));
+
+  std::vector<uint16_t> output_bf16(static_cast<size_t>(num_tokens * hidden));
+  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(output_bf16.data(), d_output.get(), d_output.bytes(), cudaMemcpyDeviceToHost,
+                                    cuda.stream));
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(cuda.stream));
+  const std::string device_errors = layer.device_errors(workspace.get(), cuda.stream);
+  FP4MOE_CHECK(device_errors.empty(), "the CUDA MoE layer reported: ", device_errors);
+  float elapsed_ms = 0.0f;
+  FP4MOE_CUDA_CHECK(cudaEventElapsedTime(&elapsed_ms, cuda.start, cuda.stop));
+  stats.time_ms = elapsed_ms;
+  for (size_t i = 0; i < output_bf16.size(); ++i) output[i] = bf16_to_float(output_bf16[i]);
+  return stats;
+}
+
+}  // namespace
+
 MoeRunStats run_moe_layer(Device device, const MoeWeights& weights, const float* hidden_states,
-                          const Routing& routing, Activation activation, float* output,
+                          const Routing& routing, const MoeLayerOptions& layer_options, float* output,
                           Progress* progress) {
-  FP4MOE_CHECK(device == Device::kCpu, "run_moe_layer: only the CPU backend exists");
+  FP4MOE_CHECK(device == Device::kCpu || device == Device::kCuda,
+               "run_moe_layer: resolve the device first (resolve_device)");
+  if (device == Device::kCuda) {
+    MoeRunStats stats = run_moe_layer_cuda(weights, hidden_states, routing, layer_options, output);
+    if (progress) {
+      progress->advance(routing.num_tokens);
+      progress->finish();
+    }
+    return stats;
+  }
+  const Activation activation = layer_options.activation;
   MoeRunStats stats;
   stats.backend = "cpu (reference, double accumulation)";
   stats.num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

@@ -1,7 +1,7 @@
 // Helpers shared by the fp4moe subcommands: reading float tensors whatever
 // their dtype, a progress indicator and a wall-clock timer on stderr, the
-// --device choice, and the one place that runs an MoE layer on a backend (so
-// the CUDA layer slots in here when it exists).
+// --device choice, and the one place that runs an MoE layer on a backend (the
+// CPU reference or the CUDA layer, fp4moe::MoeLayer).
 // Tested through the CLI in tests/tools/test_cli.cpp.
 #pragma once
 
@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fp4moe/modelopt.hpp"
+#include "fp4moe/moe_layer.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/safetensors.hpp"
 
@@ -102,20 +103,27 @@ struct GpuInfo {
 GpuInfo probe_gpu();
 
 // The backend a request resolves to. kAuto picks the fastest available
-// backend (the CPU reference today); kCuda throws: the CUDA layer is not
-// built yet.
+// backend: kCuda when probe_gpu() finds a device, else kCpu. kCuda without a
+// usable GPU throws, saying what the machine has.
 Device resolve_device(Device requested);
 
 struct MoeRunStats {
-  std::string backend;  // "cpu (reference)"
-  int num_threads = 0;
-  double time_ms = 0.0;
+  std::string backend;   // "cpu (reference, ...)" or "cuda (NVIDIA H200)"
+  int num_threads = 0;   // CPU threads (CPU backend); 0 for CUDA
+  double time_ms = 0.0;  // the layer only: CPU wall time, or CUDA events around forward()
+  std::string plan;      // CUDA: the forward's MoeLayerPlan::describe(); empty for the CPU
 };
 
-// Runs one MoE layer on `device` (already resolved). output [T, H] float.
-// `progress`, when given, advances by one per token.
+// Runs one MoE layer on `device` (already resolved) with the caller's
+// routing. hidden_states [T, H] float; the CUDA backend runs in bf16, so
+// they should be bf16-representable (they are rounded to nearest even).
+// output [T, H] float. layer_options: the activation for both backends; the
+// finalize and gather modes and forced tile configs for CUDA (its routing
+// parameters are unused: the routing is given). For CUDA, the time excludes
+// preparing and uploading the weights. `progress`, when given, advances by
+// one per token (at once at the end on the GPU).
 MoeRunStats run_moe_layer(Device device, const MoeWeights& weights, const float* hidden_states,
-                          const Routing& routing, Activation activation, float* output,
+                          const Routing& routing, const MoeLayerOptions& layer_options, float* output,
                           Progress* progress = nullptr);
 
 Activation parse_activation(const std::string& name);  // "swiglu", "gptoss"

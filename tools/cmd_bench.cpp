@@ -1,12 +1,16 @@
 // `fp4moe bench`: the grouped-GEMM benchmark (bench/gemm_bench.hpp) over the
 // model shapes and token counts, against the roofline and cuBLAS measured in
-// the same run; a table on stdout and JSON lines in a file.
+// the same run; with --layer, the whole-MoE-layer benchmark
+// (bench/layer_bench.hpp: routing on the device, four finalize/gather
+// variants, stage split, CUDA-graph replay). A table on stdout and JSON
+// lines in a file. Run on a GPU by tests/tools/test_cli_gpu.cpp.
 #include <fstream>
 #include <iostream>
 
 #include "commands.hpp"
 #include "fp4moe/error.hpp"
 #include "gemm_bench.hpp"
+#include "layer_bench.hpp"
 #include "models.hpp"
 
 namespace fp4moe::cli {
@@ -18,19 +22,63 @@ void add_bench_command(CLI::App& app) {
     std::string json_path;
     std::string config;
     bool no_cublas = false;
+    bool layer = false;
+    bool no_graph = false;
   };
   auto o = std::make_shared<BenchCli>();
   CLI::App* cmd = app.add_subcommand(
       "bench", "Benchmark the NVFP4 grouped GEMMs (GEMM1, GEMM2) per model shape and token count against the "
-               "roofline and cuBLAS bf16, measured in the same run (needs a GPU).");
-  cmd->add_option("--models", o->models, "Models (default: all): " + model_names());
+               "roofline and cuBLAS bf16, measured in the same run; with --layer, the whole MoE layer (routing "
+               "included) against the sum of the two GEMMs' rooflines (needs a GPU).");
+  cmd->add_flag("--layer", o->layer,
+                "Benchmark the whole MoE layer: 4 variants (finalize deterministic/atomic x gather "
+                "fused/separate), stage split, CUDA-graph replay (default models: glm-5, deepseek-v3; "
+                "default tokens: 1 16 64 256 1024)");
+  cmd->add_option("--models", o->models, "Models (default: all; with --layer glm-5 deepseek-v3): " + model_names());
   cmd->add_option("--tokens", o->options.tokens, "Token counts")->capture_default_str();
-  cmd->add_option("--gemms", o->options.gemms, "Which GEMMs: 1 and/or 2")->capture_default_str();
+  cmd->add_option("--gemms", o->options.gemms, "Which GEMMs: 1 and/or 2 (not with --layer)")->capture_default_str();
   cmd->add_option("--iterations", o->options.iterations, "Timed launches per case (median)")->capture_default_str();
-  cmd->add_option("--config", o->config, "Force a tile config, e.g. n128m8k256s4w4");
-  cmd->add_flag("--no-cublas", o->no_cublas, "Skip the cuBLAS bf16 peer");
+  cmd->add_option("--config", o->config, "Force a tile config, e.g. n128m8k256s4w4 (not with --layer)");
+  cmd->add_flag("--no-cublas", o->no_cublas, "Skip the cuBLAS bf16 peer (not with --layer)");
+  cmd->add_flag("--no-graph", o->no_graph, "--layer: skip the CUDA-graph replay");
   cmd->add_option("--json", o->json_path, "Write one JSON object per case to this file");
-  cmd->callback([o] {
+  cmd->callback([o, cmd] {
+    for (int64_t t : o->options.tokens) FP4MOE_CHECK(t >= 1, "--tokens must be >= 1, not ", t);
+    FP4MOE_CHECK(o->options.iterations >= 1, "--iterations must be >= 1");
+    std::ofstream json;
+    const auto open_json = [&] {
+      if (o->json_path.empty()) return;
+      json.open(o->json_path);
+      FP4MOE_CHECK(json.good(), "cannot open ", o->json_path, " for writing");
+    };
+
+    if (o->layer) {
+      for (const char* flag : {"--gemms", "--config", "--no-cublas"})
+        FP4MOE_CHECK(cmd->count(flag) == 0, flag, " does not apply to --layer");
+      bench::LayerBenchOptions opts;
+      opts.iterations = o->options.iterations;
+      opts.with_graph = !o->no_graph;
+      if (cmd->count("--tokens") > 0) opts.tokens = o->options.tokens;
+      const std::vector<std::string> names =
+          o->models.empty() ? std::vector<std::string>{"glm-5", "deepseek-v3"} : o->models;
+      for (const std::string& name : names) {
+        const ModelShape& m = find_model(name);
+        bench::LayerShape shape;
+        shape.name = std::string(m.name);
+        shape.num_experts = m.num_experts;
+        shape.hidden = m.hidden;
+        shape.inter = m.inter;
+        shape.routing = m.routing_params();
+        shape.activation = m.activation;
+        shape.has_bias = m.has_bias;
+        opts.models.push_back(shape);
+      }
+      open_json();
+      bench::run_layer_bench(opts, std::cout, json.is_open() ? &json : nullptr);
+      return;
+    }
+
+    FP4MOE_CHECK(cmd->count("--no-graph") == 0, "--no-graph applies to --layer only");
     bench::Options opts = o->options;
     std::vector<std::string> names = o->models;
     if (names.empty())
@@ -40,15 +88,9 @@ void add_bench_command(CLI::App& app) {
       opts.models.push_back({std::string(m.name), m.num_experts, m.top_k, m.hidden, m.inter});
     }
     for (int g : opts.gemms) FP4MOE_CHECK(g == 1 || g == 2, "--gemms takes 1 and/or 2, not ", g);
-    for (int64_t t : opts.tokens) FP4MOE_CHECK(t >= 1, "--tokens must be >= 1, not ", t);
-    FP4MOE_CHECK(opts.iterations >= 1, "--iterations must be >= 1");
     if (!o->config.empty()) opts.config = TileConfig::parse(o->config);
     opts.with_cublas = !o->no_cublas;
-    std::ofstream json;
-    if (!o->json_path.empty()) {
-      json.open(o->json_path);
-      FP4MOE_CHECK(json.good(), "cannot open ", o->json_path, " for writing");
-    }
+    open_json();
     bench::run_gemm_bench(opts, std::cout, json.is_open() ? &json : nullptr);
   });
 }

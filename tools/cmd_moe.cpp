@@ -7,6 +7,8 @@
 //                  router_logits [T, E] F32 (+ e_score_correction_bias [E])
 //                                                     (routed here, by the flags)
 //   --output Y   output [T, H] BF16 (rounded to nearest even)
+//   --device     auto (the GPU when there is one), cpu (the reference), cuda
+//   --finalize   CUDA: deterministic (fixed summation order) or atomic
 //
 // Every input is checked before the layer runs and the output is written only
 // on success (atomically), so a failed run leaves no file behind.
@@ -48,6 +50,7 @@ struct MoeOptions {
   float routed_scaling_factor = 1.0f;
   std::string activation = "swiglu";
   std::string device = "auto";
+  std::string finalize = "deterministic";
 };
 
 // Tensor names of a checkpoint file, or of every shard of a directory.
@@ -220,8 +223,13 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
 
   const std::vector<float> hidden_states = tensor_to_float(hidden_view);
   std::vector<float> output(static_cast<size_t>(num_tokens * hidden));
-  const MoeRunStats stats = run_moe_layer(device, weights, hidden_states.data(), routing,
-                                          parse_activation(opts.activation), output.data());
+  MoeLayerOptions layer_options;
+  layer_options.activation = parse_activation(opts.activation);
+  layer_options.finalize = parse_finalize_mode(opts.finalize);
+  if (device == Device::kCpu && cmd.count("--finalize") > 0)
+    std::fprintf(stderr, "moe: note: --finalize applies to the CUDA backend only; ignored\n");
+  const MoeRunStats stats = run_moe_layer(device, weights, hidden_states.data(), routing, layer_options,
+                                          output.data());
 
   std::vector<uint16_t> output_bf16(output.size());
   for (size_t i = 0; i < output.size(); ++i) output_bf16[i] = float_to_bf16(output[i]);
@@ -232,13 +240,16 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   writer.set_metadata("producer", std::string("fp4moe ") + FP4MOE_VERSION + " moe");
   writer.write(opts.output);
 
+  const std::string backend_detail = device == Device::kCuda
+                                         ? " finalize=" + opts.finalize
+                                         : " threads=" + std::to_string(stats.num_threads);
   std::fprintf(stderr,
-               "moe: T=%lld E=%lld k=%d H=%lld I=%lld routing=%s activation=%s backend=%s "
-               "threads=%d layer %.2f ms, total %.2f ms\n",
+               "moe: T=%lld E=%lld k=%d H=%lld I=%lld routing=%s activation=%s backend=%s%s "
+               "layer %.3f ms, total %.2f ms\n",
                static_cast<long long>(num_tokens), static_cast<long long>(num_experts), routing.top_k,
                static_cast<long long>(hidden), static_cast<long long>(weights.inter),
                routing_source.c_str(), opts.activation.c_str(), stats.backend.c_str(),
-               stats.num_threads, stats.time_ms, total_timer.elapsed_ms());
+               backend_detail.c_str(), stats.time_ms, total_timer.elapsed_ms());
 }
 
 }  // namespace
@@ -279,8 +290,14 @@ void add_moe_command(CLI::App& app) {
                   "swiglu: silu(gate)*up; gptoss: clamped gpt-oss variant")
       ->check(CLI::IsMember({"swiglu", "gptoss"}))
       ->capture_default_str();
-  cmd->add_option("--device", opts->device, "backend: auto (best available), cpu, cuda")
+  cmd->add_option("--device", opts->device,
+                  "backend: auto (the GPU when there is one, else the CPU), cpu (the reference), cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
+  cmd->add_option("--finalize", opts->finalize,
+                  "CUDA: how a token's top-k rows are summed: deterministic (fixed order, bit-identical "
+                  "runs) or atomic (fp32 atomic adds)")
+      ->check(CLI::IsMember({"deterministic", "atomic"}))
       ->capture_default_str();
   cmd->callback([opts, cmd] { run_moe(*opts, *cmd); });
 }

@@ -1,5 +1,8 @@
 // Tests of the fp4moe command-line tool (tools/): runs the built binary on
-// files written here and checks its outputs and exit codes.
+// files written here and checks its outputs and exit codes. The fixture and
+// the checkpoint helpers live in cli_test_support.hpp (shared with the GPU
+// tests of test_cli_gpu.cpp); these tests need no GPU (where one is present,
+// `--device auto` picks it, and the no-GPU error test skips).
 //
 // A small float checkpoint (4 experts, hidden 64, inter 32) holds one layer as
 // 3-D BF16 expert stacks and one as 2-D F32 per-expert tensors, plus tensors
@@ -29,21 +32,16 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli_test_support.hpp"
 #include "fp4moe/modelopt.hpp"
 #include "fp4moe/nvfp4.hpp"
 #include "fp4moe/safetensors.hpp"
+#include "gpu_test_util.hpp"
 
 namespace fp4moe {
 namespace {
 
-namespace fs = std::filesystem;
-
-constexpr int64_t kNumExperts = 4;
-constexpr int64_t kHidden = 64;  // H
-constexpr int64_t kInter = 32;   // I
-const std::string kStackPrefix = "model.layers.0.mlp.";   // 3-D BF16 stacks
-const std::string kExpertPrefix = "model.layers.1.mlp.";  // 2-D F32 per-expert tensors
-const char* const kProjs[] = {"gate_proj", "up_proj", "down_proj"};
+using namespace cli_test;  // NOLINT: the shared fixture, constants and file helpers
 
 // Tolerances (relative L2 error over the whole output):
 // - against the dequantised checkpoint evaluated in double: only the bf16
@@ -58,44 +56,6 @@ constexpr double kQuantizedTolerance = 1e-2;
 //   really quantised.
 constexpr double kFloatTolerance = 0.25;
 constexpr double kMinQuantizationError = 0.02;
-
-// ------------------------------------------------------------ float model
-
-struct FloatExpert {
-  std::vector<float> gate;  // [I, H]
-  std::vector<float> up;    // [I, H]
-  std::vector<float> down;  // [H, I]
-};
-using FloatLayer = std::vector<FloatExpert>;
-
-float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
-
-std::vector<float> normal_values(std::mt19937& rng, int64_t count, double stddev, bool bf16) {
-  std::normal_distribution<double> dist(0.0, stddev);
-  std::vector<float> v(static_cast<size_t>(count));
-  for (float& x : v) x = bf16 ? round_bf16(static_cast<float>(dist(rng))) : static_cast<float>(dist(rng));
-  return v;
-}
-
-// Weights with unit gain per projection. Gate and up differ in scale per
-// expert (gate larger for expert 0, up larger for the others), so sharing
-// their global scale is visible.
-FloatLayer random_layer(std::mt19937& rng, bool bf16) {
-  FloatLayer layer(kNumExperts);
-  for (int64_t e = 0; e < kNumExperts; ++e) {
-    FloatExpert& ex = layer[static_cast<size_t>(e)];
-    const double gate_gain = e == 0 ? 2.0 : 1.0;
-    const double up_gain = e == 0 ? 1.0 : 1.0 + 0.5 * static_cast<double>(e);
-    ex.gate = normal_values(rng, kInter * kHidden, gate_gain / std::sqrt(double(kHidden)), bf16);
-    ex.up = normal_values(rng, kInter * kHidden, up_gain / std::sqrt(double(kHidden)), bf16);
-    ex.down = normal_values(rng, kHidden * kInter, 1.0 / std::sqrt(double(kInter)), bf16);
-  }
-  return layer;
-}
-
-const std::vector<float>& projection(const FloatExpert& ex, const std::string& proj) {
-  return proj == "gate_proj" ? ex.gate : proj == "up_proj" ? ex.up : ex.down;
-}
 
 float abs_max_of(const std::vector<float>& v) {
   float amax = 0.0f;
@@ -228,34 +188,6 @@ TestRouting route_gptoss(const std::vector<float>& logits, int64_t num_tokens, i
 
 // ------------------------------------------------------------ file helpers
 
-void add_f32(SafetensorsWriter& w, const std::string& name, std::vector<int64_t> shape, const std::vector<float>& v) {
-  w.add(name, DType::F32, std::move(shape), v.data(), v.size() * sizeof(float));
-}
-
-void add_bf16(SafetensorsWriter& w, const std::string& name, std::vector<int64_t> shape, const std::vector<float>& v) {
-  std::vector<uint16_t> bits(v.size());
-  for (size_t i = 0; i < v.size(); ++i) bits[i] = float_to_bf16(v[i]);
-  w.add(name, DType::BF16, std::move(shape), bits.data(), bits.size() * sizeof(uint16_t));
-}
-
-void add_i32(SafetensorsWriter& w, const std::string& name, std::vector<int64_t> shape, const std::vector<int32_t>& v) {
-  w.add(name, DType::I32, std::move(shape), v.data(), v.size() * sizeof(int32_t));
-}
-
-std::vector<float> read_floats(const TensorView& view) {
-  std::vector<float> out(static_cast<size_t>(view.numel()));
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (view.dtype == DType::F32) {
-      std::memcpy(&out[i], view.data + 4 * i, 4);
-    } else {
-      uint16_t h;
-      std::memcpy(&h, view.data + 2 * i, 2);
-      out[i] = bf16_to_float(h);
-    }
-  }
-  return out;
-}
-
 // The float values of a quantised matrix <base>.{weight,weight_scale,weight_scale_2}.
 std::vector<float> dequantized(const SafetensorsFile& file, const std::string& base, int64_t rows, int64_t cols) {
   const TensorView& packed = file.get(base + ".weight");
@@ -273,10 +205,6 @@ std::vector<float> dequantized(const SafetensorsFile& file, const std::string& b
   return out;
 }
 
-std::string expert_base(const std::string& prefix, int64_t e, const std::string& proj) {
-  return prefix + "experts." + std::to_string(e) + "." + proj;
-}
-
 FloatLayer dequantized_layer(const SafetensorsFile& file, const std::string& prefix) {
   FloatLayer layer(kNumExperts);
   for (int64_t e = 0; e < kNumExperts; ++e) {
@@ -286,91 +214,6 @@ FloatLayer dequantized_layer(const SafetensorsFile& file, const std::string& pre
   }
   return layer;
 }
-
-// -------------------------------------------------------------- fixture
-
-struct CliResult {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-class CliTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    dir_ = fs::temp_directory_path() / ("fp4moe_test_cli." + std::to_string(getpid()) + "." + test);
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    if (!HasFailure()) fs::remove_all(dir_);  // kept on failure, to look at
-  }
-
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-
-  static std::string read_text(const std::string& file) {
-    std::ifstream in(file);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-  }
-
-  // Runs `fp4moe <args>` with stdout and stderr captured.
-  CliResult run(const std::string& args) const {
-    const std::string command = std::string("'") + FP4MOE_CLI_PATH + "' " + args + " >'" + path("stdout") +
-                                "' 2>'" + path("stderr") + "'";
-    const int status = std::system(command.c_str());
-    CliResult result;
-    result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    result.out = read_text(path("stdout"));
-    result.err = read_text(path("stderr"));
-    return result;
-  }
-
-  // The float checkpoint: kStackPrefix's experts as 3-D BF16 stacks,
-  // kExpertPrefix's as 2-D F32 tensors, a router gate and a norm (copied) and
-  // an attention projection (quantised as a plain linear layer).
-  void write_float_checkpoint(const std::string& file) {
-    std::mt19937 rng(1234);
-    stacked_ = random_layer(rng, /*bf16=*/true);
-    per_expert_ = random_layer(rng, /*bf16=*/false);
-    router_ = normal_values(rng, kNumExperts * kHidden, 0.1, true);
-    norm_ = normal_values(rng, kHidden, 1.0, true);
-    o_proj_ = normal_values(rng, kHidden * kHidden, 0.1, false);
-
-    SafetensorsWriter w;
-    add_f32(w, "model.layers.0.self_attn.o_proj.weight", {kHidden, kHidden}, o_proj_);
-    add_bf16(w, "model.layers.0.post_attention_layernorm.weight", {kHidden}, norm_);
-    add_bf16(w, kStackPrefix + "gate.weight", {kNumExperts, kHidden}, router_);
-    for (const std::string proj : kProjs) {
-      std::vector<float> stack;
-      for (const FloatExpert& ex : stacked_) stack.insert(stack.end(), projection(ex, proj).begin(), projection(ex, proj).end());
-      const bool down = proj == "down_proj";
-      add_bf16(w, kStackPrefix + "experts." + proj + ".weight",
-               {kNumExperts, down ? kHidden : kInter, down ? kInter : kHidden}, stack);
-    }
-    for (int64_t e = 0; e < kNumExperts; ++e)
-      for (const std::string proj : kProjs) {
-        const bool down = proj == "down_proj";
-        add_f32(w, expert_base(kExpertPrefix, e, proj) + ".weight", {down ? kHidden : kInter, down ? kInter : kHidden},
-                projection(per_expert_[e], proj));
-      }
-    w.write(file);
-  }
-
-  // Float checkpoint quantised by the CLI into q.safetensors.
-  std::string quantized_checkpoint() {
-    write_float_checkpoint(path("float.safetensors"));
-    const CliResult r = run("quantize -q '" + path("float.safetensors") + "' '" + path("q.safetensors") + "'");
-    EXPECT_EQ(r.exit_code, 0) << r.err;
-    return path("q.safetensors");
-  }
-
-  fs::path dir_;
-  FloatLayer stacked_, per_expert_;
-  std::vector<float> router_, norm_, o_proj_;
-};
 
 // ------------------------------------------------------------------ tests
 
@@ -469,20 +312,24 @@ class MoeTest : public CliTest {
     bias_ = normal_values(rng, kNumExperts, 0.3, false);
   }
 
-  // Runs the layer under `prefix` and checks the output against `routing`.
-  void expect_matches(const std::string& prefix, const std::string& args, const TestRouting& routing,
-                      bool gptoss_activation = false) {
-    SCOPED_TRACE(prefix + " " + args);
+  // Runs the layer under `prefix` on `device` and checks the output against
+  // `routing`; returns the command's stderr.
+  std::string expect_matches(const std::string& prefix, const std::string& args, const TestRouting& routing,
+                             bool gptoss_activation = false, const std::string& device = "cpu") {
+    SCOPED_TRACE(prefix + " " + args + " --device " + device);
     fs::remove(path("y.safetensors"));
-    const CliResult r = run("moe --device cpu --weights '" + checkpoint_ + "' --prefix " + prefix + " --input '" +
-                            path("x.safetensors") + "' --output '" + path("y.safetensors") + "' " + args);
-    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const CliResult r = run("moe --device " + device + " --weights '" + checkpoint_ + "' --prefix " + prefix +
+                            " --input '" + path("x.safetensors") + "' --output '" + path("y.safetensors") + "' " +
+                            args);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    if (r.exit_code != 0) return r.err;
     EXPECT_NE(r.err.find("T=" + std::to_string(kNumTokens)), std::string::npos) << "summary line: " << r.err;
 
     const SafetensorsFile y = SafetensorsFile::open(path("y.safetensors"));
     const TensorView& out_view = y.get("output");
-    ASSERT_EQ(out_view.dtype, DType::BF16);
-    ASSERT_EQ(out_view.shape, (std::vector<int64_t>{kNumTokens, kHidden}));
+    EXPECT_EQ(out_view.dtype, DType::BF16);
+    EXPECT_EQ(out_view.shape, (std::vector<int64_t>{kNumTokens, kHidden}));
+    if (out_view.dtype != DType::BF16 || out_view.numel() != kNumTokens * kHidden) return r.err;
     const std::vector<float> out = read_floats(out_view);
 
     const bool stacked = prefix == kStackPrefix;
@@ -496,8 +343,31 @@ class MoeTest : public CliTest {
     EXPECT_LT(err_quantized, kQuantizedTolerance);
     EXPECT_LT(err_float, kFloatTolerance);
     EXPECT_GT(err_float, kMinQuantizationError) << "the weights do not look quantised";
-    std::printf("  %s%s: rel err vs dequantised %.2e, vs float weights %.3f\n", prefix.c_str(), args.c_str(),
-                err_quantized, err_float);
+    std::printf("  %s%s (%s): rel err vs dequantised %.2e, vs float weights %.3f\n", prefix.c_str(), args.c_str(),
+                device.c_str(), err_quantized, err_float);
+    return r.err;
+  }
+
+  // hidden_states + random distinct top-k routing with positive weights.
+  TestRouting write_given_routing_input(int top_k, unsigned seed) {
+    std::mt19937 rng(seed);
+    TestRouting routing{top_k, {}, {}};
+    std::uniform_real_distribution<float> weight(0.1f, 1.0f);
+    for (int64_t t = 0; t < kNumTokens; ++t) {
+      std::vector<int32_t> experts(kNumExperts);
+      std::iota(experts.begin(), experts.end(), 0);
+      std::shuffle(experts.begin(), experts.end(), rng);
+      for (int j = 0; j < top_k; ++j) {
+        routing.ids.push_back(experts[j]);
+        routing.weights.push_back(weight(rng));
+      }
+    }
+    SafetensorsWriter w;
+    add_bf16(w, "hidden_states", {kNumTokens, kHidden}, hidden_);
+    add_i32(w, "topk_ids", {kNumTokens, top_k}, routing.ids);
+    add_f32(w, "topk_weights", {kNumTokens, top_k}, routing.weights);
+    w.write(path("x.safetensors"));
+    return routing;
   }
 
   static constexpr int64_t kNumTokens = 7;
@@ -670,13 +540,6 @@ TEST_F(MoeTest, BadInputsFailWithOneLineAndNoOutput) {
          add_f32(w, "router_logits", {t, kNumExperts + 1}, std::vector<float>(t * (kNumExperts + 1), 0.5f));
        },
        "--topk 2", "router_logits"},
-      {"--device cuda (not built yet)",
-       [&](SafetensorsWriter& w) {
-         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
-         add_i32(w, "topk_ids", {t, 2}, ids2);
-         add_f32(w, "topk_weights", {t, 2}, weights2);
-       },
-       "--device cuda", "not built yet"},
       {"unknown prefix",
        [&](SafetensorsWriter& w) {
          add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
@@ -709,6 +572,27 @@ TEST_F(MoeTest, BadInputsFailWithOneLineAndNoOutput) {
   }
 }
 
+TEST_F(MoeTest, DeviceCudaWithoutAGpuFailsWithOneLineAndNoOutput) {
+  if (testing::has_cuda_device()) GTEST_SKIP() << "this machine has a GPU: --device cuda runs (test_cli_gpu covers it)";
+  write_given_routing_input(2, 11);
+  const CliResult r = run("moe --device cuda --weights '" + checkpoint_ + "' --prefix " + kStackPrefix + " --input '" +
+                          path("x.safetensors") + "' --output '" + path("y.safetensors") + "'");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_EQ(r.err.rfind("fp4moe: error: --device cuda needs a CUDA GPU", 0), 0u) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "one line expected:\n" << r.err;
+  EXPECT_NE(r.err.find("--device cpu"), std::string::npos) << "the error must say what to use instead: " << r.err;
+  EXPECT_FALSE(fs::exists(path("y.safetensors"))) << "a failed run left an output file";
+  std::printf("  %s", r.err.c_str());
+}
+
+TEST_F(MoeTest, DeviceAutoRunsOnTheBackendPresent) {
+  const TestRouting routing = write_given_routing_input(2, 12);
+  const bool gpu = testing::has_cuda_device();
+  const std::string err = expect_matches(kStackPrefix, "", routing, false, "auto");
+  EXPECT_NE(err.find(gpu ? "backend=cuda" : "backend=cpu"), std::string::npos)
+      << (gpu ? "with a GPU, auto must pick CUDA: " : "without a GPU, auto must run the CPU backend: ") << err;
+}
+
 TEST_F(CliTest, QuantizeRejectsKNotAMultipleOf16) {
   SafetensorsWriter w;
   add_f32(w, "model.layers.0.mlp.experts.0.down_proj.weight", {16, 24}, std::vector<float>(16 * 24, 0.5f));
@@ -732,15 +616,19 @@ TEST_F(CliTest, QuantizeRejectsKNotAMultipleOf16) {
 
 TEST_F(CliTest, DemoRunsAndChecksItself) {
   for (const std::string args : {"--model qwen3-30b --tokens 3", "--model gpt-oss-120b --tokens 2 --seed 5"}) {
-    const CliResult r = run("demo " + args);
+    const CliResult r = run("demo --device cpu " + args);
     EXPECT_EQ(r.exit_code, 0) << args << "\n" << r.out << r.err;
     EXPECT_NE(r.out.find("tokens/s"), std::string::npos) << r.out;
-    EXPECT_NE(r.out.find(") OK"), std::string::npos) << "the self-check must pass:\n" << r.out;
+    EXPECT_NE(r.out.find(") PASS"), std::string::npos) << "the self-check must pass:\n" << r.out;
   }
   const CliResult unknown = run("demo --model gpt-5");
   EXPECT_EQ(unknown.exit_code, 1);
   EXPECT_NE(unknown.err.find("deepseek-v3"), std::string::npos) << "valid names listed: " << unknown.err;
-  EXPECT_NE(run("demo --device cuda --model qwen3-30b --tokens 1").exit_code, 0);
+  if (!testing::has_cuda_device()) {
+    const CliResult cuda = run("demo --device cuda --model qwen3-30b --tokens 1");
+    EXPECT_EQ(cuda.exit_code, 1);
+    EXPECT_NE(cuda.err.find("needs a CUDA GPU"), std::string::npos) << cuda.err;
+  }
 }
 
 TEST_F(CliTest, PlanRunsWithoutAGpu) {

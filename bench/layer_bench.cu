@@ -1,0 +1,433 @@
+// See layer_bench.hpp. Host code only: the device work is MoeLayer::forward
+// and the shared fills and L2 flush of gemm_bench.cu.
+#include "layer_bench.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <iomanip>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "fp4moe/cuda_check.hpp"
+#include "fp4moe/nvfp4.hpp"
+
+namespace fp4moe::bench {
+
+namespace {
+
+// splitmix64: fast and seedable per expert, so experts can be drawn in
+// parallel and the same seed gives the same layer.
+struct SplitMix64 {
+  uint64_t state;
+  uint64_t next() {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+};
+
+// e4m3 codes 0x28..0x48: 0.125 .. 2.0, the sane middle of the format.
+constexpr uint8_t kFirstScaleCode = 0x28;
+constexpr int kNumScaleCodes = 0x48 - 0x28 + 1;
+
+// Global scale for unit gain with K inputs: Var(w.x) = K E[e2m1^2] E[e4m3^2] s^2 = 1
+// for uniform codes and uniform scale codes.
+float unit_gain_global_scale(int64_t k) {
+  double code_ms = 0.0, scale_ms = 0.0;
+  for (int c = 0; c < 16; ++c) code_ms += std::pow(e2m1_to_float(static_cast<uint8_t>(c)), 2) / 16.0;
+  for (int c = 0; c < kNumScaleCodes; ++c)
+    scale_ms += std::pow(e4m3_to_float(static_cast<uint8_t>(kFirstScaleCode + c)), 2) / kNumScaleCodes;
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(k) * code_ms * scale_ms));
+}
+
+Nvfp4Matrix random_matrix(int64_t rows, int64_t cols, float global_scale, SplitMix64& rng) {
+  Nvfp4Matrix m;
+  m.rows = rows;
+  m.cols = cols;
+  m.global_scale = global_scale;
+  m.input_scale = 1.0f;
+  m.packed.resize(static_cast<size_t>(rows * cols / 2));
+  for (size_t i = 0; i < m.packed.size(); i += 8) {  // 16 codes per draw
+    const uint64_t bits = rng.next();
+    std::memcpy(m.packed.data() + i, &bits, std::min<size_t>(8, m.packed.size() - i));
+  }
+  m.scales.resize(static_cast<size_t>(rows * cols / kNvfp4BlockSize));
+  for (size_t i = 0; i < m.scales.size(); i += 8) {  // 8 scales (one byte each) per draw
+    const uint64_t bits = rng.next();
+    for (size_t b = 0; b < 8 && i + b < m.scales.size(); ++b)
+      m.scales[i + b] = static_cast<uint8_t>(kFirstScaleCode + ((bits >> (8 * b)) & 0xFF) % kNumScaleCodes);
+  }
+  return m;
+}
+
+std::vector<float> random_bias(int64_t n, SplitMix64& rng) {
+  std::vector<float> bias(static_cast<size_t>(n));
+  for (float& b : bias) b = static_cast<float>((static_cast<double>(rng.next() >> 11) * 0x1.0p-53 - 0.5) * 0.2);
+  return bias;
+}
+
+// Runs fn(i) for i in [0, count) on all host cores; rethrows the first error.
+template <typename Fn>
+void parallel_for(int64_t count, const Fn& fn) {
+  const int64_t num_threads =
+      std::max<int64_t>(1, std::min<int64_t>(count, std::max(1u, std::thread::hardware_concurrency())));
+  std::atomic<int64_t> next{0};
+  std::exception_ptr error;
+  std::mutex mutex;
+  const auto work = [&] {
+    for (int64_t i = next++; i < count; i = next++) {
+      try {
+        fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!error) error = std::current_exception();
+        next = count;
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int64_t t = 1; t < num_threads; ++t) threads.emplace_back(work);
+  work();
+  for (std::thread& thread : threads) thread.join();
+  if (error) std::rethrow_exception(error);
+}
+
+double median(std::vector<float> values) {
+  const size_t mid = values.size() / 2;
+  std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid), values.end());
+  return values[mid];
+}
+
+std::string variant_name(const MoeLayerOptions& options) {
+  return to_string(options.finalize) + "/" + to_string(options.gather);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- weights
+
+MoeWeights random_moe_weights(const LayerShape& shape, uint64_t seed) {
+  FP4MOE_CHECK(shape.num_experts >= 1 && shape.hidden % 16 == 0 && shape.inter % 16 == 0 && shape.hidden > 0 &&
+                   shape.inter > 0,
+               "random_moe_weights: ", shape.name, " has ", shape.num_experts, " experts, hidden ", shape.hidden,
+               ", inter ", shape.inter, "; expected >= 1 expert and positive multiples of 16");
+  MoeWeights weights;
+  weights.num_experts = shape.num_experts;
+  weights.hidden = shape.hidden;
+  weights.inter = shape.inter;
+  weights.experts.resize(static_cast<size_t>(shape.num_experts));
+  const float gate_up_scale = unit_gain_global_scale(shape.hidden);  // shared, as ModelOpt does
+  const float down_scale = unit_gain_global_scale(shape.inter);
+  parallel_for(shape.num_experts, [&](int64_t e) {
+    SplitMix64 rng{seed * 0x2545F4914F6CDD1Dull + static_cast<uint64_t>(e) + 1};
+    ExpertWeights& ex = weights.experts[static_cast<size_t>(e)];
+    ex.gate = random_matrix(shape.inter, shape.hidden, gate_up_scale, rng);
+    ex.up = random_matrix(shape.inter, shape.hidden, gate_up_scale, rng);
+    ex.down = random_matrix(shape.hidden, shape.inter, down_scale, rng);
+    if (shape.has_bias) {
+      ex.gate_bias = random_bias(shape.inter, rng);
+      ex.up_bias = random_bias(shape.inter, rng);
+      ex.down_bias = random_bias(shape.hidden, rng);
+    }
+  });
+  return weights;
+}
+
+// --------------------------------------------------------------- roofline
+
+LayerRoofline layer_roofline(int64_t hidden, int64_t inter, int64_t rows, int64_t active_experts,
+                             const Ceilings& ceilings) {
+  LayerRoofline roof;
+  roof.rows = rows;
+  roof.active_experts = active_experts;
+  roof.gemm1 = grouped_gemm_cost(active_experts, rows, 2 * inter, hidden);
+  roof.gemm2 = grouped_gemm_cost(active_experts, rows, hidden, inter);
+  roof.gemm1_roof_us = roofline_us(roof.gemm1, ceilings);
+  roof.gemm2_roof_us = roofline_us(roof.gemm2, ceilings);
+  roof.roof_us = roof.gemm1_roof_us + roof.gemm2_roof_us;
+  return roof;
+}
+
+// ----------------------------------------------------------------- timer
+
+struct LayerTimer::Buffers {
+  DeviceArray<uint16_t> hidden_states;  // bf16 [max_tokens, hidden]
+  DeviceArray<float> router_logits;     // [max_tokens, num_experts]
+  DeviceArray<float> correction_bias;   // [num_experts]
+  DeviceArray<uint16_t> output;         // bf16 [max_tokens, hidden]
+  DeviceArray<uint8_t> workspace;
+  Buffers(int64_t max_tokens, int64_t hidden, int64_t num_experts, size_t workspace_bytes)
+      : hidden_states(static_cast<size_t>(max_tokens * hidden)),
+        router_logits(static_cast<size_t>(max_tokens * num_experts)),
+        correction_bias(static_cast<size_t>(num_experts)),
+        output(static_cast<size_t>(max_tokens * hidden)),
+        workspace(workspace_bytes) {}
+};
+
+LayerTimer::LayerTimer(const MoeLayer& layer, int64_t max_tokens, uint64_t seed)
+    : layer_(layer), max_tokens_(max_tokens) {
+  FP4MOE_CHECK(max_tokens >= 1, "LayerTimer: max_tokens must be >= 1, not ", max_tokens);
+  const int64_t num_experts = layer.num_experts();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  host_logits_.resize(static_cast<size_t>(max_tokens * num_experts));
+  for (float& v : host_logits_) v = normal(rng);
+  host_bias_.resize(static_cast<size_t>(num_experts));
+  for (float& v : host_bias_) v = 0.1f * normal(rng);
+
+  buffers_ = std::make_unique<Buffers>(max_tokens, layer.hidden(), num_experts, layer.workspace_bytes(max_tokens));
+  FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  fill_random_bf16(buffers_->hidden_states.ptr, buffers_->hidden_states.count, seed + 17, stream_);
+  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(buffers_->router_logits.ptr, host_logits_.data(), host_logits_.size() * 4,
+                                    cudaMemcpyHostToDevice, stream_));
+  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(buffers_->correction_bias.ptr, host_bias_.data(), host_bias_.size() * 4,
+                                    cudaMemcpyHostToDevice, stream_));
+  if (buffers_->workspace.count)
+    FP4MOE_CUDA_CHECK(cudaMemsetAsync(buffers_->workspace.ptr, 0, buffers_->workspace.count, stream_));
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+LayerTimer::~LayerTimer() {
+  if (stream_) {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+}
+
+int64_t LayerTimer::active_experts(int64_t tokens) const {
+  const Routing routing =
+      route(host_logits_.data(), tokens, layer_.num_experts(), host_bias_.data(), layer_.options().routing);
+  std::vector<char> used(static_cast<size_t>(layer_.num_experts()), 0);
+  for (int32_t e : routing.topk_ids) used[static_cast<size_t>(e)] = 1;
+  return std::count(used.begin(), used.end(), 1);
+}
+
+MoeForwardArgs LayerTimer::args(int64_t tokens) const {
+  FP4MOE_CHECK(tokens >= 1 && tokens <= max_tokens_, "LayerTimer: ", tokens, " tokens; expected 1 .. ",
+               max_tokens_);
+  MoeForwardArgs a;
+  a.hidden_states = buffers_->hidden_states.ptr;
+  a.num_tokens = tokens;
+  a.router_logits = buffers_->router_logits.ptr;
+  a.correction_bias = buffers_->correction_bias.ptr;
+  return a;
+}
+
+void LayerTimer::forward(int64_t tokens, const MoeStageEvents* events) const {
+  layer_.forward(args(tokens), buffers_->output.ptr, buffers_->workspace.ptr, buffers_->workspace.count, stream_,
+                 events);
+}
+
+double LayerTimer::time_forward_us(int64_t tokens, int iterations, const L2Flusher& flusher) {
+  return time_median_us([&] { forward(tokens, nullptr); }, iterations, flusher, stream_);
+}
+
+StageTimes LayerTimer::time_stages(int64_t tokens, int iterations, const L2Flusher& flusher) {
+  FP4MOE_CHECK(iterations >= 1, "time_stages: iterations must be >= 1, not ", iterations);
+  constexpr int kNumEvents = 7;  // start, routed, sorted, gathered, gemm1, gemm2, end
+  std::vector<cudaEvent_t> events(static_cast<size_t>(iterations * kNumEvents));
+  for (cudaEvent_t& e : events) FP4MOE_CUDA_CHECK(cudaEventCreate(&e));
+  const auto stage_events = [&](int i) {
+    const cudaEvent_t* e = events.data() + i * kNumEvents;
+    return MoeStageEvents{e[0], e[1], e[2], e[3], e[4], e[5], e[6]};
+  };
+  forward(tokens, nullptr);  // warm-up
+  for (int i = 0; i < iterations; ++i) {
+    flusher.flush(stream_);
+    const MoeStageEvents ev = stage_events(i);
+    forward(tokens, &ev);
+  }
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::vector<std::vector<float>> stage_ms(kNumEvents, std::vector<float>(static_cast<size_t>(iterations)));
+  for (int i = 0; i < iterations; ++i) {
+    const cudaEvent_t* e = events.data() + i * kNumEvents;
+    for (int s = 0; s + 1 < kNumEvents; ++s)
+      FP4MOE_CUDA_CHECK(cudaEventElapsedTime(&stage_ms[static_cast<size_t>(s)][static_cast<size_t>(i)], e[s], e[s + 1]));
+    FP4MOE_CUDA_CHECK(cudaEventElapsedTime(&stage_ms[kNumEvents - 1][static_cast<size_t>(i)], e[0], e[kNumEvents - 1]));
+  }
+  for (cudaEvent_t& e : events) cudaEventDestroy(e);
+  StageTimes t;
+  t.routing_us = median(stage_ms[0]) * 1e3;
+  t.sort_us = median(stage_ms[1]) * 1e3;
+  t.gather_us = median(stage_ms[2]) * 1e3;
+  t.gemm1_us = median(stage_ms[3]) * 1e3;
+  t.gemm2_us = median(stage_ms[4]) * 1e3;
+  t.finalize_us = median(stage_ms[5]) * 1e3;
+  t.total_us = median(stage_ms[6]) * 1e3;
+  return t;
+}
+
+double LayerTimer::time_graph_us(int64_t tokens, int iterations, const L2Flusher& flusher) {
+  cudaGraph_t graph = nullptr;
+  // NOTE: thread-local capture mode: a forward that made a capture-unsafe
+  // call (an allocation, a synchronisation) fails here, which is part of
+  // what this measurement checks.
+  FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  try {
+    forward(tokens, nullptr);
+  } catch (...) {
+    cudaStreamEndCapture(stream_, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    throw;
+  }
+  FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t status = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  FP4MOE_CUDA_CHECK(status);
+  double us = 0;
+  try {
+    us = time_median_us([&] { FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream_)); }, iterations, flusher, stream_);
+  } catch (...) {
+    cudaGraphExecDestroy(exec);
+    throw;
+  }
+  cudaGraphExecDestroy(exec);
+  return us;
+}
+
+int64_t LayerTimer::count_nonfinite_outputs(int64_t tokens) const {
+  std::vector<uint16_t> out(static_cast<size_t>(tokens * layer_.hidden()));
+  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), buffers_->output.ptr, out.size() * 2, cudaMemcpyDeviceToHost, stream_));
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return std::count_if(out.begin(), out.end(), [](uint16_t v) { return !std::isfinite(bf16_to_float(v)); });
+}
+
+std::string LayerTimer::device_errors() const { return layer_.device_errors(buffers_->workspace.ptr, stream_); }
+
+LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t tokens, int iterations,
+                               bool with_graph, const Ceilings& ceilings, const L2Flusher& flusher) {
+  LayerMeasurement m;
+  m.tokens = tokens;
+  m.roofline = layer_roofline(layer.hidden(), layer.inter(), tokens * layer.top_k(), timer.active_experts(tokens),
+                              ceilings);
+  m.time_us = timer.time_forward_us(tokens, iterations, flusher);
+  m.stages = timer.time_stages(tokens, iterations, flusher);
+  if (with_graph) m.graph_us = timer.time_graph_us(tokens, iterations, flusher);
+  m.efficiency = m.roofline.roof_us / m.time_us;
+  m.nonfinite_outputs = timer.count_nonfinite_outputs(tokens);
+  const std::string errors = timer.device_errors();
+  FP4MOE_CHECK(errors.empty(), "the layer reported device errors: ", errors);
+  return m;
+}
+
+// ------------------------------------------------------------------ bench
+
+void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ostream* json) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
+    FP4MOE_THROW("fp4moe bench --layer needs a CUDA GPU; none was found");
+  FP4MOE_CHECK(opt.iterations >= 1, "iterations must be >= 1, not ", opt.iterations);
+  FP4MOE_CHECK(!opt.tokens.empty(), "no token counts to run");
+  const int64_t max_tokens = *std::max_element(opt.tokens.begin(), opt.tokens.end());
+  const L2Flusher flusher;
+  const Ceilings ceil = measure_ceilings(flusher);
+  const std::string gpu = gpu_name();
+  const std::string date = today();
+  table << "# " << gpu << ", " << date << ": copy " << std::fixed << std::setprecision(2)
+        << ceil.copy_bytes_per_s / 1e12 << " TB/s, cuBLAS bf16 " << std::setprecision(0)
+        << ceil.bf16_flops_per_s / 1e12 << " TFLOP/s (8192^3)\n"
+        << "# whole MoE layer (routing on the device), L2 flushed before each forward, medians of "
+        << opt.iterations << "; roof = GEMM1 + GEMM2 rooflines; stages in us; out% = time outside the GEMMs\n";
+  table << "model         variant                    T act   time_us  graph_us   roof_us   eff |  route   sort "
+           "gather    gemm1    gemm2  final |  out%\n";
+  if (json) {
+    nlohmann::json j{{"kind", "ceilings"}, {"gpu", gpu}, {"date", date},
+                     {"copy_tbps", ceil.copy_bytes_per_s / 1e12}, {"bf16_tflops", ceil.bf16_flops_per_s / 1e12}};
+    *json << j.dump() << std::endl;
+  }
+
+  // The default variant first: it is the one with a graph replay.
+  std::vector<MoeLayerOptions> variants;
+  for (FinalizeMode finalize : {FinalizeMode::kDeterministic, FinalizeMode::kAtomic})
+    for (GatherMode gather : {GatherMode::kFused, GatherMode::kSeparate}) {
+      MoeLayerOptions o;
+      o.finalize = finalize;
+      o.gather = gather;
+      variants.push_back(o);
+    }
+  const MoeLayerOptions defaults;
+
+  for (const LayerShape& shape : opt.models) {
+    const MoeWeights weights = random_moe_weights(shape, opt.seed);
+    for (MoeLayerOptions options : variants) {
+      options.activation = shape.activation;
+      options.routing = shape.routing;
+      const bool is_default = options.finalize == defaults.finalize && options.gather == defaults.gather;
+      const MoeLayer layer = MoeLayer::prepare(weights, options);
+      LayerTimer timer(layer, max_tokens, opt.seed);
+      for (int64_t tokens : opt.tokens) {
+        const bool with_graph = opt.with_graph && is_default;
+        const LayerMeasurement m = measure_layer(timer, layer, tokens, opt.iterations, with_graph, ceil, flusher);
+        const StageTimes& s = m.stages;
+        char graph_text[32] = "-";
+        if (with_graph) std::snprintf(graph_text, sizeof graph_text, "%.1f", m.graph_us);
+        const std::string graph_us = graph_text;
+        char line[512];
+        std::snprintf(line, sizeof line,
+                      "%-13s %-22s %6lld %3lld %9.1f %9s %9.1f %5.2f | %6.1f %6.1f %6.1f %8.1f %8.1f %6.1f | %4.0f%%\n",
+                      shape.name.c_str(), variant_name(options).c_str(), static_cast<long long>(tokens),
+                      static_cast<long long>(m.roofline.active_experts), m.time_us,
+                      graph_us.c_str(),
+                      m.roofline.roof_us, m.efficiency, s.routing_us, s.sort_us, s.gather_us, s.gemm1_us, s.gemm2_us,
+                      s.finalize_us, 100.0 * s.outside_gemm_share());
+        table << line;
+        if (m.nonfinite_outputs > 0)
+          table << "  WARNING: " << m.nonfinite_outputs << " output elements are NaN or infinite\n";
+        table << std::flush;
+        if (json) {
+          const MoeLayerPlan plan = layer.plan(tokens);
+          nlohmann::json j{{"kind", "moe_layer"},
+                           {"gpu", gpu},
+                           {"date", date},
+                           {"model", shape.name},
+                           {"num_experts", shape.num_experts},
+                           {"top_k", shape.routing.top_k},
+                           {"hidden", shape.hidden},
+                           {"inter", shape.inter},
+                           {"routing", to_string(shape.routing.mode)},
+                           {"tokens", tokens},
+                           {"rows", m.roofline.rows},
+                           {"active_experts", m.roofline.active_experts},
+                           {"variant", variant_name(options)},
+                           {"finalize", to_string(options.finalize)},
+                           {"gather", to_string(options.gather)},
+                           {"gemm1_config", plan.gemm1.config.to_string()},
+                           {"gemm1_split_k", plan.gemm1.split_k},
+                           {"gemm2_config", plan.gemm2.config.to_string()},
+                           {"gemm2_split_k", plan.gemm2.split_k},
+                           {"time_us", m.time_us},
+                           {"graph_us", with_graph ? nlohmann::json(m.graph_us) : nlohmann::json(nullptr)},
+                           {"roof_us", m.roofline.roof_us},
+                           {"gemm1_roof_us", m.roofline.gemm1_roof_us},
+                           {"gemm2_roof_us", m.roofline.gemm2_roof_us},
+                           {"efficiency", m.efficiency},
+                           {"stage_us",
+                            {{"routing", s.routing_us},
+                             {"sort", s.sort_us},
+                             {"gather", s.gather_us},
+                             {"gemm1", s.gemm1_us},
+                             {"gemm2", s.gemm2_us},
+                             {"finalize", s.finalize_us},
+                             {"total", s.total_us}}},
+                           {"outside_gemm_share", s.outside_gemm_share()},
+                           {"nonfinite_outputs", m.nonfinite_outputs},
+                           {"copy_tbps", ceil.copy_bytes_per_s / 1e12},
+                           {"bf16_tflops", ceil.bf16_flops_per_s / 1e12},
+                           {"iterations", opt.iterations}};
+          *json << j.dump() << std::endl;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace fp4moe::bench

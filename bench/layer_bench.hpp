@@ -1,0 +1,153 @@
+// Benchmark of the whole GPU MoE layer (fp4moe::MoeLayer, routing included)
+// against the layer roofline, measured in the same run.
+//
+// For each model and token count T: random normal router logits routed on
+// the device with the model's routing mode, random NVFP4 weights for ALL
+// experts, random bf16 hidden states. Per case, with the L2 flushed before
+// every timed forward (medians of CUDA-event-timed forwards):
+//   - the whole forward (no stage events),
+//   - the stage split from MoeStageEvents (routing, sort, gather, GEMM1,
+//     GEMM2, finalize) in a separate set of forwards, and the share of time
+//     outside the two GEMMs: (total - gemm1 - gemm2) / total,
+//   - for the default variant, a CUDA-graph replay of the forward,
+// for finalize in {deterministic, atomic} x gather in {fused, separate}.
+//
+// Layer roofline: DESIGN.md §6 applied to each grouped GEMM and summed,
+//   GEMM1: n = 2 * inter, k = hidden;   GEMM2: n = hidden, k = inter;
+//   t_roof = t_roof(GEMM1) + t_roof(GEMM2),
+// with the copy bandwidth and the cuBLAS bf16 rate measured at start-up
+// (bench/gemm_bench.hpp). The small kernels around the GEMMs (routing, sort,
+// finalize) get no budget of their own: the time they take is what the
+// "outside" share shows.
+//
+// The weights are random codes, not a trained checkpoint: the kernels' cost
+// does not depend on the values, and drawing codes is what makes ALL experts
+// of a 256-expert model (5-6 GB) quick to build on the host.
+//
+// Run through `fp4moe bench --layer`; the `fp4moe demo` timing table uses
+// LayerTimer and measure_layer. Exercised on a GPU by tests/tools/
+// test_cli_gpu.cpp (a small model, few iterations).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "fp4moe/moe_layer.hpp"
+#include "fp4moe/reference.hpp"
+#include "gemm_bench.hpp"
+
+namespace fp4moe::bench {
+
+// One MoE layer shape with how it routes and activates.
+struct LayerShape {
+  std::string name;
+  int64_t num_experts = 0;
+  int64_t hidden = 0;  // H
+  int64_t inter = 0;   // I (moe_intermediate_size)
+  RoutingParams routing;  // routing.top_k is the layer's top-k
+  Activation activation = Activation::kSwiGLU;
+  bool has_bias = false;  // gate/up/down biases (gpt-oss)
+};
+
+// Random NVFP4 weights for every expert of `shape`, drawn on all host cores
+// with a fast generator: uniform e2m1 codes, e4m3 block scales among the
+// codes 0x28..0x48 (0.125 .. 2.0), and a global scale that gives each
+// projection unit gain on unit-variance inputs, so outputs stay O(1) and
+// finite. Biases (has_bias) are uniform in [-0.1, 0.1]. For timing only.
+MoeWeights random_moe_weights(const LayerShape& shape, uint64_t seed);
+
+// The layer roofline of one forward (see the file comment).
+struct LayerRoofline {
+  int64_t rows = 0;            // num_tokens * top_k
+  int64_t active_experts = 0;  // experts with at least one row
+  GemmCost gemm1, gemm2;
+  double gemm1_roof_us = 0, gemm2_roof_us = 0;
+  double roof_us = 0;  // the sum
+};
+LayerRoofline layer_roofline(int64_t hidden, int64_t inter, int64_t rows, int64_t active_experts,
+                             const Ceilings& ceilings);
+
+// Medians over the timed forwards, in us, of each stage between two
+// consecutive MoeStageEvents, and of the whole (start -> end).
+struct StageTimes {
+  double routing_us = 0, sort_us = 0, gather_us = 0, gemm1_us = 0, gemm2_us = 0, finalize_us = 0;
+  double total_us = 0;
+  // (total - gemm1 - gemm2) / total
+  double outside_gemm_share() const { return total_us > 0 ? (total_us - gemm1_us - gemm2_us) / total_us : 0.0; }
+};
+
+// Device inputs and buffers for timing forwards of one prepared layer: bf16
+// hidden states in [-1, 1) and fp32 router logits ~ N(0, 1) for up to
+// max_tokens tokens (a forward of T tokens reads the first T rows), a
+// correction bias ~ 0.1 N(0, 1) (read by noaux_tc routing only), the output
+// and a zeroed workspace, all on one non-blocking stream of its own (so the
+// forward can be captured in a CUDA graph). The same seed gives the same
+// inputs, so several variants of a layer see identical tokens and routing.
+class LayerTimer {
+ public:
+  LayerTimer(const MoeLayer& layer, int64_t max_tokens, uint64_t seed);
+  ~LayerTimer();
+  LayerTimer(const LayerTimer&) = delete;
+  LayerTimer& operator=(const LayerTimer&) = delete;
+
+  // Experts that the layer's routing of the first `tokens` tokens selects,
+  // from the CPU reference's routing of the same logits (ties aside, what the
+  // device routes).
+  int64_t active_experts(int64_t tokens) const;
+
+  double time_forward_us(int64_t tokens, int iterations, const L2Flusher& flusher);
+  StageTimes time_stages(int64_t tokens, int iterations, const L2Flusher& flusher);
+  // Captures one forward into a CUDA graph and times its replays.
+  double time_graph_us(int64_t tokens, int iterations, const L2Flusher& flusher);
+
+  // Elements of the last forward's output [tokens, hidden] that are NaN or
+  // infinite (a broken layer must not be timed silently), and the device
+  // errors the layer recorded; synchronises.
+  int64_t count_nonfinite_outputs(int64_t tokens) const;
+  std::string device_errors() const;
+
+ private:
+  MoeForwardArgs args(int64_t tokens) const;
+  void forward(int64_t tokens, const MoeStageEvents* events) const;
+
+  struct Buffers;
+  const MoeLayer& layer_;
+  int64_t max_tokens_;
+  std::vector<float> host_logits_;  // [max_tokens, num_experts]
+  std::vector<float> host_bias_;    // [num_experts]
+  std::unique_ptr<Buffers> buffers_;
+  cudaStream_t stream_ = nullptr;
+};
+
+// Everything one benchmark case reports.
+struct LayerMeasurement {
+  int64_t tokens = 0;
+  LayerRoofline roofline;
+  double time_us = 0;   // plain forward
+  double graph_us = 0;  // CUDA-graph replay; 0 when not measured
+  StageTimes stages;
+  double efficiency = 0;  // roof_us / time_us
+  int64_t nonfinite_outputs = 0;
+};
+LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t tokens, int iterations,
+                               bool with_graph, const Ceilings& ceilings, const L2Flusher& flusher);
+
+struct LayerBenchOptions {
+  std::vector<LayerShape> models;
+  std::vector<int64_t> tokens = {1, 16, 64, 256, 1024};
+  int iterations = 20;
+  bool with_graph = true;  // graph replay of the default variant
+  uint64_t seed = 1;
+};
+
+// Runs every (model, variant, T) case; prints a table to `table` and one JSON
+// object per line to `json` (if not null). Throws fp4moe::Error if there is
+// no GPU.
+void run_layer_bench(const LayerBenchOptions& options, std::ostream& table, std::ostream* json);
+
+}  // namespace fp4moe::bench

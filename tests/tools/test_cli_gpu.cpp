@@ -1,0 +1,175 @@
+// GPU tests of the fp4moe command-line tool (label "gpu"; each test skips
+// visibly where there is no CUDA device): runs the built binary with
+// `--device cuda` and checks it against the CPU backend of the same binary,
+// then runs the GPU demo (check + timing table) and the layer benchmark on a
+// small model. The fixture is shared with test_cli.cpp (cli_test_support.hpp).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_test_support.hpp"
+#include "fp4moe/safetensors.hpp"
+#include "gpu_test_util.hpp"
+
+namespace fp4moe {
+namespace {
+
+using namespace cli_test;  // NOLINT: the shared fixture, constants and file helpers
+
+// The GPU computes in bf16 with fp32 accumulation, the CPU backend in double:
+// the project's contract for bf16 outputs (DESIGN.md §3).
+constexpr double kGpuTolerance = 1e-2;
+
+class CliGpuTest : public CliTest {
+ protected:
+  void SetUp() override {
+    CliTest::SetUp();
+    if (!::fp4moe::testing::has_cuda_device()) GTEST_SKIP() << "no CUDA device on this machine: GPU test skipped";
+  }
+
+  // Runs `moe` with `args` into `output`; returns the output as float.
+  std::vector<float> run_moe(const std::string& args, const std::string& output) {
+    const CliResult r = run("moe " + args + " --output '" + path(output) + "'");
+    EXPECT_EQ(r.exit_code, 0) << "fp4moe moe " << args << "\n" << r.err;
+    if (r.exit_code != 0) return {};
+    std::printf("  %s", r.err.c_str());
+    const SafetensorsFile y = SafetensorsFile::open(path(output));
+    return read_floats(y.get("output"));
+  }
+};
+
+TEST_F(CliGpuTest, MoeOnCudaMatchesTheCpuBackend) {
+  const std::string checkpoint = quantized_checkpoint();
+  // T = 37: not a multiple of any tile; some experts get several rows.
+  constexpr int64_t kTokens = 37;
+  std::mt19937 rng(21);
+  const std::vector<float> hidden = normal_values(rng, kTokens * kHidden, 1.0, /*bf16=*/true);
+  const std::vector<float> logits = normal_values(rng, kTokens * kNumExperts, 1.5, false);
+
+  struct Case {
+    std::string what;
+    std::string routing_args;  // empty: given topk_ids/topk_weights
+    int top_k;
+  };
+  const std::vector<Case> cases = {
+      {"given routing, k = 2", "", 2},
+      {"given routing, k = E", "", static_cast<int>(kNumExperts)},
+      {"router logits, softmax k = 3", "--routing softmax --topk 3", 3},
+      {"router logits, gptoss", "--routing gptoss --topk 2 --activation gptoss", 2},
+  };
+  for (const Case& c : cases) {
+    SafetensorsWriter w;
+    add_bf16(w, "hidden_states", {kTokens, kHidden}, hidden);
+    if (c.routing_args.empty()) {
+      std::vector<int32_t> ids;
+      std::vector<float> weights;
+      std::uniform_real_distribution<float> weight(0.1f, 1.0f);
+      for (int64_t t = 0; t < kTokens; ++t) {
+        std::vector<int32_t> experts(kNumExperts);
+        std::iota(experts.begin(), experts.end(), 0);
+        std::shuffle(experts.begin(), experts.end(), rng);
+        for (int j = 0; j < c.top_k; ++j) {
+          ids.push_back(experts[static_cast<size_t>(j)]);
+          weights.push_back(weight(rng));
+        }
+      }
+      add_i32(w, "topk_ids", {kTokens, c.top_k}, ids);
+      add_f32(w, "topk_weights", {kTokens, c.top_k}, weights);
+    } else {
+      add_f32(w, "router_logits", {kTokens, kNumExperts}, logits);
+    }
+    w.write(path("x.safetensors"));
+
+    for (const std::string& prefix : {kStackPrefix, kExpertPrefix}) {
+      SCOPED_TRACE(c.what + ", " + prefix);
+      const std::string common =
+          "--weights '" + checkpoint + "' --prefix " + prefix + " --input '" + path("x.safetensors") + "' " + c.routing_args;
+      const std::vector<float> cpu = run_moe("--device cpu " + common, "cpu.safetensors");
+      for (const std::string finalize : {"deterministic", "atomic"}) {
+        SCOPED_TRACE("--finalize " + finalize);
+        const std::vector<float> gpu = run_moe("--device cuda --finalize " + finalize + " " + common, "gpu.safetensors");
+        ASSERT_EQ(gpu.size(), cpu.size());
+        ASSERT_FALSE(gpu.empty());
+        double err = 0.0, norm = 0.0;
+        int64_t nonfinite = 0;
+        for (size_t i = 0; i < gpu.size(); ++i) {
+          nonfinite += !std::isfinite(gpu[i]);
+          err += (static_cast<double>(gpu[i]) - cpu[i]) * (static_cast<double>(gpu[i]) - cpu[i]);
+          norm += static_cast<double>(cpu[i]) * cpu[i];
+        }
+        EXPECT_EQ(nonfinite, 0) << "non-finite GPU outputs";
+        const double rel_err = std::sqrt(err / norm);
+        EXPECT_LT(rel_err, kGpuTolerance);
+        std::printf("  %s, %s, %s: rel err cuda vs cpu %.2e\n", c.what.c_str(), prefix.c_str(), finalize.c_str(),
+                    rel_err);
+      }
+    }
+  }
+}
+
+TEST_F(CliGpuTest, DemoChecksAndTimesTheLayerOnTheGpu) {
+  const CliResult r =
+      run("demo --model qwen3-30b --tokens 16 --timing-tokens 1 16 64 --timing-iterations 3");
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::printf("%s", r.out.c_str());
+  EXPECT_NE(r.out.find("layer plan"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("on cuda ("), std::string::npos) << "auto must pick the GPU:\n" << r.out;
+  EXPECT_NE(r.out.find("against the CPU reference"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(") PASS"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("roofline_us"), std::string::npos) << "timing table expected:\n" << r.out;
+  EXPECT_EQ(r.out.find("WARNING"), std::string::npos) << r.out;
+
+  // gpt-oss: its activation and biases on the GPU.
+  const CliResult gptoss = run("demo --device cuda --model gpt-oss-120b --tokens 5 --no-timing");
+  EXPECT_EQ(gptoss.exit_code, 0) << gptoss.out << gptoss.err;
+  EXPECT_NE(gptoss.out.find(") PASS"), std::string::npos) << gptoss.out;
+}
+
+TEST_F(CliGpuTest, LayerBenchWritesOneJsonLinePerCase) {
+  const CliResult r = run("bench --layer --models qwen3-30b --tokens 1 24 --iterations 3 --json '" +
+                          path("layer.jsonl") + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::printf("%s", r.out.c_str());
+  std::istringstream lines(read_text(path("layer.jsonl")));
+  std::string line;
+  int num_cases = 0, num_graphs = 0;
+  bool has_ceilings = false;
+  while (std::getline(lines, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.at("kind") == "ceilings") {
+      has_ceilings = true;
+      EXPECT_GT(j.at("copy_tbps").get<double>(), 0.0);
+      continue;
+    }
+    ASSERT_EQ(j.at("kind"), "moe_layer") << line;
+    ++num_cases;
+    EXPECT_EQ(j.at("model"), "qwen3-30b");
+    EXPECT_GT(j.at("time_us").get<double>(), 0.0) << line;
+    EXPECT_GT(j.at("roof_us").get<double>(), 0.0) << line;
+    EXPECT_GT(j.at("efficiency").get<double>(), 0.0) << line;
+    EXPECT_EQ(j.at("nonfinite_outputs").get<int64_t>(), 0) << line;
+    const nlohmann::json& stages = j.at("stage_us");
+    for (const char* stage : {"routing", "sort", "gather", "gemm1", "gemm2", "finalize", "total"})
+      EXPECT_GE(stages.at(stage).get<double>(), 0.0) << stage << ": " << line;
+    EXPECT_GT(stages.at("gemm1").get<double>(), 0.0) << line;
+    if (!j.at("graph_us").is_null()) {
+      ++num_graphs;
+      EXPECT_EQ(j.at("variant"), "deterministic/fused") << "graph replay is for the default variant only";
+      EXPECT_GT(j.at("graph_us").get<double>(), 0.0) << line;
+    }
+  }
+  EXPECT_TRUE(has_ceilings);
+  EXPECT_EQ(num_cases, 4 * 2) << "4 variants x 2 token counts";
+  EXPECT_EQ(num_graphs, 2) << "one graph replay per token count";
+}
+
+}  // namespace
+}  // namespace fp4moe
