@@ -289,8 +289,12 @@ MoeRunStats run_moe_layer_cuda(const MoeWeights& weights, const float* hidden_st
                "run_moe_layer: routing holds ", routing.topk_ids.size(), " ids and ", routing.topk_weights.size(),
                " weights; expected ", num_tokens, " x ", routing.top_k);
 
+  // The routing is given, so the layer's routing parameters matter only for
+  // its top-k (a layer of just the active experts, as the demo builds, may
+  // not fit a model's expert groups).
   MoeLayerOptions options = layer_options;
-  options.routing.top_k = routing.top_k;  // the layer's top-k is that of the given routing
+  options.routing = RoutingParams{};
+  options.routing.top_k = routing.top_k;
   const MoeLayer layer = MoeLayer::prepare(weights, options);
 
   MoeRunStats stats;
