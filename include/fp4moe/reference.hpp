@@ -85,10 +85,17 @@ RoutingMode parse_routing_mode(const std::string& name);  // "softmax", "noaux_t
 // mismatches between weights, routing and the layer.
 void moe_reference(const MoeWeights& weights, const float* hidden_states,
                    const Routing& routing, Activation activation, float* output);
-// As above with an explicit thread count; num_threads <= 0 means all hardware
-// threads.
+// Precision of the intermediate act(gate, up) that feeds the down projection.
+enum class Intermediate {
+  kExact,  // double
+  kBf16,   // rounded to bf16 (nearest even), as the GPU layer stores it: the
+           // contract is W4A16, so GEMM2's input activations are bf16 too
+};
+
+// As above with an explicit thread count (num_threads <= 0 means all
+// hardware threads) and intermediate precision.
 void moe_reference(const MoeWeights& weights, const float* hidden_states,
                    const Routing& routing, Activation activation, float* output,
-                   int num_threads);
+                   int num_threads, Intermediate intermediate = Intermediate::kExact);
 
 }  // namespace fp4moe

@@ -110,7 +110,7 @@ constexpr PortableSmemLayout portable_smem_layout(int block_n, int block_m, int 
   l.rows_offset = l.union_end;
   l.rows_bytes = 3 * int64_t{block_m} * 4;
 
-  l.schedule_offset = align_up(l.rows_offset + l.rows_bytes, 16);
+  l.schedule_offset = align_up(l.rows_offset + l.rows_bytes, kSmemAlign);
   l.schedule_bytes = (kMaxExperts + 1 + 32) * 4;
   l.flag_offset = align_up(l.schedule_offset + l.schedule_bytes, 16);
   l.flag_bytes = 16;

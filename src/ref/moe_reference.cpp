@@ -187,7 +187,7 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
 
 void moe_reference(const MoeWeights& weights, const float* hidden_states,
                    const Routing& routing, Activation activation, float* output,
-                   int num_threads) {
+                   int num_threads, Intermediate intermediate) {
   validate_weights(weights);
   validate_routing(routing, weights.num_experts);
   FP4MOE_CHECK(activation == Activation::kSwiGLU || activation == Activation::kGptOss,
@@ -234,7 +234,11 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
           const double* xt = x.data() + (p / top_k) * hidden;
           const double g = row_dot(ex.gate, i, xt) + gate_bias;
           const double v = row_dot(ex.up, i, xt) + up_bias;
-          act[static_cast<size_t>(p * inter + i)] = activate(activation, g, v);
+          const double a = activate(activation, g, v);
+          act[static_cast<size_t>(p * inter + i)] =
+              intermediate == Intermediate::kBf16
+                  ? static_cast<double>(bf16_to_float(float_to_bf16(static_cast<float>(a))))
+                  : a;
         }
       }
     });

@@ -145,7 +145,9 @@ TEST(Planner, RejectsBadProblems) {
     plan_gemm({8, 128, 256, 8, 0}, 20000, 132);
     ADD_FAILURE() << "expected no config to fit 20000 B";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("no compiled tile config fits 20000 B"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("no compiled tile config with the none epilogue fits 20000 B"),
+              std::string::npos)
+        << e.what();
   }
 }
 
