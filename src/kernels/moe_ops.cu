@@ -1,6 +1,6 @@
 // The small kernels around the two grouped GEMMs of an MoE layer and their
-// host launchers (the contract is in moe_ops.hpp): routing (one warp per
-// token), the counting sort of (token, slot) pairs by expert (one block),
+// host launchers (the contract is in moe_ops.hpp): routing (one block per
+// token, experts ranked in parallel), the counting sort of (token, slot) pairs by expert (one block),
 // the bf16 row gather and the finalize reduction to bf16.
 //
 // Tested in tests/kernels/test_moe_ops.cpp: routing against the CPU reference
@@ -26,50 +26,38 @@ namespace {
 
 constexpr unsigned kFullWarp = 0xFFFFFFFFu;
 constexpr int kMaxExperts = 512;                    // routing scores held in registers, sort histogram in smem
-constexpr int kExpertsPerLane = kMaxExperts / 32;   // routing: expert i * 32 + lane in register slot i
-constexpr int kMaxGroups = kMaxExperts / 2;         // noaux_tc groups hold >= 2 experts
-constexpr int kGroupsPerLane = kMaxGroups / 32;     // noaux_tc: group i * 32 + lane is candidate bit i
-constexpr int kRouteWarpsPerBlock = 4;              // one token per warp
+constexpr int kRouteThreads = 256;                  // routing: one block per token
 constexpr int kSortThreads = 1024;                  // the sort is one block
 constexpr int kElementwiseThreads = 256;            // gather and finalize
 constexpr int kElementwiseBlocksPerSm = 8;          // 2048 resident threads per SM: enough to saturate HBM
-constexpr int kNoCandidate = INT_MAX;               // index of "no candidate left" in a selection
 
-static_assert(kMaxExperts % 32 == 0 && kExpertsPerLane <= 32, "candidate masks are 32-bit");
-static_assert(kMaxGroups % 32 == 0 && kGroupsPerLane <= 32, "group masks are 32-bit");
 static_assert(kMaxTopK <= 32, "lane j holds the j-th chosen expert");
 static_assert(kMaxExperts <= kSortThreads, "the sort scans one expert per thread");
 
 // ------------------------------------------------------------------ routing
 
-// One candidate of a selection: a score and the expert (or group) index.
-struct Candidate {
-  float score;
-  int index;
+// One block per token. Every expert's selection key goes to shared memory,
+// then each thread ranks its experts by counting the experts that beat them
+// (higher key, or equal key and lower index: the tie rule of fp4moe::route);
+// rank j < top_k is the j-th choice. The counting runs on all threads at
+// once: a chain of top_k warp argmax rounds is latency-bound (one warp,
+// ~3,000 dependent instructions, 12 us at T = 1 in ncu), this is ~1 us.
+// noaux_tc ranks groups the same way first. NaN keys rank as -inf, so ids
+// stay in range and distinct whatever the logits.
+struct RouteShared {
+  float key[kMaxExperts];          // logit, or c = sigmoid(logit) + bias for noaux_tc
+  uint8_t allowed[kMaxExperts];    // noaux_tc: the expert's group is kept
+  float group_score[kMaxExperts / 2];
+  uint8_t group_kept[kMaxExperts / 2];
+  int chosen[kMaxTopK];            // expert of rank j
+  float partial[kRouteThreads / 32];
 };
 
-// The tie rule of fp4moe::route: higher score first, equal scores by lower
-// index. "No candidate" ranks last, so ids stay in range and distinct even
-// where a NaN logit breaks the order of scores.
-__device__ __forceinline__ bool ranks_higher(Candidate a, Candidate b) {
-  if (a.index == kNoCandidate) return false;
-  if (b.index == kNoCandidate) return true;
-  return a.score > b.score || (a.score == b.score && a.index < b.index);
-}
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// The best candidate of the warp, the same on every lane.
-__device__ __forceinline__ Candidate warp_best(Candidate c) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const Candidate other{__shfl_xor_sync(kFullWarp, c.score, offset),
-                          __shfl_xor_sync(kFullWarp, c.index, offset)};
-    if (ranks_higher(other, c)) c = other;
-  }
-  // With a total order every lane already agrees; NaN scores break it, so
-  // lane 0's result is the one everybody uses.
-  c.score = __shfl_sync(kFullWarp, c.score, 0);
-  c.index = __shfl_sync(kFullWarp, c.index, 0);
-  return c;
+// Whether (key a, index ia) ranks before (key b, index ib).
+__device__ __forceinline__ bool ranks_before(float a, int ia, float b, int ib) {
+  return a > b || (a == b && ia < ib);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -78,185 +66,96 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;  // xor butterfly: every lane adds the same pairs, so all get the same bits
 }
 
-// The lane's best expert among the candidate bits of its register slots.
-// Slots are visited in ascending expert order, so ranks_higher keeps the
-// lowest index among equal scores.
-__device__ __forceinline__ Candidate lane_best_expert(const float (&score)[kExpertsPerLane],
-                                                      uint32_t candidates, int lane) {
-  Candidate best{0.0f, kNoCandidate};
-#pragma unroll
-  for (int i = 0; i < kExpertsPerLane; ++i) {
-    const Candidate c{score[i], i * 32 + lane};
-    if (((candidates >> i) & 1u) && ranks_higher(c, best)) best = c;
+__global__ void __launch_bounds__(kRouteThreads)
+    route_kernel(const float* __restrict__ router_logits,    // [num_tokens, num_experts]
+                 const float* __restrict__ correction_bias,  // [num_experts] or null (noaux_tc)
+                 int num_experts, RoutingParams params,
+                 int32_t* __restrict__ topk_ids,      // [num_tokens, top_k]
+                 float* __restrict__ topk_weights) {  // [num_tokens, top_k]
+  __shared__ RouteShared sh;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int64_t token = blockIdx.x;
+  const float* logits = router_logits + token * num_experts;
+  const int top_k = params.top_k;
+  const bool noaux = params.mode == RoutingMode::kNoauxTc;
+
+  for (int e = tid; e < num_experts; e += kRouteThreads) {
+    float key = __ldg(logits + e);
+    if (noaux) key = sigmoid(key) + (correction_bias ? __ldg(correction_bias + e) : 0.0f);
+    sh.key[e] = isnan(key) ? -INFINITY : key;
+    sh.allowed[e] = 1;
   }
-  return best;
-}
+  __syncthreads();
 
-// Selects the top_k best experts in rank order; lane j < top_k returns the
-// j-th. Only the winner's lane rescans its registers after each round.
-__device__ __forceinline__ Candidate select_top_experts(const float (&score)[kExpertsPerLane],
-                                                       uint32_t candidates, int top_k, int lane) {
-  Candidate mine{0.0f, kNoCandidate};
-  Candidate best = lane_best_expert(score, candidates, lane);
-  for (int j = 0; j < top_k; ++j) {
-    const Candidate winner = warp_best(best);
-    if (lane == j) mine = winner;
-    if ((winner.index & 31) == lane) {
-      candidates &= ~(1u << (winner.index >> 5));
-      best = lane_best_expert(score, candidates, lane);
-    }
-  }
-  return mine;
-}
-
-// Per-warp scratch of noaux_tc's group selection (experts of one group are
-// spread over lanes, so their scores go through shared memory).
-struct RouteWarpStorage {
-  float choice[kMaxExperts];      // c = sigmoid(logit) + bias
-  float group_score[kMaxGroups];  // sum of the group's two largest c
-  uint8_t group_kept[kMaxGroups];
-};
-
-// noaux_tc: keeps the topk_groups best groups and clears the candidate bits
-// of experts in the others. Group g holds experts [g * group_size, (g + 1) * group_size).
-__device__ __forceinline__ uint32_t keep_best_groups(const float (&choice)[kExpertsPerLane],
-                                                     uint32_t candidates, int num_experts,
-                                                     int num_groups, int topk_groups,
-                                                     RouteWarpStorage& storage, int lane) {
-  const int group_size = num_experts / num_groups;
-#pragma unroll
-  for (int i = 0; i < kExpertsPerLane; ++i)
-    if (i * 32 + lane < num_experts) storage.choice[i * 32 + lane] = choice[i];
-  __syncwarp();
-
-  // Group scores: each group is scanned by lanes_per_group lanes (a power of
-  // two), whose top-2 pairs are then merged with shuffles.
-  const int lanes_per_group = num_groups >= 32 ? 1 : 1 << (31 - __clz(32 / num_groups));
-  const int groups_per_round = 32 / lanes_per_group;
-  for (int first_group = 0; first_group < num_groups; first_group += groups_per_round) {
-    const int group = first_group + lane / lanes_per_group;
-    const int part = lane % lanes_per_group;
-    float top1 = -INFINITY, top2 = -INFINITY;
-    if (group < num_groups) {
-      for (int m = part; m < group_size; m += lanes_per_group) {
-        const float v = storage.choice[group * group_size + m];
+  if (noaux && params.topk_groups < params.num_groups) {
+    // Group score: the sum of its two largest keys; keep the topk_groups best.
+    const int group_size = num_experts / params.num_groups;
+    for (int g = tid; g < params.num_groups; g += kRouteThreads) {
+      float top1 = -INFINITY, top2 = -INFINITY;
+      for (int m = 0; m < group_size; ++m) {
+        const float v = sh.key[g * group_size + m];
         top2 = fmaxf(top2, fminf(top1, v));
         top1 = fmaxf(top1, v);
       }
+      const float score = top1 + top2;
+      sh.group_score[g] = isnan(score) ? -INFINITY : score;
     }
-    for (int offset = lanes_per_group / 2; offset > 0; offset /= 2) {
-      const float other1 = __shfl_xor_sync(kFullWarp, top1, offset);
-      const float other2 = __shfl_xor_sync(kFullWarp, top2, offset);
-      top2 = fmaxf(fminf(top1, other1), fmaxf(top2, other2));
-      top1 = fmaxf(top1, other1);
+    __syncthreads();
+    for (int g = tid; g < params.num_groups; g += kRouteThreads) {
+      int rank = 0;
+      for (int other = 0; other < params.num_groups; ++other)
+        rank += ranks_before(sh.group_score[other], other, sh.group_score[g], g);
+      sh.group_kept[g] = rank < params.topk_groups;
     }
-    if (group < num_groups && part == 0) storage.group_score[group] = top1 + top2;
-  }
-  __syncwarp();
-
-  // topk_groups rounds of a warp argmax over the group scores (same tie rule).
-  uint32_t group_candidates = 0;
-#pragma unroll
-  for (int i = 0; i < kGroupsPerLane; ++i)
-    if (i * 32 + lane < num_groups) group_candidates |= 1u << i;
-  const uint32_t all_groups = group_candidates;
-  for (int round = 0; round < topk_groups; ++round) {
-    Candidate best{0.0f, kNoCandidate};
-#pragma unroll
-    for (int i = 0; i < kGroupsPerLane; ++i) {
-      const int group = i * 32 + lane;
-      if ((group_candidates >> i) & 1u) {
-        const Candidate c{storage.group_score[group], group};
-        if (ranks_higher(c, best)) best = c;
-      }
-    }
-    const Candidate winner = warp_best(best);
-    if ((winner.index & 31) == lane) group_candidates &= ~(1u << (winner.index >> 5));
-  }
-  const uint32_t kept = all_groups & ~group_candidates;
-#pragma unroll
-  for (int i = 0; i < kGroupsPerLane; ++i)
-    if (i * 32 + lane < num_groups) storage.group_kept[i * 32 + lane] = (kept >> i) & 1u;
-  __syncwarp();
-
-#pragma unroll
-  for (int i = 0; i < kExpertsPerLane; ++i) {
-    const int expert = i * 32 + lane;
-    if (expert < num_experts && !storage.group_kept[expert / group_size]) candidates &= ~(1u << i);
-  }
-  return candidates;
-}
-
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-// One warp per token. Expert e lives in register slot e / 32 of lane e % 32,
-// so the logits are read with coalesced loads. Non-finite logits are not
-// checked here (route() refuses them on the CPU; a check would cost a pass):
-// +-inf still rank consistently, NaN gives an unspecified choice, but ids are
-// always in range and distinct, so the sort downstream stays safe; weights
-// may then be NaN.
-__global__ void __launch_bounds__(kRouteWarpsPerBlock * 32)
-    route_kernel(const float* __restrict__ router_logits,    // [num_tokens, num_experts]
-                 const float* __restrict__ correction_bias,  // [num_experts] or null (noaux_tc)
-                 int64_t num_tokens, int num_experts, RoutingParams params,
-                 int32_t* __restrict__ topk_ids,      // [num_tokens, top_k]
-                 float* __restrict__ topk_weights) {  // [num_tokens, top_k]
-  __shared__ RouteWarpStorage storage[kRouteWarpsPerBlock];
-  const int warp = static_cast<int>(threadIdx.x) / 32;
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int64_t token = static_cast<int64_t>(blockIdx.x) * kRouteWarpsPerBlock + warp;
-  if (token >= num_tokens) return;  // warp-uniform
-  const float* logits = router_logits + token * num_experts;
-  const int top_k = params.top_k;
-
-  float score[kExpertsPerLane];  // the selection key: the logit, or c for noaux_tc
-  uint32_t candidates = 0;
-#pragma unroll
-  for (int i = 0; i < kExpertsPerLane; ++i) {
-    const int expert = i * 32 + lane;
-    score[i] = 0.0f;
-    if (expert < num_experts) {
-      score[i] = logits[expert];
-      candidates |= 1u << i;
-    }
+    __syncthreads();
+    for (int e = tid; e < num_experts; e += kRouteThreads) sh.allowed[e] = sh.group_kept[e / group_size];
+    __syncthreads();
   }
 
-  float weight = 0.0f;
-  Candidate mine{0.0f, kNoCandidate};
-  if (params.mode == RoutingMode::kNoauxTc) {
-#pragma unroll
-    for (int i = 0; i < kExpertsPerLane; ++i) {
-      const int expert = i * 32 + lane;
-      if (expert < num_experts)
-        score[i] = sigmoid(score[i]) + (correction_bias ? correction_bias[expert] : 0.0f);
-    }
-    if (params.topk_groups < params.num_groups)
-      candidates = keep_best_groups(score, candidates, num_experts, params.num_groups,
-                                    params.topk_groups, storage[warp], lane);
-    mine = select_top_experts(score, candidates, top_k, lane);
-    // The weight uses the unbiased score, recomputed from the logit exactly
-    // as above (same fp32 operations, same bits).
-    const float unbiased = lane < top_k ? sigmoid(logits[mine.index]) : 0.0f;
-    const float chosen_sum = warp_sum(unbiased);
-    weight = unbiased / (chosen_sum + 1e-20f) * params.routed_scaling_factor;
+  // Rank of each allowed expert among the allowed experts.
+  for (int e = tid; e < num_experts; e += kRouteThreads) {
+    if (!sh.allowed[e]) continue;
+    const float key = sh.key[e];
+    int rank = 0;
+    for (int other = 0; other < num_experts; ++other)
+      rank += sh.allowed[other] && ranks_before(sh.key[other], other, key, e);
+    if (rank < top_k) sh.chosen[rank] = e;
+  }
+
+  // Softmax without renormalisation divides by the sum over all experts.
+  float all_sum = 0.0f;
+  if (params.mode == RoutingMode::kSoftmaxTopK && !params.renormalize) {
+    __syncthreads();
+    const float max_logit = sh.key[sh.chosen[0]];
+    float partial = 0.0f;
+    for (int e = tid; e < num_experts; e += kRouteThreads) partial += expf(sh.key[e] - max_logit);
+    partial = warp_sum(partial);
+    if (tid % 32 == 0) sh.partial[tid / 32] = partial;
+    __syncthreads();
+    for (int w = 0; w < kRouteThreads / 32; ++w) all_sum += sh.partial[w];  // fixed order
   } else {
-    // softmax and exp are monotone: select on the logits themselves.
-    mine = select_top_experts(score, candidates, top_k, lane);
-    const float max_logit = __shfl_sync(kFullWarp, mine.score, 0);  // lane 0 holds the top-1
-    const float numerator = lane < top_k ? expf(mine.score - max_logit) : 0.0f;
-    float denominator = warp_sum(numerator);
-    if (params.mode == RoutingMode::kSoftmaxTopK && !params.renormalize) {
-      float partial = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kExpertsPerLane; ++i)
-        if (i * 32 + lane < num_experts) partial += expf(score[i] - max_logit);
-      denominator = warp_sum(partial);
-    }
-    weight = numerator / denominator;
+    __syncthreads();
   }
-  if (lane < top_k) {
-    topk_ids[token * top_k + lane] = mine.index;
-    topk_weights[token * top_k + lane] = weight;
+
+  if (tid < 32) {  // lane j: the j-th choice and its weight
+    const int lane = tid;
+    const int expert = lane < top_k ? sh.chosen[lane] : 0;
+    float weight = 0.0f;
+    if (noaux) {
+      const float unbiased = lane < top_k ? sigmoid(__ldg(logits + expert)) : 0.0f;
+      weight = unbiased / (warp_sum(unbiased) + 1e-20f) * params.routed_scaling_factor;
+    } else {
+      const float max_logit = sh.key[sh.chosen[0]];
+      const float numerator = lane < top_k ? expf(sh.key[expert] - max_logit) : 0.0f;
+      const float denominator =
+          params.mode == RoutingMode::kSoftmaxTopK && !params.renormalize ? all_sum
+                                                                          : warp_sum(numerator);
+      weight = numerator / denominator;
+    }
+    if (lane < top_k) {
+      topk_ids[token * top_k + lane] = expert;
+      topk_weights[token * top_k + lane] = weight;
+    }
   }
 }
 
@@ -395,12 +294,19 @@ __global__ void finalize_pairs_kernel(const float4* __restrict__ pair_rows,  // 
     const int64_t token = i / vectors_per_row;
     const int64_t column = i - token * vectors_per_row;
     // Slot order, from 0.0f, in fp32: the same bits on every run.
-    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // NOTE: ids first, then the rows, as independent loads: a load-check-load
+    // chain per slot made this kernel latency-bound (ncu: 4.8 us for 1 token).
+    uint32_t written = 0;  // slots whose id is valid (the others were never written)
+#pragma unroll 8
     for (int slot = 0; slot < top_k; ++slot) {
-      const int64_t pair = token * top_k + slot;
-      const int32_t id = __ldg(topk_ids + pair);
-      if (static_cast<uint32_t>(id) >= static_cast<uint32_t>(num_experts)) continue;  // never written
-      const float4 v = pair_rows[pair * vectors_per_row + column];
+      const int32_t id = __ldg(topk_ids + token * top_k + slot);
+      if (static_cast<uint32_t>(id) < static_cast<uint32_t>(num_experts)) written |= 1u << slot;
+    }
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+    for (int slot = 0; slot < top_k; ++slot) {
+      if (!((written >> slot) & 1u)) continue;
+      const float4 v = __ldg(pair_rows + (token * top_k + slot) * vectors_per_row + column);
       sum.x += v.x;
       sum.y += v.y;
       sum.z += v.z;
@@ -495,11 +401,10 @@ void launch_route(const float* router_logits, const float* correction_bias, int6
   if (num_tokens == 0) return;
   FP4MOE_CHECK(router_logits && topk_ids && topk_weights,
                "launch_route: router_logits, topk_ids and topk_weights must be non-null");
-  const int64_t num_blocks = (num_tokens + kRouteWarpsPerBlock - 1) / kRouteWarpsPerBlock;
-  FP4MOE_CHECK(num_blocks <= INT_MAX, "launch_route: num_tokens = ", num_tokens,
-               "; expected <= ", static_cast<int64_t>(INT_MAX) * kRouteWarpsPerBlock);
-  route_kernel<<<static_cast<unsigned>(num_blocks), kRouteWarpsPerBlock * 32, 0, stream>>>(
-      router_logits, params.mode == RoutingMode::kNoauxTc ? correction_bias : nullptr, num_tokens,
+  FP4MOE_CHECK(num_tokens <= INT_MAX, "launch_route: num_tokens = ", num_tokens,
+               "; expected <= ", INT_MAX, " (one block per token)");
+  route_kernel<<<static_cast<unsigned>(num_tokens), kRouteThreads, 0, stream>>>(
+      router_logits, params.mode == RoutingMode::kNoauxTc ? correction_bias : nullptr,
       static_cast<int>(num_experts), params, topk_ids, topk_weights);
   FP4MOE_CHECK_LAUNCH();
 }
