@@ -45,8 +45,9 @@ static_assert(kMaxExperts <= kSortThreads, "the sort scans one expert per thread
 // noaux_tc ranks groups the same way first. NaN keys rank as -inf, so ids
 // stay in range and distinct whatever the logits.
 struct RouteShared {
-  float key[kMaxExperts];          // logit, or c = sigmoid(logit) + bias for noaux_tc
-  uint8_t allowed[kMaxExperts];    // noaux_tc: the expert's group is kept
+  // Selection key: the logit, or c = sigmoid(logit) + bias for noaux_tc; NaN
+  // for experts of dropped groups and for the padding to a multiple of 4.
+  alignas(16) float key[kMaxExperts + 4];
   float group_score[kMaxExperts / 2];
   uint8_t group_kept[kMaxExperts / 2];
   int chosen[kMaxTopK];            // expert of rank j
@@ -83,8 +84,10 @@ __global__ void __launch_bounds__(kRouteThreads)
     float key = __ldg(logits + e);
     if (noaux) key = sigmoid(key) + (correction_bias ? __ldg(correction_bias + e) : 0.0f);
     sh.key[e] = isnan(key) ? -INFINITY : key;
-    sh.allowed[e] = 1;
   }
+  // Pad to a multiple of 4 keys for the float4 reads; NaN ranks nowhere.
+  if (tid < 4 && num_experts % 4 != 0 && num_experts + tid < kMaxExperts + 4)
+    sh.key[num_experts + tid] = NAN;
   __syncthreads();
 
   if (noaux && params.topk_groups < params.num_groups) {
@@ -108,18 +111,35 @@ __global__ void __launch_bounds__(kRouteThreads)
       sh.group_kept[g] = rank < params.topk_groups;
     }
     __syncthreads();
-    for (int e = tid; e < num_experts; e += kRouteThreads) sh.allowed[e] = sh.group_kept[e / group_size];
-    __syncthreads();
   }
 
-  // Rank of each allowed expert among the allowed experts.
+  // Rank of each allowed expert among the allowed experts. Excluded experts
+  // carry a NaN key, which never compares greater or equal, so they beat
+  // nobody. NOTE: float4 reads and 4 independent counters: each thread's
+  // loop is a dependent chain over all experts, so its length, not the
+  // thread count, sets the kernel's time.
+  if (noaux && params.topk_groups < params.num_groups) {
+    const int group_size = num_experts / params.num_groups;
+    for (int e = tid; e < num_experts; e += kRouteThreads)
+      if (!sh.group_kept[e / group_size]) sh.key[e] = NAN;
+    __syncthreads();
+  }
   for (int e = tid; e < num_experts; e += kRouteThreads) {
-    if (!sh.allowed[e]) continue;
     const float key = sh.key[e];
-    int rank = 0;
-    for (int other = 0; other < num_experts; ++other)
-      rank += sh.allowed[other] && ranks_before(sh.key[other], other, key, e);
-    if (rank < top_k) sh.chosen[rank] = e;
+    if (isnan(key)) continue;
+    int rank[4] = {0, 0, 0, 0};
+    const float4* keys4 = reinterpret_cast<const float4*>(sh.key);
+#pragma unroll 4
+    for (int o = 0; o < (num_experts + 3) / 4; ++o) {
+      const float4 k4 = keys4[o];
+      const int base = 4 * o;
+      rank[0] += k4.x > key || (k4.x == key && base + 0 < e);
+      rank[1] += k4.y > key || (k4.y == key && base + 1 < e);
+      rank[2] += k4.z > key || (k4.z == key && base + 2 < e);
+      rank[3] += k4.w > key || (k4.w == key && base + 3 < e);
+    }
+    const int total = rank[0] + rank[1] + rank[2] + rank[3];
+    if (total < top_k) sh.chosen[total] = e;
   }
 
   // Softmax without renormalisation divides by the sum over all experts.
