@@ -106,7 +106,8 @@ double median(std::vector<float> values) {
 }
 
 std::string variant_name(const MoeLayerOptions& options) {
-  return to_string(options.finalize) + "/" + to_string(options.gather);
+  return to_string(options.finalize) + "/" + to_string(options.gather) +
+         (options.programmatic_launch ? "" : "/plain");
 }
 
 }  // namespace
@@ -231,36 +232,39 @@ double LayerTimer::time_forward_us(int64_t tokens, int iterations, const L2Flush
 
 StageTimes LayerTimer::time_stages(int64_t tokens, int iterations, const L2Flusher& flusher) {
   FP4MOE_CHECK(iterations >= 1, "time_stages: iterations must be >= 1, not ", iterations);
-  constexpr int kNumEvents = 7;  // start, routed, sorted, gathered, gemm1, gemm2, end
+  // Only events that delimit a stage that runs: every event adds its own gap.
+  const bool separate_gather = layer_.options().gather == GatherMode::kSeparate;
+  enum { kStart, kSorted, kGathered, kGemm1, kGemm2, kEnd, kNumEvents };
   std::vector<cudaEvent_t> events(static_cast<size_t>(iterations * kNumEvents));
   for (cudaEvent_t& e : events) FP4MOE_CUDA_CHECK(cudaEventCreate(&e));
-  const auto stage_events = [&](int i) {
-    const cudaEvent_t* e = events.data() + i * kNumEvents;
-    return MoeStageEvents{e[0], e[1], e[2], e[3], e[4], e[5], e[6]};
-  };
+  const auto event = [&](int i, int which) { return events[static_cast<size_t>(i * kNumEvents + which)]; };
   forward(tokens, nullptr);  // warm-up
   for (int i = 0; i < iterations; ++i) {
     flusher.flush(stream_);
-    const MoeStageEvents ev = stage_events(i);
+    MoeStageEvents ev;
+    ev.start = event(i, kStart);
+    ev.sorted = event(i, kSorted);
+    ev.gathered = separate_gather ? event(i, kGathered) : nullptr;
+    ev.gemm1 = event(i, kGemm1);
+    ev.gemm2 = event(i, kGemm2);
+    ev.end = event(i, kEnd);
     forward(tokens, &ev);
   }
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  std::vector<std::vector<float>> stage_ms(kNumEvents, std::vector<float>(static_cast<size_t>(iterations)));
-  for (int i = 0; i < iterations; ++i) {
-    const cudaEvent_t* e = events.data() + i * kNumEvents;
-    for (int s = 0; s + 1 < kNumEvents; ++s)
-      FP4MOE_CUDA_CHECK(cudaEventElapsedTime(&stage_ms[static_cast<size_t>(s)][static_cast<size_t>(i)], e[s], e[s + 1]));
-    FP4MOE_CUDA_CHECK(cudaEventElapsedTime(&stage_ms[kNumEvents - 1][static_cast<size_t>(i)], e[0], e[kNumEvents - 1]));
-  }
-  for (cudaEvent_t& e : events) cudaEventDestroy(e);
+  const auto stage_us = [&](int from, int to) {
+    std::vector<float> ms(static_cast<size_t>(iterations));
+    for (int i = 0; i < iterations; ++i)
+      FP4MOE_CUDA_CHECK(cudaEventElapsedTime(&ms[static_cast<size_t>(i)], event(i, from), event(i, to)));
+    return median(ms) * 1e3;
+  };
   StageTimes t;
-  t.routing_us = median(stage_ms[0]) * 1e3;
-  t.sort_us = median(stage_ms[1]) * 1e3;
-  t.gather_us = median(stage_ms[2]) * 1e3;
-  t.gemm1_us = median(stage_ms[3]) * 1e3;
-  t.gemm2_us = median(stage_ms[4]) * 1e3;
-  t.finalize_us = median(stage_ms[5]) * 1e3;
-  t.total_us = median(stage_ms[6]) * 1e3;
+  t.route_sort_us = stage_us(kStart, kSorted);
+  t.gather_us = separate_gather ? stage_us(kSorted, kGathered) : 0.0;
+  t.gemm1_us = stage_us(separate_gather ? kGathered : kSorted, kGemm1);
+  t.gemm2_us = stage_us(kGemm1, kGemm2);
+  t.finalize_us = stage_us(kGemm2, kEnd);
+  t.total_us = stage_us(kStart, kEnd);
+  for (cudaEvent_t& e : events) cudaEventDestroy(e);
   return t;
 }
 
@@ -337,7 +341,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
         << ceil.bf16_flops_per_s / 1e12 << " TFLOP/s (8192^3)\n"
         << "# whole MoE layer (routing on the device), L2 flushed before each forward, medians of "
         << opt.iterations << "; roof = GEMM1 + GEMM2 rooflines; stages in us; out% = time outside the GEMMs\n";
-  table << "model         variant                    T act   time_us  graph_us   roof_us   eff |  route   sort "
+  table << "model         variant                    T act   time_us  graph_us   roof_us   eff | route+sort "
            "gather    gemm1    gemm2  final |  out%\n";
   if (json) {
     nlohmann::json j{{"kind", "ceilings"}, {"gpu", gpu}, {"date", date},
@@ -345,7 +349,8 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
     *json << j.dump() << std::endl;
   }
 
-  // The default variant first: it is the one with a graph replay.
+  // The default variant first, then the same with plain launches (no
+  // programmatic dependent launch): those two get a graph replay too.
   std::vector<MoeLayerOptions> variants;
   for (FinalizeMode finalize : {FinalizeMode::kDeterministic, FinalizeMode::kAtomic})
     for (GatherMode gather : {GatherMode::kFused, GatherMode::kSeparate}) {
@@ -353,6 +358,10 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
       o.finalize = finalize;
       o.gather = gather;
       variants.push_back(o);
+      if (variants.size() == 1) {
+        o.programmatic_launch = false;
+        variants.push_back(o);
+      }
     }
   const MoeLayerOptions defaults;
 
@@ -361,6 +370,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
     for (MoeLayerOptions options : variants) {
       options.activation = shape.activation;
       options.routing = shape.routing;
+      // Graph replays for the default finalize and gather, with and without PDL.
       const bool is_default = options.finalize == defaults.finalize && options.gather == defaults.gather;
       const MoeLayer layer = MoeLayer::prepare(weights, options);
       LayerTimer timer(layer, max_tokens, opt.seed);
@@ -373,11 +383,11 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
         const std::string graph_us = graph_text;
         char line[512];
         std::snprintf(line, sizeof line,
-                      "%-13s %-22s %6lld %3lld %9.1f %9s %9.1f %5.2f | %6.1f %6.1f %6.1f %8.1f %8.1f %6.1f | %4.0f%%\n",
+                      "%-13s %-22s %6lld %3lld %9.1f %9s %9.1f %5.2f | %10.1f %6.1f %8.1f %8.1f %6.1f | %4.0f%%\n",
                       shape.name.c_str(), variant_name(options).c_str(), static_cast<long long>(tokens),
                       static_cast<long long>(m.roofline.active_experts), m.time_us,
                       graph_us.c_str(),
-                      m.roofline.roof_us, m.efficiency, s.routing_us, s.sort_us, s.gather_us, s.gemm1_us, s.gemm2_us,
+                      m.roofline.roof_us, m.efficiency, s.route_sort_us, s.gather_us, s.gemm1_us, s.gemm2_us,
                       s.finalize_us, 100.0 * s.outside_gemm_share());
         table << line;
         if (m.nonfinite_outputs > 0)
@@ -400,6 +410,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"variant", variant_name(options)},
                            {"finalize", to_string(options.finalize)},
                            {"gather", to_string(options.gather)},
+                           {"programmatic_launch", options.programmatic_launch},
                            {"gemm1_config", plan.gemm1.config.to_string()},
                            {"gemm1_split_k", plan.gemm1.split_k},
                            {"gemm2_config", plan.gemm2.config.to_string()},
@@ -411,8 +422,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"gemm2_roof_us", m.roofline.gemm2_roof_us},
                            {"efficiency", m.efficiency},
                            {"stage_us",
-                            {{"routing", s.routing_us},
-                             {"sort", s.sort_us},
+                            {{"route_sort", s.route_sort_us},
                              {"gather", s.gather_us},
                              {"gemm1", s.gemm1_us},
                              {"gemm2", s.gemm2_us},

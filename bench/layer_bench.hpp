@@ -73,9 +73,11 @@ LayerRoofline layer_roofline(int64_t hidden, int64_t inter, int64_t rows, int64_
                              const Ceilings& ceilings);
 
 // Medians over the timed forwards, in us, of each stage between two
-// consecutive MoeStageEvents, and of the whole (start -> end).
+// consecutive MoeStageEvents, and of the whole (start -> end). Routing and
+// the sort are one stage (one kernel at small batches); gather_us is 0 when
+// the gather is fused into GEMM1 (no events are recorded around it).
 struct StageTimes {
-  double routing_us = 0, sort_us = 0, gather_us = 0, gemm1_us = 0, gemm2_us = 0, finalize_us = 0;
+  double route_sort_us = 0, gather_us = 0, gemm1_us = 0, gemm2_us = 0, finalize_us = 0;
   double total_us = 0;
   // (total - gemm1 - gemm2) / total
   double outside_gemm_share() const { return total_us > 0 ? (total_us - gemm1_us - gemm2_us) / total_us : 0.0; }

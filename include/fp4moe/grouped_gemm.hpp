@@ -105,6 +105,11 @@ struct GroupedGemmArgs {
   // Optional host copy of expert_offsets: when given, it is validated
   // (monotone, starting at 0, ending at num_rows) before launch.
   const int32_t* host_expert_offsets = nullptr;
+  // Launch with programmatic dependent launch (SM90+; ignored before): the
+  // kernel's blocks may become resident while the previous kernel in the
+  // stream finishes, and wait for it on the device before touching memory.
+  // Saves the launch gap between back-to-back kernels (an MoE layer's).
+  bool programmatic_launch = false;
 };
 
 // Plans for the local GPU (its SM count and shared-memory limit) among the

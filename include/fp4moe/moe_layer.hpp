@@ -53,6 +53,10 @@ struct MoeLayerOptions {
   RoutingParams routing;
   FinalizeMode finalize = FinalizeMode::kDeterministic;
   GatherMode gather = GatherMode::kFused;
+  // Launch the layer's kernels with programmatic dependent launch (SM90+):
+  // each may start while the previous one finishes, hiding launch gaps that
+  // cost a decode-sized layer several microseconds. Off: plain launches.
+  bool programmatic_launch = true;
   // Force tile configs (e.g. from `fp4moe plan`); otherwise the planner picks
   // per token count. The epilogue field is ignored (set by the layer).
   std::optional<TileConfig> gemm1_config;
@@ -83,10 +87,12 @@ struct MoeForwardArgs {
 // Optional events recorded on the stream between the stages of a forward, for
 // benchmarks that split the layer's time; null members are skipped. Stages
 // that do not run (routing with caller-given ids, the gather in fused mode)
-// leave their two events back to back.
+// leave their two events back to back. Routing on the device includes the
+// permutation (one kernel at small batches): `routed` and `sorted` are then
+// back to back.
 struct MoeStageEvents {
   cudaEvent_t start = nullptr;     // before routing
-  cudaEvent_t routed = nullptr;    // after routing
+  cudaEvent_t routed = nullptr;    // after routing (+ the permutation, for device routing)
   cudaEvent_t sorted = nullptr;    // after the permutation
   cudaEvent_t gathered = nullptr;  // after the separate gather
   cudaEvent_t gemm1 = nullptr;     // after GEMM1 + SwiGLU

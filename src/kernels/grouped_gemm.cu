@@ -10,6 +10,8 @@
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/grouped_gemm.hpp"
+#include "kernels/device_info.hpp"
+#include "kernels/launch.cuh"
 #include "kernels/portable_grouped_gemm.cuh"
 #include "plan/compiled_configs.hpp"
 
@@ -47,32 +49,8 @@ const KernelEntry& find_kernel(const TileConfig& config) {
                compiled);
 }
 
-struct DeviceInfo {
-  int device = 0;
-  int num_sms = 0;
-  int64_t smem_per_block = 0;  // opt-in limit
-};
-
-// Per-device facts and per-(device, kernel) occupancy, looked up once: the
-// launch path must not query the driver on every call.
-DeviceInfo current_device() {
-  int device = 0;
-  FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
-  static std::mutex mutex;
-  static std::map<int, DeviceInfo> cache;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = cache.find(device);
-  if (it != cache.end()) return it->second;
-  DeviceInfo info;
-  info.device = device;
-  int value = 0;
-  FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device));
-  info.num_sms = value;
-  FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  info.smem_per_block = value;
-  cache.emplace(device, info);
-  return info;
-}
+using kernels::current_device;
+using kernels::DeviceInfo;
 
 // Raises the kernel's dynamic shared-memory limit to the model's size (once
 // per device and kernel) and returns its resident blocks per SM.
@@ -259,8 +237,8 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   const int64_t max_units = plan.max_tiles * plan.split_k;
   const int grid = static_cast<int>(std::min<int64_t>(max_units, int64_t{dev.num_sms} * blocks_per_sm));
   if (grid == 0) return;
-  entry.fn<<<grid, entry.config.warps * 32, static_cast<size_t>(entry.smem_bytes), stream>>>(p);
-  FP4MOE_CHECK_LAUNCH();
+  kernels::launch_kernel(entry.fn, grid, entry.config.warps * 32, static_cast<size_t>(entry.smem_bytes),
+                         stream, args.programmatic_launch, p);
 }
 
 std::string grouped_gemm_device_errors(const void* workspace, cudaStream_t stream) {

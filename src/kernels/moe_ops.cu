@@ -11,15 +11,16 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
+#include "kernels/device_info.hpp"
+#include "kernels/launch.cuh"
 #include "kernels/moe_ops.hpp"
+#include "kernels/ptx/grid_dependency.cuh"
 
 namespace fp4moe::kernels {
 namespace {
@@ -28,11 +29,11 @@ constexpr unsigned kFullWarp = 0xFFFFFFFFu;
 constexpr int kMaxExperts = 512;                    // routing scores held in registers, sort histogram in smem
 constexpr int kRouteThreads = 256;                  // routing: one block per token
 constexpr int kSortThreads = 1024;                  // the sort is one block
+constexpr int64_t kFusedSortMaxPairs = 1024;        // route_and_sort: up to here the routing kernel sorts
 constexpr int kElementwiseThreads = 256;            // gather and finalize
 constexpr int kElementwiseBlocksPerSm = 8;          // 2048 resident threads per SM: enough to saturate HBM
 
 static_assert(kMaxTopK <= 32, "lane j holds the j-th chosen expert");
-static_assert(kMaxExperts <= kSortThreads, "the sort scans one expert per thread");
 
 // ------------------------------------------------------------------ routing
 
@@ -67,15 +68,14 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;  // xor butterfly: every lane adds the same pairs, so all get the same bits
 }
 
-__global__ void __launch_bounds__(kRouteThreads)
-    route_kernel(const float* __restrict__ router_logits,    // [num_tokens, num_experts]
-                 const float* __restrict__ correction_bias,  // [num_experts] or null (noaux_tc)
-                 int num_experts, RoutingParams params,
-                 int32_t* __restrict__ topk_ids,      // [num_tokens, top_k]
-                 float* __restrict__ topk_weights) {  // [num_tokens, top_k]
-  __shared__ RouteShared sh;
+// Routes one token with the whole block (kRouteThreads threads).
+__device__ void route_token(RouteShared& sh,
+                            const float* __restrict__ router_logits,    // [num_tokens, num_experts]
+                            const float* __restrict__ correction_bias,  // [num_experts] or null (noaux_tc)
+                            int num_experts, const RoutingParams& params, int64_t token,
+                            int32_t* __restrict__ topk_ids,      // [num_tokens, top_k]
+                            float* __restrict__ topk_weights) {  // [num_tokens, top_k]
   const int tid = static_cast<int>(threadIdx.x);
-  const int64_t token = blockIdx.x;
   const float* logits = router_logits + token * num_experts;
   const int top_k = params.top_k;
   const bool noaux = params.mode == RoutingMode::kNoauxTc;
@@ -179,100 +179,182 @@ __global__ void __launch_bounds__(kRouteThreads)
   }
 }
 
+__global__ void __launch_bounds__(kRouteThreads)
+    route_kernel(const float* __restrict__ router_logits, const float* __restrict__ correction_bias,
+                 int num_experts, RoutingParams params, int32_t* __restrict__ topk_ids,
+                 float* __restrict__ topk_weights) {
+  __shared__ RouteShared sh;
+  ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
+  ptx::allow_dependent_launch();
+  route_token(sh, router_logits, correction_bias, num_experts, params, blockIdx.x, topk_ids,
+              topk_weights);
+}
+
 // ------------------------------------------------------------------- sort
 
-// Calls fn(pair, expert_id, valid) for every pair, in warp-uniform chunks of
-// 32 consecutive pairs so that every lane of a warp reaches the warp
-// intrinsics inside fn together (lanes past the end pass valid = false).
-template <typename Fn>
-__device__ __forceinline__ void for_each_pair(const int32_t* __restrict__ topk_ids,
-                                              int64_t num_pairs, int num_experts, Fn&& fn) {
+// Calls fn(pair, expert_id, in_range, valid) for every pair, in warp-uniform
+// chunks of 32 consecutive pairs so that every lane of a warp reaches the
+// warp intrinsics inside fn together (lanes past the end pass in_range =
+// false). NOTE: ids are read through L2 (ld.global.cg), not the read-only
+// path: in route_and_sort_kernel other blocks of the same grid wrote them.
+template <int THREADS, typename Fn>
+__device__ __forceinline__ void for_each_pair(const int32_t* topk_ids, int64_t num_pairs,
+                                              int num_experts, Fn&& fn) {
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  for (int64_t chunk = static_cast<int64_t>(warp) * 32; chunk < num_pairs; chunk += kSortThreads) {
+  for (int64_t chunk = static_cast<int64_t>(warp) * 32; chunk < num_pairs; chunk += THREADS) {
     const int64_t pair = chunk + lane;
     const bool in_range = pair < num_pairs;
-    const int32_t id = in_range ? __ldg(topk_ids + pair) : -1;
+    const int32_t id = in_range ? __ldcg(topk_ids + pair) : -1;
     const bool valid = in_range && static_cast<uint32_t>(id) < static_cast<uint32_t>(num_experts);
     fn(pair, id, in_range, valid);
   }
 }
 
-// Counting sort in one block: a shared-memory histogram, an exclusive scan
-// over experts (written to expert_offsets every launch, so nothing needs a
-// memset), then placement. Lanes of a warp with the same expert are grouped
-// with __match_any_sync so each group costs one shared atomic: routing that
-// sends every token to one expert does not serialise 32-fold.
-__global__ void __launch_bounds__(kSortThreads)
-    sort_by_expert_kernel(const int32_t* __restrict__ topk_ids,  // [num_pairs]
-                          int64_t num_pairs, int top_k, int num_experts,
-                          int32_t* __restrict__ expert_offsets,  // [num_experts + 1]
-                          int32_t* __restrict__ token_of_row,    // [num_pairs]
-                          int32_t* __restrict__ pair_of_row,     // [num_pairs]
-                          int32_t* __restrict__ error_flags) {
-  __shared__ int expert_cursor[kMaxExperts];  // counts, then each expert's next free row
-  __shared__ int warp_totals[kSortThreads / 32];
+template <int THREADS>
+struct SortShared {
+  int expert_cursor[kMaxExperts];  // counts, then each expert's next free row
+  int warp_totals[THREADS / 32];
+};
+
+// Counting sort of all pairs by one block of THREADS threads: a
+// shared-memory histogram, an exclusive scan over experts (each thread owns
+// kPerThread consecutive experts; written to expert_offsets every launch, so
+// nothing needs a memset), then placement. Lanes of a warp with the same
+// expert are grouped with __match_any_sync so each group costs one shared
+// atomic: routing that sends every token to one expert does not serialise
+// 32-fold.
+template <int THREADS>
+__device__ void sort_pairs_in_block(SortShared<THREADS>& sh,
+                                    const int32_t* topk_ids,  // [num_pairs]
+                                    int64_t num_pairs, int top_k, int num_experts,
+                                    int32_t* __restrict__ expert_offsets,  // [num_experts + 1]
+                                    int32_t* __restrict__ token_of_row,    // [num_pairs]
+                                    int32_t* __restrict__ pair_of_row,     // [num_pairs]
+                                    int32_t* __restrict__ error_flags) {
+  static_assert(THREADS % 32 == 0 && THREADS / 32 <= 32, "warp totals are scanned by one warp");
+  constexpr int kPerThread = (kMaxExperts + THREADS - 1) / THREADS;  // experts per thread in the scan
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / 32;
   const int lane = tid % 32;
   const unsigned lanes_below = (1u << lane) - 1u;
 
-  for (int e = tid; e < num_experts; e += kSortThreads) expert_cursor[e] = 0;
+  for (int e = tid; e < num_experts; e += THREADS) sh.expert_cursor[e] = 0;
   __syncthreads();
 
   bool saw_invalid = false;
-  for_each_pair(topk_ids, num_pairs, num_experts,
-                [&](int64_t, int32_t id, bool in_range, bool valid) {
-                  saw_invalid |= in_range && !valid;
-                  const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
-                  if (valid) {
-                    const unsigned peers = __match_any_sync(valid_lanes, id);
-                    if (lane == __ffs(peers) - 1) atomicAdd(&expert_cursor[id], __popc(peers));
-                  }
-                });
+  for_each_pair<THREADS>(topk_ids, num_pairs, num_experts,
+                         [&](int64_t, int32_t id, bool in_range, bool valid) {
+                           saw_invalid |= in_range && !valid;
+                           const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
+                           if (valid) {
+                             const unsigned peers = __match_any_sync(valid_lanes, id);
+                             if (lane == __ffs(peers) - 1)
+                               atomicAdd(&sh.expert_cursor[id], __popc(peers));
+                           }
+                         });
   if (__syncthreads_or(saw_invalid) && tid == 0) atomicOr(error_flags, kErrorExpertIdOutOfRange);
 
-  // Exclusive scan of the counts: warp scans, then a scan of the warp totals.
-  const int count = tid < num_experts ? expert_cursor[tid] : 0;
-  int inclusive = count;
+  // Exclusive scan of the counts: per-thread sums, warp scans of those, then
+  // a scan of the warp totals.
+  const int first_expert = tid * kPerThread;
+  int counts[kPerThread];
+  int thread_total = 0;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    counts[i] = first_expert + i < num_experts ? sh.expert_cursor[first_expert + i] : 0;
+    thread_total += counts[i];
+  }
+  int inclusive = thread_total;
 #pragma unroll
   for (int d = 1; d < 32; d *= 2) {
     const int below = __shfl_up_sync(kFullWarp, inclusive, d);
     if (lane >= d) inclusive += below;
   }
-  if (lane == 31) warp_totals[warp] = inclusive;
+  if (lane == 31) sh.warp_totals[warp] = inclusive;
   __syncthreads();
   if (warp == 0) {
-    const int total = warp_totals[lane];
+    const int total = lane < THREADS / 32 ? sh.warp_totals[lane] : 0;
     int warp_inclusive = total;
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
       const int below = __shfl_up_sync(kFullWarp, warp_inclusive, d);
       if (lane >= d) warp_inclusive += below;
     }
-    warp_totals[lane] = warp_inclusive - total;
+    if (lane < THREADS / 32) sh.warp_totals[lane] = warp_inclusive - total;
   }
   __syncthreads();
-  if (tid < num_experts) {
-    const int start = warp_totals[warp] + inclusive - count;
-    expert_offsets[tid] = start;
-    expert_cursor[tid] = start;
-    if (tid == num_experts - 1) expert_offsets[num_experts] = start + count;
+  int start = sh.warp_totals[warp] + inclusive - thread_total;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = first_expert + i;
+    if (e < num_experts) {
+      expert_offsets[e] = start;
+      sh.expert_cursor[e] = start;
+    }
+    start += counts[i];
   }
+  if (tid == THREADS - 1) expert_offsets[num_experts] = start;  // the total
   __syncthreads();
 
-  for_each_pair(topk_ids, num_pairs, num_experts,
-                [&](int64_t pair, int32_t id, bool, bool valid) {
-                  const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
-                  if (!valid) return;
-                  const unsigned peers = __match_any_sync(valid_lanes, id);
-                  const int leader = __ffs(peers) - 1;
-                  int first_row = 0;
-                  if (lane == leader) first_row = atomicAdd(&expert_cursor[id], __popc(peers));
-                  const int row = __shfl_sync(peers, first_row, leader) + __popc(peers & lanes_below);
-                  token_of_row[row] = static_cast<int32_t>(pair / top_k);
-                  pair_of_row[row] = static_cast<int32_t>(pair);
-                });
+  for_each_pair<THREADS>(topk_ids, num_pairs, num_experts,
+                         [&](int64_t pair, int32_t id, bool, bool valid) {
+                           const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
+                           if (!valid) return;
+                           const unsigned peers = __match_any_sync(valid_lanes, id);
+                           const int leader = __ffs(peers) - 1;
+                           int first_row = 0;
+                           if (lane == leader)
+                             first_row = atomicAdd(&sh.expert_cursor[id], __popc(peers));
+                           const int row =
+                               __shfl_sync(peers, first_row, leader) + __popc(peers & lanes_below);
+                           token_of_row[row] = static_cast<int32_t>(pair / top_k);
+                           pair_of_row[row] = static_cast<int32_t>(pair);
+                         });
+}
+
+__global__ void __launch_bounds__(kSortThreads)
+    sort_by_expert_kernel(const int32_t* __restrict__ topk_ids, int64_t num_pairs, int top_k,
+                          int num_experts, int32_t* __restrict__ expert_offsets,
+                          int32_t* __restrict__ token_of_row, int32_t* __restrict__ pair_of_row,
+                          int32_t* __restrict__ error_flags) {
+  __shared__ SortShared<kSortThreads> sh;
+  ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
+  ptx::allow_dependent_launch();
+  sort_pairs_in_block<kSortThreads>(sh, topk_ids, num_pairs, top_k, num_experts, expert_offsets,
+                                    token_of_row, pair_of_row, error_flags);
+}
+
+// Routing and sort in one launch, for small batches where a second kernel's
+// launch costs more than the sort: every block routes its token, then the
+// last block to finish (counted in *arrivals, which it resets to 0 for the
+// next launch) sorts all pairs with its kRouteThreads threads.
+__global__ void __launch_bounds__(kRouteThreads)
+    route_and_sort_kernel(const float* __restrict__ router_logits,
+                          const float* __restrict__ correction_bias, int num_experts,
+                          RoutingParams params, int32_t* topk_ids, float* __restrict__ topk_weights,
+                          int32_t* __restrict__ expert_offsets, int32_t* __restrict__ token_of_row,
+                          int32_t* __restrict__ pair_of_row, int32_t* __restrict__ error_flags,
+                          int32_t* __restrict__ arrivals) {
+  __shared__ RouteShared route_sh;
+  __shared__ SortShared<kRouteThreads> sort_sh;
+  __shared__ bool is_last;
+  ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
+  ptx::allow_dependent_launch();
+  route_token(route_sh, router_logits, correction_bias, num_experts, params, blockIdx.x, topk_ids,
+              topk_weights);
+  // NOTE: the classic threadfence reduction: each writer fences its ids
+  // before the block's arrival is counted, so the last block sees them all.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(arrivals, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  if (threadIdx.x == 0) *arrivals = 0;
+  sort_pairs_in_block<kRouteThreads>(sort_sh, topk_ids, static_cast<int64_t>(gridDim.x) * params.top_k,
+                                     params.top_k, num_experts, expert_offsets, token_of_row,
+                                     pair_of_row, error_flags);
 }
 
 // ------------------------------------------------------- gather, finalize
@@ -291,6 +373,8 @@ __global__ void gather_rows_kernel(const uint4* __restrict__ x,                /
                                    const int32_t* __restrict__ expert_offsets, // [num_experts + 1]
                                    int num_experts, int64_t num_rows, int64_t vectors_per_row,
                                    uint4* __restrict__ x_sorted) {             // [num_rows, vectors_per_row]
+  ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
+  ptx::allow_dependent_launch();
   const int64_t placed_rows = min(num_rows, static_cast<int64_t>(expert_offsets[num_experts]));
   const int64_t num_vectors = placed_rows * vectors_per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -307,6 +391,8 @@ __global__ void finalize_pairs_kernel(const float4* __restrict__ pair_rows,  // 
                                       int64_t num_tokens, int top_k, int num_experts,
                                       int64_t vectors_per_row,
                                       Bf16x4* __restrict__ output) {         // [num_tokens, vectors_per_row]
+  ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
+  ptx::allow_dependent_launch();
   const int64_t num_vectors = num_tokens * vectors_per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vectors;
@@ -339,6 +425,8 @@ __global__ void finalize_pairs_kernel(const float4* __restrict__ pair_rows,  // 
 __global__ void finalize_accumulated_kernel(float4* __restrict__ accum,  // [num_tokens, vectors_per_row]
                                             int64_t num_vectors,
                                             Bf16x4* __restrict__ output) {
+  ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
+  ptx::allow_dependent_launch();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vectors;
        i += stride) {
@@ -350,28 +438,11 @@ __global__ void finalize_accumulated_kernel(float4* __restrict__ accum,  // [num
 
 // ------------------------------------------------------------------ host
 
-// Multiprocessor count of the current device, looked up once per device: the
-// launch path must not query the driver every call.
-int current_device_num_sms() {
-  constexpr int kMaxCachedDevices = 64;
-  static std::array<std::atomic<int>, kMaxCachedDevices> cache{};  // 0: not looked up yet
-  int device = 0;
-  FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < kMaxCachedDevices) {
-    const int cached = cache[device].load(std::memory_order_relaxed);
-    if (cached > 0) return cached;
-  }
-  int num_sms = 0;
-  FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  if (device < kMaxCachedDevices) cache[device].store(num_sms, std::memory_order_relaxed);
-  return num_sms;
-}
-
 // Grid of a grid-stride elementwise kernel: enough blocks to fill the GPU,
 // no more than the work needs.
 unsigned elementwise_grid(int64_t num_items) {
   const int64_t needed = (num_items + kElementwiseThreads - 1) / kElementwiseThreads;
-  const int64_t resident = static_cast<int64_t>(current_device_num_sms()) * kElementwiseBlocksPerSm;
+  const int64_t resident = static_cast<int64_t>(current_device().num_sms) * kElementwiseBlocksPerSm;
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(needed, resident)));
 }
 
@@ -416,22 +487,22 @@ void check_routing_params(int64_t num_tokens, int64_t num_experts, const Routing
 
 void launch_route(const float* router_logits, const float* correction_bias, int64_t num_tokens,
                   int64_t num_experts, const RoutingParams& params, int32_t* topk_ids,
-                  float* topk_weights, cudaStream_t stream) {
+                  float* topk_weights, cudaStream_t stream, bool programmatic) {
   check_routing_params(num_tokens, num_experts, params);
   if (num_tokens == 0) return;
   FP4MOE_CHECK(router_logits && topk_ids && topk_weights,
                "launch_route: router_logits, topk_ids and topk_weights must be non-null");
   FP4MOE_CHECK(num_tokens <= INT_MAX, "launch_route: num_tokens = ", num_tokens,
                "; expected <= ", INT_MAX, " (one block per token)");
-  route_kernel<<<static_cast<unsigned>(num_tokens), kRouteThreads, 0, stream>>>(
-      router_logits, params.mode == RoutingMode::kNoauxTc ? correction_bias : nullptr,
-      static_cast<int>(num_experts), params, topk_ids, topk_weights);
-  FP4MOE_CHECK_LAUNCH();
+  launch_kernel(route_kernel, static_cast<unsigned>(num_tokens), kRouteThreads, 0, stream,
+                programmatic, router_logits,
+                params.mode == RoutingMode::kNoauxTc ? correction_bias : nullptr,
+                static_cast<int>(num_experts), params, topk_ids, topk_weights);
 }
 
 void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_k,
                            int64_t num_experts, int32_t* expert_offsets, int32_t* token_of_row,
-                           int32_t* pair_of_row, int32_t* error_flags, cudaStream_t stream) {
+                           int32_t* pair_of_row, int32_t* error_flags, cudaStream_t stream, bool programmatic) {
   FP4MOE_CHECK(num_tokens >= 0, "launch_sort_by_expert: num_tokens = ", num_tokens,
                "; expected >= 0");
   FP4MOE_CHECK(top_k >= 1, "launch_sort_by_expert: top_k = ", top_k, "; expected >= 1");
@@ -442,15 +513,39 @@ void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_
   FP4MOE_CHECK(topk_ids && expert_offsets && token_of_row && pair_of_row && error_flags,
                "launch_sort_by_expert: topk_ids, expert_offsets, token_of_row, pair_of_row and "
                "error_flags must be non-null");
-  sort_by_expert_kernel<<<1, kSortThreads, 0, stream>>>(
-      topk_ids, num_tokens * top_k, top_k, static_cast<int>(num_experts), expert_offsets,
-      token_of_row, pair_of_row, error_flags);
-  FP4MOE_CHECK_LAUNCH();
+  launch_kernel(sort_by_expert_kernel, 1, kSortThreads, 0, stream, programmatic, topk_ids,
+                num_tokens * top_k, top_k, static_cast<int>(num_experts), expert_offsets,
+                token_of_row, pair_of_row, error_flags);
+}
+
+void launch_route_and_sort(const float* router_logits, const float* correction_bias,
+                           int64_t num_tokens, int64_t num_experts, const RoutingParams& params,
+                           int32_t* topk_ids, float* topk_weights, int32_t* expert_offsets,
+                           int32_t* token_of_row, int32_t* pair_of_row, int32_t* error_flags,
+                           int32_t* arrivals, cudaStream_t stream, bool programmatic) {
+  check_routing_params(num_tokens, num_experts, params);
+  if (num_tokens * params.top_k > kFusedSortMaxPairs) {
+    launch_route(router_logits, correction_bias, num_tokens, num_experts, params, topk_ids,
+                 topk_weights, stream, programmatic);
+    launch_sort_by_expert(topk_ids, num_tokens, params.top_k, num_experts, expert_offsets,
+                          token_of_row, pair_of_row, error_flags, stream, programmatic);
+    return;
+  }
+  if (num_tokens == 0) return;
+  FP4MOE_CHECK(router_logits && topk_ids && topk_weights && expert_offsets && token_of_row &&
+                   pair_of_row && error_flags && arrivals,
+               "launch_route_and_sort: router_logits, topk_ids, topk_weights, expert_offsets, "
+               "token_of_row, pair_of_row, error_flags and arrivals must be non-null");
+  launch_kernel(route_and_sort_kernel, static_cast<unsigned>(num_tokens), kRouteThreads, 0, stream,
+                programmatic, router_logits,
+                params.mode == RoutingMode::kNoauxTc ? correction_bias : nullptr,
+                static_cast<int>(num_experts), params, topk_ids, topk_weights, expert_offsets,
+                token_of_row, pair_of_row, error_flags, arrivals);
 }
 
 void launch_gather_rows(const void* x, const int32_t* token_of_row, const int32_t* expert_offsets,
                         int64_t num_experts, int64_t num_rows, int64_t hidden, void* x_sorted,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, bool programmatic) {
   FP4MOE_CHECK(num_rows >= 0 && num_rows <= INT32_MAX, "launch_gather_rows: num_rows = ", num_rows,
                "; expected in [0, ", INT32_MAX, "]");
   FP4MOE_CHECK(num_experts >= 1 && num_experts <= INT32_MAX - 1, "launch_gather_rows: num_experts = ",
@@ -463,15 +558,15 @@ void launch_gather_rows(const void* x, const int32_t* token_of_row, const int32_
   FP4MOE_CHECK(aligned_16(x) && aligned_16(x_sorted),
                "launch_gather_rows: x and x_sorted must be 16-byte aligned");
   const int64_t vectors_per_row = hidden / 8;
-  gather_rows_kernel<<<elementwise_grid(num_rows * vectors_per_row), kElementwiseThreads, 0, stream>>>(
-      static_cast<const uint4*>(x), token_of_row, expert_offsets, static_cast<int>(num_experts),
-      num_rows, vectors_per_row, static_cast<uint4*>(x_sorted));
-  FP4MOE_CHECK_LAUNCH();
+  launch_kernel(gather_rows_kernel, elementwise_grid(num_rows * vectors_per_row),
+                kElementwiseThreads, 0, stream, programmatic, static_cast<const uint4*>(x),
+                token_of_row, expert_offsets, static_cast<int>(num_experts), num_rows,
+                vectors_per_row, static_cast<uint4*>(x_sorted));
 }
 
 void launch_finalize_pairs(const float* pair_rows, const int32_t* topk_ids, int64_t num_tokens,
                            int top_k, int64_t num_experts, int64_t hidden, void* output,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, bool programmatic) {
   FP4MOE_CHECK(num_tokens >= 0, "launch_finalize_pairs: num_tokens = ", num_tokens,
                "; expected >= 0");
   FP4MOE_CHECK(top_k >= 1 && top_k <= kMaxTopK, "launch_finalize_pairs: top_k = ", top_k,
@@ -486,15 +581,14 @@ void launch_finalize_pairs(const float* pair_rows, const int32_t* topk_ids, int6
   FP4MOE_CHECK(aligned_16(pair_rows) && aligned_16(output),
                "launch_finalize_pairs: pair_rows and output must be 16-byte aligned");
   const int64_t vectors_per_row = hidden / 4;
-  finalize_pairs_kernel<<<elementwise_grid(num_tokens * vectors_per_row), kElementwiseThreads, 0,
-                          stream>>>(reinterpret_cast<const float4*>(pair_rows), topk_ids,
-                                    num_tokens, top_k, static_cast<int>(num_experts),
-                                    vectors_per_row, static_cast<Bf16x4*>(output));
-  FP4MOE_CHECK_LAUNCH();
+  launch_kernel(finalize_pairs_kernel, elementwise_grid(num_tokens * vectors_per_row),
+                kElementwiseThreads, 0, stream, programmatic,
+                reinterpret_cast<const float4*>(pair_rows), topk_ids, num_tokens, top_k,
+                static_cast<int>(num_experts), vectors_per_row, static_cast<Bf16x4*>(output));
 }
 
 void launch_finalize_accumulated(float* accum, int64_t num_tokens, int64_t hidden, void* output,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, bool programmatic) {
   FP4MOE_CHECK(num_tokens >= 0, "launch_finalize_accumulated: num_tokens = ", num_tokens,
                "; expected >= 0");
   FP4MOE_CHECK(hidden >= 4 && hidden % 4 == 0, "launch_finalize_accumulated: hidden = ", hidden,
@@ -504,9 +598,9 @@ void launch_finalize_accumulated(float* accum, int64_t num_tokens, int64_t hidde
   FP4MOE_CHECK(aligned_16(accum) && aligned_16(output),
                "launch_finalize_accumulated: accum and output must be 16-byte aligned");
   const int64_t num_vectors = num_tokens * (hidden / 4);
-  finalize_accumulated_kernel<<<elementwise_grid(num_vectors), kElementwiseThreads, 0, stream>>>(
-      reinterpret_cast<float4*>(accum), num_vectors, static_cast<Bf16x4*>(output));
-  FP4MOE_CHECK_LAUNCH();
+  launch_kernel(finalize_accumulated_kernel, elementwise_grid(num_vectors), kElementwiseThreads, 0,
+                stream, programmatic, reinterpret_cast<float4*>(accum), num_vectors,
+                static_cast<Bf16x4*>(output));
 }
 
 }  // namespace fp4moe::kernels

@@ -5,7 +5,10 @@
 //
 // Every launcher is asynchronous on `stream`, allocates nothing, never
 // synchronises with the host and needs no memset beforehand, so a sequence of
-// them can be captured in a CUDA graph. Input sizes are validated on the host
+// them can be captured in a CUDA graph. With `programmatic`, kernels are
+// launched with programmatic dependent launch (kernels/launch.cuh): they may
+// start while the previous kernel in the stream finishes and wait for it on
+// the device, which hides the launch gaps of a decode-sized layer. Input sizes are validated on the host
 // before any launch (fp4moe::Error); device-side input errors (expert ids out
 // of range) set bits in a caller-given int32 error word.
 //
@@ -37,7 +40,7 @@ inline constexpr int kMaxTopK = 32;
 // num_experts > 512 or top_k > kMaxTopK.
 void launch_route(const float* router_logits, const float* correction_bias, int64_t num_tokens,
                   int64_t num_experts, const RoutingParams& params, int32_t* topk_ids,
-                  float* topk_weights, cudaStream_t stream);
+                  float* topk_weights, cudaStream_t stream, bool programmatic = false);
 
 // Counting sort of the num_tokens * top_k pairs by expert. Pair p = token *
 // top_k + slot has expert topk_ids[p]. Writes
@@ -51,14 +54,26 @@ void launch_route(const float* router_logits, const float* correction_bias, int6
 // *error_flags (atomicOr). num_experts <= 512.
 void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_k,
                            int64_t num_experts, int32_t* expert_offsets, int32_t* token_of_row,
-                           int32_t* pair_of_row, int32_t* error_flags, cudaStream_t stream);
+                           int32_t* pair_of_row, int32_t* error_flags, cudaStream_t stream, bool programmatic = false);
+
+// launch_route then launch_sort_by_expert (their contracts, their checks),
+// in one kernel while num_tokens * top_k <= 1024: the last routing block to
+// finish sorts, which saves a launch and the sort kernel's own latency at
+// decode batch sizes. *arrivals is the int32 the fused kernel counts its
+// blocks in: zero before the first launch, zero again after each; launches
+// that may run concurrently need distinct counters.
+void launch_route_and_sort(const float* router_logits, const float* correction_bias,
+                           int64_t num_tokens, int64_t num_experts, const RoutingParams& params,
+                           int32_t* topk_ids, float* topk_weights, int32_t* expert_offsets,
+                           int32_t* token_of_row, int32_t* pair_of_row, int32_t* error_flags,
+                           int32_t* arrivals, cudaStream_t stream, bool programmatic = false);
 
 // x_sorted[r, :] = x[token_of_row[r], :] for r < num_rows, bf16 rows of
 // `hidden` elements (hidden % 8 == 0, pointers 16-byte aligned). Rows r with
 // r >= expert_offsets[num_experts] (ids that were not placed) are skipped.
 void launch_gather_rows(const void* x, const int32_t* token_of_row, const int32_t* expert_offsets,
                         int64_t num_experts, int64_t num_rows, int64_t hidden, void* x_sorted,
-                        cudaStream_t stream);
+                        cudaStream_t stream, bool programmatic = false);
 
 // The last step of the layer, output bf16 [num_tokens, hidden]:
 //   per_pair (deterministic): output[t, :] = bf16(sum over slots j = 0..top_k-1,
@@ -72,8 +87,8 @@ void launch_gather_rows(const void* x, const int32_t* token_of_row, const int32_
 // zeros.
 void launch_finalize_pairs(const float* pair_rows, const int32_t* topk_ids, int64_t num_tokens,
                            int top_k, int64_t num_experts, int64_t hidden, void* output,
-                           cudaStream_t stream);
+                           cudaStream_t stream, bool programmatic = false);
 void launch_finalize_accumulated(float* accum, int64_t num_tokens, int64_t hidden, void* output,
-                                 cudaStream_t stream);
+                                 cudaStream_t stream, bool programmatic = false);
 
 }  // namespace fp4moe::kernels

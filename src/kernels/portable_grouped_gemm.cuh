@@ -44,6 +44,7 @@
 
 #include "kernels/fragment_layout.hpp"
 #include "kernels/ptx/cp_async.cuh"
+#include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/mma.cuh"
 #include "plan/smem_model.hpp"
 
@@ -215,6 +216,10 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int lane = tid % 32;
   const int warp = tid / 32;
 
+  // Everything below reads what earlier kernels wrote (offsets, rows) or
+  // writes what they may still read: wait for them when launched early.
+  ptx::wait_for_prior_grids();
+  ptx::allow_dependent_launch();
   detail::build_schedule<THREADS, BLOCK_M>(p, s_prefix, s_warp_sums);
 
   // ldmatrix addressing: lane supplies row (lane % 8) of matrix (lane / 8);

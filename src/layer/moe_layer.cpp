@@ -63,8 +63,9 @@ constexpr size_t kAlign = 256;
 
 size_t align_bytes(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
-// Header: [layer error word | GEMM1 error word | GEMM2 error word] (16 B
-// each), then the GEMM1 and GEMM2 split-K counters.
+// Header: [layer error word, routing arrival counter | GEMM1 error word |
+// GEMM2 error word] (16 B each), then the GEMM1 and GEMM2 split-K counters.
+// All zero between forwards.
 constexpr size_t kErrorWordsBytes = 48;
 constexpr size_t kHeaderBytes =
     (kErrorWordsBytes + 2 * kSplitCounterCapacity * 4 + kAlign - 1) / kAlign * kAlign;
@@ -394,6 +395,7 @@ void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace
 
   auto* ws = static_cast<uint8_t*>(workspace);
   auto* layer_errors = reinterpret_cast<int32_t*>(ws);
+  int32_t* route_arrivals = layer_errors + 1;
   auto* gemm1_errors = reinterpret_cast<int32_t*>(ws + 16);
   auto* gemm2_errors = reinterpret_cast<int32_t*>(ws + 32);
   auto* gemm1_counters = reinterpret_cast<int32_t*>(ws + kErrorWordsBytes);
@@ -405,6 +407,7 @@ void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace
   auto* pair_of_row = reinterpret_cast<int32_t*>(ws + s.pair_of_row);
   auto* finalize = reinterpret_cast<float*>(ws + s.finalize);
   const int64_t pairs = T * m.top_k;
+  const bool pdl = m.options.programmatic_launch;
   const MoeStageEvents no_events;
   const MoeStageEvents& ev = events ? *events : no_events;
 
@@ -412,19 +415,23 @@ void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace
   const int32_t* topk_ids = args.topk_ids;
   const float* topk_weights = args.topk_weights;
   if (device_routing) {
-    kernels::launch_route(args.router_logits, args.correction_bias, T, m.num_experts,
-                          m.options.routing, ids, weights, stream);
+    // One kernel for small batches, so the stage boundary is not observable.
+    kernels::launch_route_and_sort(args.router_logits, args.correction_bias, T, m.num_experts,
+                                   m.options.routing, ids, weights, offsets, token_of_row,
+                                   pair_of_row, layer_errors, route_arrivals, stream, pdl);
     topk_ids = ids;
     topk_weights = weights;
+    record(ev.routed, stream);
+  } else {
+    record(ev.routed, stream);
+    kernels::launch_sort_by_expert(topk_ids, T, m.top_k, m.num_experts, offsets, token_of_row,
+                                   pair_of_row, layer_errors, stream, pdl);
   }
-  record(ev.routed, stream);
-  kernels::launch_sort_by_expert(topk_ids, T, m.top_k, m.num_experts, offsets, token_of_row,
-                                 pair_of_row, layer_errors, stream);
   record(ev.sorted, stream);
   const bool separate_gather = m.options.gather == GatherMode::kSeparate;
   if (separate_gather)
     kernels::launch_gather_rows(args.hidden_states, token_of_row, offsets, m.num_experts, pairs,
-                                m.hidden, ws + s.x_sorted, stream);
+                                m.hidden, ws + s.x_sorted, stream, pdl);
   record(ev.gathered, stream);
 
   GroupedGemmArgs g1;
@@ -447,6 +454,7 @@ void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace
   g1.error_flags = gemm1_errors;
   g1.split_counters = gemm1_counters;
   g1.split_counters_capacity = kSplitCounterCapacity;
+  g1.programmatic_launch = pdl;
   grouped_gemm(g1, plan.gemm1, stream);
   record(ev.gemm1, stream);
 
@@ -475,14 +483,15 @@ void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace
   g2.error_flags = gemm2_errors;
   g2.split_counters = gemm2_counters;
   g2.split_counters_capacity = kSplitCounterCapacity;
+  g2.programmatic_launch = pdl;
   grouped_gemm(g2, plan.gemm2, stream);
   record(ev.gemm2, stream);
 
   if (atomic)
-    kernels::launch_finalize_accumulated(finalize, T, m.hidden, output, stream);
+    kernels::launch_finalize_accumulated(finalize, T, m.hidden, output, stream, pdl);
   else
     kernels::launch_finalize_pairs(finalize, topk_ids, T, m.top_k, m.num_experts, m.hidden, output,
-                                   stream);
+                                   stream, pdl);
   record(ev.end, stream);
 }
 

@@ -424,38 +424,18 @@ std::vector<int32_t> make_ids(IdPattern pattern, int64_t num_pairs, int64_t num_
   return ids;
 }
 
-// Runs the sort and checks every property of moe_ops.hpp's contract.
-void check_sort(const std::vector<int32_t>& ids, int64_t num_tokens, int top_k,
-                int64_t num_experts, const std::string& what) {
+// Checks a sort's outputs (downloaded; rows poisoned before the run) against
+// every property of moe_ops.hpp's contract for `ids`.
+void verify_sort(const std::vector<int32_t>& ids, int64_t num_tokens, int top_k,
+                 int64_t num_experts, const std::vector<int32_t>& offsets,
+                 const std::vector<int32_t>& token_of_row, const std::vector<int32_t>& pair_of_row,
+                 const std::string& what) {
   const int64_t num_pairs = num_tokens * top_k;
   std::vector<int32_t> expected_offsets(static_cast<size_t>(num_experts + 1), 0);
-  bool has_out_of_range = false;
-  for (int32_t id : ids) {
-    if (id >= 0 && id < num_experts)
-      ++expected_offsets[static_cast<size_t>(id) + 1];
-    else
-      has_out_of_range = true;
-  }
+  for (int32_t id : ids)
+    if (id >= 0 && id < num_experts) ++expected_offsets[static_cast<size_t>(id) + 1];
   std::partial_sum(expected_offsets.begin(), expected_offsets.end(), expected_offsets.begin());
-
-  const DeviceBuffer<int32_t> d_ids(ids);
-  DeviceBuffer<int32_t> d_offsets(static_cast<size_t>(num_experts + 1));
-  DeviceBuffer<int32_t> d_token_of_row(static_cast<size_t>(num_pairs));
-  DeviceBuffer<int32_t> d_pair_of_row(static_cast<size_t>(num_pairs));
-  DeviceBuffer<int32_t> d_error(std::vector<int32_t>{1});  // a GEMM bit already set stays set
-  d_offsets.fill_bytes(0xFF);
-  d_token_of_row.fill_bytes(0xFF);
-  d_pair_of_row.fill_bytes(0xFF);
-  kernels::launch_sort_by_expert(d_ids.get(), num_tokens, top_k, num_experts, d_offsets.get(),
-                                 d_token_of_row.get(), d_pair_of_row.get(), d_error.get(), nullptr);
-  FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  const std::vector<int32_t> offsets = d_offsets.download();
-  const std::vector<int32_t> token_of_row = d_token_of_row.download();
-  const std::vector<int32_t> pair_of_row = d_pair_of_row.download();
-
   ASSERT_EQ(offsets, expected_offsets) << what;
-  EXPECT_EQ(d_error.download()[0], 1 | (has_out_of_range ? kernels::kErrorExpertIdOutOfRange : 0))
-      << what;
   const int64_t num_placed = expected_offsets.back();
   std::vector<char> seen(static_cast<size_t>(num_pairs), 0);
   int64_t expert = 0, num_bad = 0;
@@ -486,6 +466,30 @@ void check_sort(const std::vector<int32_t>& ids, int64_t num_tokens, int top_k,
   EXPECT_EQ(num_bad, 0) << what;
 }
 
+// Runs the sort and checks it (verify_sort) and the error word.
+void check_sort(const std::vector<int32_t>& ids, int64_t num_tokens, int top_k,
+                int64_t num_experts, const std::string& what) {
+  const int64_t num_pairs = num_tokens * top_k;
+  const bool has_out_of_range = std::any_of(ids.begin(), ids.end(), [&](int32_t id) {
+    return id < 0 || id >= num_experts;
+  });
+  const DeviceBuffer<int32_t> d_ids(ids);
+  DeviceBuffer<int32_t> d_offsets(static_cast<size_t>(num_experts + 1));
+  DeviceBuffer<int32_t> d_token_of_row(static_cast<size_t>(num_pairs));
+  DeviceBuffer<int32_t> d_pair_of_row(static_cast<size_t>(num_pairs));
+  DeviceBuffer<int32_t> d_error(std::vector<int32_t>{1});  // a GEMM bit already set stays set
+  d_offsets.fill_bytes(0xFF);
+  d_token_of_row.fill_bytes(0xFF);
+  d_pair_of_row.fill_bytes(0xFF);
+  kernels::launch_sort_by_expert(d_ids.get(), num_tokens, top_k, num_experts, d_offsets.get(),
+                                 d_token_of_row.get(), d_pair_of_row.get(), d_error.get(), nullptr);
+  FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  verify_sort(ids, num_tokens, top_k, num_experts, d_offsets.download(), d_token_of_row.download(),
+              d_pair_of_row.download(), what);
+  EXPECT_EQ(d_error.download()[0], 1 | (has_out_of_range ? kernels::kErrorExpertIdOutOfRange : 0))
+      << what;
+}
+
 TEST(MoeOpsGpu, SortByExpertEnumerated) {
   FP4MOE_REQUIRE_GPU();
   std::mt19937 rng(5);
@@ -506,6 +510,79 @@ TEST(MoeOpsGpu, SortEveryIdOutOfRange) {
   std::vector<int32_t> ids(64 * 8);
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = i % 2 ? -1 : 256;
   check_sort(ids, 64, 8, 256, "every id out of range");
+}
+
+// Routing and sort in one call (one kernel up to 1024 pairs, two past it):
+// ids and weights bit-identical to launch_route's, the sort's contract, a
+// clean error word and the arrival counter back to 0. Each case runs twice
+// on the same counter with the outputs poisoned in between, so a counter
+// left non-zero (no block would then sort) fails the second run.
+TEST(MoeOpsGpu, RouteAndSortMatchesRouteThenSort) {
+  FP4MOE_REQUIRE_GPU();
+  struct Case {
+    const char* name;
+    int64_t num_experts;
+    RoutingParams params;
+  };
+  RoutingParams noaux;  // DeepSeek-V3 / GLM-5 routing
+  noaux.mode = RoutingMode::kNoauxTc;
+  noaux.num_groups = 8;
+  noaux.topk_groups = 4;
+  noaux.routed_scaling_factor = 2.5f;
+  RoutingParams softmax;  // Qwen3
+  RoutingParams gpt_oss;
+  gpt_oss.mode = RoutingMode::kGptOss;
+  gpt_oss.top_k = 4;
+  RoutingParams widest;  // the kernels' limits: 512 experts, top-32
+  widest.top_k = kernels::kMaxTopK;
+  widest.renormalize = false;
+  const Case cases[] = {{"noaux_tc E=256 k=8", 256, noaux},
+                        {"softmax E=128 k=8", 128, softmax},
+                        {"gpt-oss E=128 k=4", 128, gpt_oss},
+                        {"softmax E=512 k=32", 512, widest}};
+  std::mt19937 rng(11);
+  for (const Case& c : cases) {
+    const int top_k = c.params.top_k;
+    for (int64_t num_tokens : {1, 2, 3, 31, 32, 33, 64, 127, 128, 129, 1000}) {
+      const std::string what = std::string(c.name) + " T=" + std::to_string(num_tokens) +
+                                (num_tokens * top_k <= 1024 ? " (one kernel)" : " (two kernels)");
+      const int64_t num_pairs = num_tokens * top_k;
+      const DeviceBuffer<float> d_logits(
+          random_normal(static_cast<size_t>(num_tokens * c.num_experts), rng));
+      const DeviceBuffer<float> d_bias(random_normal(static_cast<size_t>(c.num_experts), rng, 0.1f));
+      DeviceBuffer<int32_t> ref_ids(static_cast<size_t>(num_pairs));
+      DeviceBuffer<float> ref_weights(ref_ids.size());
+      kernels::launch_route(d_logits.get(), d_bias.get(), num_tokens, c.num_experts, c.params,
+                            ref_ids.get(), ref_weights.get(), nullptr);
+      DeviceBuffer<int32_t> ids(ref_ids.size()), token_of_row(ref_ids.size()), pair_of_row(ref_ids.size());
+      DeviceBuffer<float> weights(ref_ids.size());
+      DeviceBuffer<int32_t> offsets(static_cast<size_t>(c.num_experts + 1));
+      DeviceBuffer<int32_t> error_and_arrivals(std::vector<int32_t>{0, 0});
+      for (int run = 0; run < 2; ++run) {
+        ids.fill_bytes(0xFF);
+        weights.fill_bytes(0xFF);
+        offsets.fill_bytes(0xFF);
+        token_of_row.fill_bytes(0xFF);
+        pair_of_row.fill_bytes(0xFF);
+        kernels::launch_route_and_sort(d_logits.get(), d_bias.get(), num_tokens, c.num_experts,
+                                       c.params, ids.get(), weights.get(), offsets.get(),
+                                       token_of_row.get(), pair_of_row.get(),
+                                       error_and_arrivals.get(), error_and_arrivals.get() + 1,
+                                       nullptr);
+        FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+        const std::string run_what = what + " run " + std::to_string(run);
+        const std::vector<int32_t> got_ids = ids.download();
+        ASSERT_EQ(got_ids, ref_ids.download()) << run_what;
+        const std::vector<float> got_weights = weights.download();
+        const std::vector<float> want_weights = ref_weights.download();
+        for (size_t i = 0; i < got_weights.size(); ++i)
+          ASSERT_EQ(float_bits(got_weights[i]), float_bits(want_weights[i])) << run_what << " slot " << i;
+        verify_sort(got_ids, num_tokens, top_k, c.num_experts, offsets.download(),
+                    token_of_row.download(), pair_of_row.download(), run_what);
+        EXPECT_EQ(error_and_arrivals.download(), (std::vector<int32_t>{0, 0})) << run_what;
+      }
+    }
+  }
 }
 
 TEST(MoeOpsGpu, SortRejectsBadParameters) {

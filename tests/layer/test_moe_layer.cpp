@@ -777,6 +777,50 @@ TEST(MoeLayerDeterminism, DeterministicForwardsAreBitIdentical) {
   }
 }
 
+// Programmatic dependent launch changes when kernels start, never what they
+// compute: plain launches give the same bits, eagerly and from a graph, at
+// decode sizes (routing and sort in one kernel) and at kMaxTokens (two).
+TEST(MoeLayerDeterminism, PlainLaunchesGiveTheSameBits) {
+  FP4MOE_REQUIRE_GPU();
+  const ModelShape& shape = shape_named("DeepSeekV3");
+  ModelData& data = model_data(shape);
+  MoeLayerOptions plain_options = layer_options(shape);
+  plain_options.programmatic_launch = false;
+  const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape));
+  const MoeLayer plain = MoeLayer::prepare(data.weights, plain_options);
+  ASSERT_TRUE(layer.options().programmatic_launch);
+  Stream stream;
+  const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
+  DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
+  for (int64_t num_tokens : {int64_t{1}, int64_t{64}, kMaxTokens}) {
+    SCOPED_TRACE("T=" + std::to_string(num_tokens));
+    const TokenBatch& batch = data.batch(num_tokens);
+    const DeviceInputs inputs(batch, data.correction_bias);
+    const std::vector<uint16_t> with_pdl =
+        forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
+    expect_matches_reference(with_pdl, batch.reference, shape.hidden);
+    const std::vector<uint16_t> without =
+        forward_bits(plain, inputs.device_routing(), output, workspace, stream.get());
+    EXPECT_EQ(first_difference(with_pdl, without), -1) << "plain launches differ";
+
+    // The same forward captured in a graph (programmatic edges) and replayed.
+    poison_async(output, stream.get());
+    cudaGraph_t graph = nullptr;
+    FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+    layer.forward(inputs.device_routing(), output.get(), workspace.get(), workspace.bytes(),
+                  stream.get());
+    FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+    cudaGraphExec_t exec = nullptr;
+    FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 3; ++replay) FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    const std::vector<uint16_t> replayed =
+        output_rows(download_after(output, stream.get()), with_pdl.size());
+    EXPECT_EQ(first_difference(with_pdl, replayed), -1) << "graph replay differs";
+  }
+}
+
 // Repeated atomic forwards, with the token count changing in between, each
 // within tolerance: the accumulation buffer must be cleared for the next one.
 TEST(MoeLayerDeterminism, AtomicForwardsStayWithinTolerance) {
