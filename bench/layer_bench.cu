@@ -106,8 +106,9 @@ double median(std::vector<float> values) {
 }
 
 std::string variant_name(const MoeLayerOptions& options) {
+  const bool finalize_kernel = options.finalize == FinalizeMode::kDeterministic && !options.fuse_finalize;
   return to_string(options.finalize) + "/" + to_string(options.gather) +
-         (options.programmatic_launch ? "" : "/plain");
+         (finalize_kernel ? "/finalize-kernel" : "") + (options.programmatic_launch ? "" : "/plain");
 }
 
 }  // namespace
@@ -350,7 +351,9 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
   }
 
   // The default variant first, then the same with plain launches (no
-  // programmatic dependent launch): those two get a graph replay too.
+  // programmatic dependent launch) and with the separate finalize kernel:
+  // those three get a graph replay too. Then the other finalize and gather
+  // modes.
   std::vector<MoeLayerOptions> variants;
   for (FinalizeMode finalize : {FinalizeMode::kDeterministic, FinalizeMode::kAtomic})
     for (GatherMode gather : {GatherMode::kFused, GatherMode::kSeparate}) {
@@ -359,8 +362,12 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
       o.gather = gather;
       variants.push_back(o);
       if (variants.size() == 1) {
-        o.programmatic_launch = false;
-        variants.push_back(o);
+        MoeLayerOptions plain = o;
+        plain.programmatic_launch = false;
+        variants.push_back(plain);
+        MoeLayerOptions finalize_kernel = o;
+        finalize_kernel.fuse_finalize = false;
+        variants.push_back(finalize_kernel);
       }
     }
   const MoeLayerOptions defaults;
@@ -411,6 +418,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"finalize", to_string(options.finalize)},
                            {"gather", to_string(options.gather)},
                            {"programmatic_launch", options.programmatic_launch},
+                           {"finalize_in_gemm2", plan.finalize_in_gemm2},
                            {"gemm1_config", plan.gemm1.config.to_string()},
                            {"gemm1_split_k", plan.gemm1.split_k},
                            {"gemm2_config", plan.gemm2.config.to_string()},
