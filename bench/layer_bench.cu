@@ -106,9 +106,8 @@ double median(std::vector<float> values) {
 }
 
 std::string variant_name(const MoeLayerOptions& options) {
-  const bool finalize_kernel = options.finalize == FinalizeMode::kDeterministic && !options.fuse_finalize;
   return to_string(options.finalize) + "/" + to_string(options.gather) +
-         (finalize_kernel ? "/finalize-kernel" : "") + (options.programmatic_launch ? "" : "/plain");
+         (options.programmatic_launch ? "" : "/plain");
 }
 
 }  // namespace
@@ -351,9 +350,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
   }
 
   // The default variant first, then the same with plain launches (no
-  // programmatic dependent launch) and with the separate finalize kernel:
-  // those three get a graph replay too. Then the other finalize and gather
-  // modes.
+  // programmatic dependent launch): those two get a graph replay too.
   std::vector<MoeLayerOptions> variants;
   for (FinalizeMode finalize : {FinalizeMode::kDeterministic, FinalizeMode::kAtomic})
     for (GatherMode gather : {GatherMode::kFused, GatherMode::kSeparate}) {
@@ -362,12 +359,8 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
       o.gather = gather;
       variants.push_back(o);
       if (variants.size() == 1) {
-        MoeLayerOptions plain = o;
-        plain.programmatic_launch = false;
-        variants.push_back(plain);
-        MoeLayerOptions finalize_kernel = o;
-        finalize_kernel.fuse_finalize = false;
-        variants.push_back(finalize_kernel);
+        o.programmatic_launch = false;
+        variants.push_back(o);
       }
     }
   const MoeLayerOptions defaults;
@@ -418,7 +411,6 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"finalize", to_string(options.finalize)},
                            {"gather", to_string(options.gather)},
                            {"programmatic_launch", options.programmatic_launch},
-                           {"finalize_in_gemm2", plan.finalize_in_gemm2},
                            {"gemm1_config", plan.gemm1.config.to_string()},
                            {"gemm1_split_k", plan.gemm1.split_k},
                            {"gemm2_config", plan.gemm2.config.to_string()},

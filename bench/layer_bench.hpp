@@ -8,12 +8,9 @@
 //   - the whole forward (no stage events),
 //   - the stage split from MoeStageEvents (routing, sort, gather, GEMM1,
 //     GEMM2, finalize) in a separate set of forwards, and the share of time
-//     outside the two GEMMs: (total - gemm1 - gemm2) / total (with the
-//     finalize reduction inside GEMM2's launch, its cost is in GEMM2's time
-//     and the finalize stage is empty: compare totals across variants),
+//     outside the two GEMMs: (total - gemm1 - gemm2) / total,
 //   - for the default variant, a CUDA-graph replay of the forward,
-// for finalize in {deterministic, atomic} x gather in {fused, separate},
-// plus the default with plain launches and with the separate finalize kernel.
+// for finalize in {deterministic, atomic} x gather in {fused, separate}.
 //
 // Layer roofline: DESIGN.md §6 applied to each grouped GEMM and summed,
 //   GEMM1: n = 2 * inter, k = hidden;   GEMM2: n = hidden, k = inter;

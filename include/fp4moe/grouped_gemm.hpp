@@ -89,20 +89,6 @@ struct GroupedGemmArgs {
   int64_t out_rows = 0;
   int out_row_divisor = 1;
   bool atomic_out = false;
-  // kFinalize, optional: sum each token's slot rows into bf16 in the same
-  // launch. With reduce_slots = top_k > 0 (stored, out_row_divisor 1), slot s
-  // belongs to token s / top_k; the last of a token's slots to land in an
-  // n-tile sums the token's slot rows there in slot order (deterministic:
-  // the same bits whichever block does it) and stores
-  // out_bf16 [out_rows / top_k, n]. Slots whose slot_expert_ids entry is
-  // outside [0, num_experts) never land and are skipped; a token with none
-  // gets zeros. token_counters: int32, zero at rest (the kernel resets
-  // them), at least (out_rows / top_k) * ceil(n / plan.config.block_n).
-  void* out_bf16 = nullptr;
-  int reduce_slots = 0;
-  const int32_t* slot_expert_ids = nullptr;  // int32 [out_rows] (topk_ids)
-  int32_t* token_counters = nullptr;
-  int64_t token_counters_capacity = 0;
   // Planning hint: experts expected to receive rows (0: as many as can).
   int64_t expected_active_experts = 0;
   // Zero-initialised once at allocation (cudaMemset); the kernel leaves it

@@ -57,12 +57,6 @@ struct MoeLayerOptions {
   // each may start while the previous one finishes, hiding launch gaps that
   // cost a decode-sized layer several microseconds. Off: plain launches.
   bool programmatic_launch = true;
-  // Deterministic finalize: GEMM2's launch also sums each token's slot rows
-  // into the output (the last slot of a token to land does it, in slot
-  // order: the same bits as the separate kernel), saving a launch, while
-  // num_tokens x GEMM2's n-tiles fit the workspace's counters
-  // (MoeLayerPlan::finalize_in_gemm2). Off: a separate finalize kernel.
-  bool fuse_finalize = true;
   // Force tile configs (e.g. from `fp4moe plan`); otherwise the planner picks
   // per token count. The epilogue field is ignored (set by the layer).
   std::optional<TileConfig> gemm1_config;
@@ -75,7 +69,6 @@ struct MoeLayerPlan {
   int64_t num_rows = 0;  // num_tokens * top_k
   GemmPlan gemm1;        // [rows, hidden] x [2 inter, hidden]^T -> SwiGLU -> [rows, inter]
   GemmPlan gemm2;        // [rows, inter] x [hidden, inter]^T -> finalize -> [T, hidden]
-  bool finalize_in_gemm2 = false;  // the token sums happen in GEMM2's launch
   std::string describe() const;  // multi-line, for the CLI
 };
 

@@ -127,18 +127,7 @@ void validate_args(const GroupedGemmArgs& a, bool for_launch, Epilogue epilogue)
                  a.out_row_divisor, "; expected both >= 1");
     vectors.push_back({a.out_f32, "out_f32"});
     if (a.bias) vectors.push_back({a.bias, "bias"});
-    if (a.reduce_slots != 0) {
-      FP4MOE_CHECK(a.reduce_slots >= 1 && a.reduce_slots <= 32 && !a.atomic_out && a.out_row_divisor == 1 &&
-                       a.out_rows % a.reduce_slots == 0,
-                   "grouped_gemm: reduce_slots = ", a.reduce_slots, " (at most 32) needs stored slot rows "
-                   "(atomic_out off, out_row_divisor 1) and out_rows = ", a.out_rows,
-                   " a multiple of it");
-      FP4MOE_CHECK(a.out_bf16 != nullptr && a.slot_expert_ids != nullptr && a.token_counters != nullptr,
-                   "grouped_gemm: reduce_slots needs out_bf16, slot_expert_ids and token_counters");
-      vectors.push_back({a.out_bf16, "out_bf16"});
-    }
   } else {
-    FP4MOE_CHECK(a.reduce_slots == 0, "grouped_gemm: reduce_slots is for the finalize epilogue");
     FP4MOE_CHECK(a.y != nullptr, "grouped_gemm: y is null but num_rows = ", a.num_rows);
     vectors.push_back({a.y, "y"});
   }
@@ -225,17 +214,6 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   p.out_rows = static_cast<int>(args.out_rows);
   p.out_row_divisor = args.out_row_divisor;
   p.atomic_out = args.atomic_out ? 1 : 0;
-  p.out_bf16 = static_cast<__nv_bfloat16*>(args.out_bf16);
-  p.reduce_slots = args.reduce_slots;
-  p.slot_expert_ids = args.slot_expert_ids;
-  p.token_counters = args.token_counters;
-  if (args.reduce_slots > 0) {
-    const int64_t n_tiles = (args.n + plan.config.block_n - 1) / plan.config.block_n;
-    const int64_t needed = args.out_rows / args.reduce_slots * n_tiles;
-    FP4MOE_CHECK(args.token_counters_capacity >= needed, "grouped_gemm: token_counters hold ",
-                 args.token_counters_capacity, " entries; ", args.out_rows / args.reduce_slots,
-                 " tokens x ", n_tiles, " n-tiles need ", needed);
-  }
   auto* ws = static_cast<uint8_t*>(args.workspace);
   p.error_flags = args.error_flags ? args.error_flags : reinterpret_cast<int32_t*>(ws);
   p.tile_counters = reinterpret_cast<int32_t*>(ws + 16);

@@ -29,11 +29,7 @@
 //   kFinalize  v = (acc * global_scale + bias[col]) * row_weights[s], with
 //              s = scatter_rows[row]; stored fp32 to out_f32[s / out_row_divisor]
 //              (a (token, slot) row: deterministic) or added atomically (a
-//              token row: fast). The layer sums or converts afterwards, or,
-//              with reduce_slots = top_k, this launch does: per (token,
-//              n-tile) an arrival counter finds the block that stores the
-//              token's last landing slot, and that block sums the token's
-//              slot rows in slot order into bf16 out_bf16 (deterministic).
+//              token row: fast). The layer sums or converts afterwards.
 //
 // Tested in tests/kernels/test_grouped_gemm.cpp against the CPU reference.
 #pragma once
@@ -80,10 +76,6 @@ struct PortableGemmParams {
   int out_rows;
   int out_row_divisor;            // kFinalize: 1 (one row per slot) or top_k (one per token)
   int atomic_out;                 // kFinalize: add atomically instead of storing
-  __nv_bfloat16* out_bf16;        // kFinalize, reduce_slots > 0: bf16 [out_rows / reduce_slots, n] token rows
-  int reduce_slots;               // kFinalize: 0, or slots per token (top_k) summed in this launch
-  const int32_t* slot_expert_ids; // kFinalize reduce: [out_rows] expert of each slot; out of range: never lands
-  int32_t* token_counters;        // kFinalize reduce: slots landed per (token, n-tile), zero at rest
   int32_t* error_flags;           // workspace: kError* bits, sticky
   int32_t* tile_counters;         // workspace: split-K arrivals per tile, zero at rest
   float* partials;                // workspace: split-K fp32 tiles [tile][slice][BLOCK_N][BLOCK_M]
@@ -189,42 +181,6 @@ __device__ __forceinline__ float activate(int activation, float gate, float up) 
   return gate / (1.0f + __expf(-gate)) * up;
 }
 
-// kFinalize reduce: slots of `token` that land (their expert id is valid);
-// the others were dropped by the sort and never reach the GEMM.
-__device__ __forceinline__ uint32_t landing_slots(const PortableGemmParams& p, int token) {
-  uint32_t mask = 0;
-  for (int s = 0; s < p.reduce_slots; ++s) {
-    const int32_t id = __ldg(p.slot_expert_ids + static_cast<size_t>(token) * p.reduce_slots + s);
-    if (static_cast<uint32_t>(id) < static_cast<uint32_t>(p.num_experts)) mask |= 1u << s;
-  }
-  return mask;
-}
-
-__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, float4 v) {
-  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y);
-  const __nv_bfloat162 hi = __floats2bfloat162_rn(v.z, v.w);
-  uint2 bits;
-  bits.x = *reinterpret_cast<const uint32_t*>(&lo);
-  bits.y = *reinterpret_cast<const uint32_t*>(&hi);
-  *reinterpret_cast<uint2*>(dst) = bits;
-}
-
-// kFinalize reduce: tokens none of whose slots land get zero rows here (no
-// tile will sum them). One warp per token, grid-stride.
-template <int THREADS>
-__device__ __forceinline__ void zero_unrouted_tokens(const PortableGemmParams& p) {
-  const int lane = threadIdx.x % 32;
-  const int warps = gridDim.x * (THREADS / 32);
-  const int tokens = p.out_rows / p.reduce_slots;
-  for (int token = blockIdx.x * (THREADS / 32) + threadIdx.x / 32; token < tokens; token += warps) {
-    int32_t id = -1;
-    if (lane < p.reduce_slots) id = __ldg(p.slot_expert_ids + static_cast<size_t>(token) * p.reduce_slots + lane);
-    if (__any_sync(0xffffffffu, static_cast<uint32_t>(id) < static_cast<uint32_t>(p.num_experts))) continue;
-    for (int col = lane * 4; col < p.n; col += 32 * 4)
-      store_bf16x4(p.out_bf16 + static_cast<size_t>(token) * p.n + col, make_float4(0.f, 0.f, 0.f, 0.f));
-  }
-}
-
 }  // namespace detail
 
 template <int BLOCK_N, int BLOCK_M, int BLOCK_K, int STAGES, int WARPS, Epilogue EPI>
@@ -265,8 +221,6 @@ __global__ void __launch_bounds__(WARPS * 32)
   ptx::wait_for_prior_grids();
   ptx::allow_dependent_launch();
   detail::build_schedule<THREADS, BLOCK_M>(p, s_prefix, s_warp_sums);
-  if constexpr (EPI == Epilogue::kFinalize)
-    if (p.reduce_slots > 0) detail::zero_unrouted_tokens<THREADS>(p);
 
   // ldmatrix addressing: lane supplies row (lane % 8) of matrix (lane / 8);
   // matrices alternate k halves (hi) and, for x4, pair two 8-token tiles.
@@ -595,44 +549,6 @@ __global__ void __launch_bounds__(WARPS * 32)
 #endif
           } else {
             *reinterpret_cast<float4*>(dst) = v;
-          }
-        }
-        if (p.reduce_slots > 0) {
-          // The last of a token's landing slots to reach this n-tile sums the
-          // token's slot rows in slot order (the bits do not depend on which
-          // block that is) into its bf16 row.
-          int32_t* s_reduce_token = s_gather;  // the gather rows are dead after the main loop
-          __threadfence();
-          __syncthreads();
-          if (tid < BLOCK_M) {
-            const int slot = tid < rows_valid ? s_scatter[tid] : -1;
-            int token = -1;
-            if (slot >= 0) {
-              token = slot / p.reduce_slots;
-              const int landing = __popc(detail::landing_slots(p, token));
-              int32_t* counter = p.token_counters + static_cast<size_t>(token) * n_tiles + n_tile;
-              if (atomicAdd(counter, 1) == landing - 1)
-                *counter = 0;  // ready for the next launch
-              else
-                token = -1;
-            }
-            s_reduce_token[tid] = token;
-          }
-          __syncthreads();
-          __threadfence();
-          for (int i = tid; i < rows_valid * OUT_CHUNKS; i += THREADS) {
-            const int token = s_reduce_token[i / OUT_CHUNKS];
-            const int col = n0 + (i % OUT_CHUNKS) * 4;
-            if (token < 0 || col >= p.n) continue;
-            const uint32_t landing = detail::landing_slots(p, token);
-            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (int s = 0; s < p.reduce_slots; ++s) {
-              if (!((landing >> s) & 1u)) continue;
-              const float4 v = __ldcg(reinterpret_cast<const float4*>(
-                  p.out_f32 + (static_cast<size_t>(token) * p.reduce_slots + s) * p.n + col));
-              sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
-            }
-            detail::store_bf16x4(p.out_bf16 + static_cast<size_t>(token) * p.n + col, sum);
           }
         }
       } else {

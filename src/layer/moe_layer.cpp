@@ -3,11 +3,10 @@
 // sequence of launches:
 //
 //   route (or caller ids) -> sort pairs by expert -> [gather] -> GEMM1 + SwiGLU
-//     -> GEMM2 + finalize scatter [+ token sums] -> [finalize reduction]
+//     -> GEMM2 + finalize scatter -> finalize reduction
 //
 // Workspace: a fixed header holds everything that must stay zero between
-// forwards (device error words, split-K tile counters, GEMM2's per-(token,
-// n-tile) arrival counters), so forwards of any
+// forwards (device error words, split-K tile counters), so forwards of any
 // token count can share one workspace; the scratch after it is carved per
 // forward from the token count.
 // Tested in tests/layer/test_moe_layer.cpp (GPU) and test_moe_layer_args.cpp.
@@ -50,9 +49,7 @@ std::string MoeLayerPlan::describe() const {
      << "  GEMM1 + SwiGLU  " << gemm1.config.to_string() << " split_k " << gemm1.split_k << ": "
      << gemm1.reason << "\n"
      << "  GEMM2 + finalize " << gemm2.config.to_string() << " split_k " << gemm2.split_k << ": "
-     << gemm2.reason << "\n"
-     << "  finalize         "
-     << (finalize_in_gemm2 ? "token sums in GEMM2's launch" : "separate kernel") << "\n";
+     << gemm2.reason << "\n";
   return os.str();
 }
 
@@ -62,21 +59,16 @@ namespace {
 // when tiles are few (less than a couple of waves), so plans with more tiles
 // than this run unsplit.
 constexpr int64_t kSplitCounterCapacity = 4096;
-// GEMM2's per-(token, n-tile) arrival counters of the fused finalize: 512 KiB
-// of header covers 1024 tokens at 128 n-tiles (hidden 8192 at block_n 64);
-// beyond, the separate finalize kernel runs, by then cheap next to the GEMMs.
-constexpr int64_t kTokenCounterCapacity = int64_t{1} << 17;
 constexpr size_t kAlign = 256;
 
 size_t align_bytes(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
 // Header: [layer error word, routing arrival counter | GEMM1 error word |
-// GEMM2 error word] (16 B each), then the GEMM1 and GEMM2 split-K counters,
-// then GEMM2's token counters. All zero between forwards.
+// GEMM2 error word] (16 B each), then the GEMM1 and GEMM2 split-K counters.
+// All zero between forwards.
 constexpr size_t kErrorWordsBytes = 48;
 constexpr size_t kHeaderBytes =
-    (kErrorWordsBytes + (2 * kSplitCounterCapacity + kTokenCounterCapacity) * 4 + kAlign - 1) /
-    kAlign * kAlign;
+    (kErrorWordsBytes + 2 * kSplitCounterCapacity * 4 + kAlign - 1) / kAlign * kAlign;
 
 template <typename T>
 class DeviceArray {
@@ -238,9 +230,6 @@ struct MoeLayer::Impl {
     p.num_rows = num_tokens * top_k;
     p.gemm1 = cap_split(plan_grouped_gemm(problem(1, num_tokens), options.gemm1_config));
     p.gemm2 = cap_split(plan_grouped_gemm(problem(2, num_tokens), options.gemm2_config));
-    const int64_t gemm2_n_tiles = (hidden + p.gemm2.config.block_n - 1) / p.gemm2.config.block_n;
-    p.finalize_in_gemm2 = options.finalize == FinalizeMode::kDeterministic && options.fuse_finalize &&
-                          num_tokens * gemm2_n_tiles <= kTokenCounterCapacity;
     std::lock_guard<std::mutex> lock(mutex);
     return plans.emplace(num_tokens, p).first->second;
   }
@@ -411,7 +400,6 @@ void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace
   auto* gemm2_errors = reinterpret_cast<int32_t*>(ws + 32);
   auto* gemm1_counters = reinterpret_cast<int32_t*>(ws + kErrorWordsBytes);
   int32_t* gemm2_counters = gemm1_counters + kSplitCounterCapacity;
-  int32_t* token_counters = gemm2_counters + kSplitCounterCapacity;
   auto* ids = reinterpret_cast<int32_t*>(ws + s.topk_ids);
   auto* weights = reinterpret_cast<float*>(ws + s.topk_weights);
   auto* offsets = reinterpret_cast<int32_t*>(ws + s.offsets);
@@ -496,19 +484,12 @@ void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace
   g2.split_counters = gemm2_counters;
   g2.split_counters_capacity = kSplitCounterCapacity;
   g2.programmatic_launch = pdl;
-  if (plan.finalize_in_gemm2) {
-    g2.out_bf16 = output;
-    g2.reduce_slots = m.top_k;
-    g2.slot_expert_ids = topk_ids;
-    g2.token_counters = token_counters;
-    g2.token_counters_capacity = kTokenCounterCapacity;
-  }
   grouped_gemm(g2, plan.gemm2, stream);
   record(ev.gemm2, stream);
 
   if (atomic)
     kernels::launch_finalize_accumulated(finalize, T, m.hidden, output, stream, pdl);
-  else if (!plan.finalize_in_gemm2)
+  else
     kernels::launch_finalize_pairs(finalize, topk_ids, T, m.top_k, m.num_experts, m.hidden, output,
                                    stream, pdl);
   record(ev.end, stream);
