@@ -192,12 +192,16 @@ __global__ void __launch_bounds__(kRouteThreads)
 
 // ------------------------------------------------------------------- sort
 
+// Where the sort reads the expert ids from.
+enum class IdSource { kGlobal, kShared };
+
 // Calls fn(pair, expert_id, in_range, valid) for every pair, in warp-uniform
 // chunks of 32 consecutive pairs so that every lane of a warp reaches the
 // warp intrinsics inside fn together (lanes past the end pass in_range =
-// false). NOTE: ids are read through L2 (ld.global.cg), not the read-only
-// path: in route_and_sort_kernel other blocks of the same grid wrote them.
-template <int THREADS, typename Fn>
+// false). NOTE: global ids are read through L2 (ld.global.cg), not the
+// read-only path: in route_and_sort_kernel other blocks of the same grid
+// wrote them.
+template <int THREADS, IdSource SOURCE, typename Fn>
 __device__ __forceinline__ void for_each_pair(const int32_t* topk_ids, int64_t num_pairs,
                                               int num_experts, Fn&& fn) {
   const int warp = static_cast<int>(threadIdx.x) / 32;
@@ -205,7 +209,8 @@ __device__ __forceinline__ void for_each_pair(const int32_t* topk_ids, int64_t n
   for (int64_t chunk = static_cast<int64_t>(warp) * 32; chunk < num_pairs; chunk += THREADS) {
     const int64_t pair = chunk + lane;
     const bool in_range = pair < num_pairs;
-    const int32_t id = in_range ? __ldcg(topk_ids + pair) : -1;
+    int32_t id = -1;
+    if (in_range) id = SOURCE == IdSource::kShared ? topk_ids[pair] : __ldcg(topk_ids + pair);
     const bool valid = in_range && static_cast<uint32_t>(id) < static_cast<uint32_t>(num_experts);
     fn(pair, id, in_range, valid);
   }
@@ -224,9 +229,9 @@ struct SortShared {
 // expert are grouped with __match_any_sync so each group costs one shared
 // atomic: routing that sends every token to one expert does not serialise
 // 32-fold.
-template <int THREADS>
+template <int THREADS, IdSource SOURCE>
 __device__ void sort_pairs_in_block(SortShared<THREADS>& sh,
-                                    const int32_t* topk_ids,  // [num_pairs]
+                                    const int32_t* topk_ids,  // [num_pairs], in SOURCE memory
                                     int64_t num_pairs, int top_k, int num_experts,
                                     int32_t* __restrict__ expert_offsets,  // [num_experts + 1]
                                     int32_t* __restrict__ token_of_row,    // [num_pairs]
@@ -243,7 +248,7 @@ __device__ void sort_pairs_in_block(SortShared<THREADS>& sh,
   __syncthreads();
 
   bool saw_invalid = false;
-  for_each_pair<THREADS>(topk_ids, num_pairs, num_experts,
+  for_each_pair<THREADS, SOURCE>(topk_ids, num_pairs, num_experts,
                          [&](int64_t, int32_t id, bool in_range, bool valid) {
                            saw_invalid |= in_range && !valid;
                            const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
@@ -297,7 +302,7 @@ __device__ void sort_pairs_in_block(SortShared<THREADS>& sh,
   if (tid == THREADS - 1) expert_offsets[num_experts] = start;  // the total
   __syncthreads();
 
-  for_each_pair<THREADS>(topk_ids, num_pairs, num_experts,
+  for_each_pair<THREADS, SOURCE>(topk_ids, num_pairs, num_experts,
                          [&](int64_t pair, int32_t id, bool, bool valid) {
                            const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
                            if (!valid) return;
@@ -321,14 +326,16 @@ __global__ void __launch_bounds__(kSortThreads)
   __shared__ SortShared<kSortThreads> sh;
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
-  sort_pairs_in_block<kSortThreads>(sh, topk_ids, num_pairs, top_k, num_experts, expert_offsets,
+  sort_pairs_in_block<kSortThreads, IdSource::kGlobal>(sh, topk_ids, num_pairs, top_k, num_experts, expert_offsets,
                                     token_of_row, pair_of_row, error_flags);
 }
 
 // Routing and sort in one launch, for small batches where a second kernel's
 // launch costs more than the sort: every block routes its token, then the
 // last block to finish (counted in *arrivals, which it resets to 0 for the
-// next launch) sorts all pairs with its kRouteThreads threads.
+// next launch) sorts all pairs with its kRouteThreads threads. A single
+// token's block sorts its choices straight from shared memory: no fence, no
+// arrival atomic, no read-back through L2.
 __global__ void __launch_bounds__(kRouteThreads)
     route_and_sort_kernel(const float* __restrict__ router_logits,
                           const float* __restrict__ correction_bias, int num_experts,
@@ -343,6 +350,12 @@ __global__ void __launch_bounds__(kRouteThreads)
   ptx::allow_dependent_launch();
   route_token(route_sh, router_logits, correction_bias, num_experts, params, blockIdx.x, topk_ids,
               topk_weights);
+  if (gridDim.x == 1) {  // route_token synchronised the block after filling route_sh.chosen
+    sort_pairs_in_block<kRouteThreads, IdSource::kShared>(sort_sh, route_sh.chosen, params.top_k,
+                                                          params.top_k, num_experts, expert_offsets,
+                                                          token_of_row, pair_of_row, error_flags);
+    return;
+  }
   // NOTE: the classic threadfence reduction: each writer fences its ids
   // before the block's arrival is counted, so the last block sees them all.
   __threadfence();
@@ -352,7 +365,7 @@ __global__ void __launch_bounds__(kRouteThreads)
   if (!is_last) return;
   __threadfence();
   if (threadIdx.x == 0) *arrivals = 0;
-  sort_pairs_in_block<kRouteThreads>(sort_sh, topk_ids, static_cast<int64_t>(gridDim.x) * params.top_k,
+  sort_pairs_in_block<kRouteThreads, IdSource::kGlobal>(sort_sh, topk_ids, static_cast<int64_t>(gridDim.x) * params.top_k,
                                      params.top_k, num_experts, expert_offsets, token_of_row,
                                      pair_of_row, error_flags);
 }
