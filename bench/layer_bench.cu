@@ -107,7 +107,8 @@ double median(std::vector<float> values) {
 
 std::string variant_name(const MoeLayerOptions& options) {
   return to_string(options.finalize) + "/" + to_string(options.gather) +
-         (options.programmatic_launch ? "" : "/plain");
+         (options.programmatic_launch ? "" : "/plain") +
+         (options.batch_invariant ? "/batch-invariant" : "");
 }
 
 }  // namespace
@@ -350,7 +351,8 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
   }
 
   // The default variant first, then the same with plain launches (no
-  // programmatic dependent launch): those two get a graph replay too.
+  // programmatic dependent launch): those two get a graph replay too. Then
+  // the default made batch invariant (no split-K), to show what that costs.
   std::vector<MoeLayerOptions> variants;
   for (FinalizeMode finalize : {FinalizeMode::kDeterministic, FinalizeMode::kAtomic})
     for (GatherMode gather : {GatherMode::kFused, GatherMode::kSeparate}) {
@@ -359,8 +361,12 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
       o.gather = gather;
       variants.push_back(o);
       if (variants.size() == 1) {
-        o.programmatic_launch = false;
-        variants.push_back(o);
+        MoeLayerOptions plain = o;
+        plain.programmatic_launch = false;
+        variants.push_back(plain);
+        MoeLayerOptions invariant = o;
+        invariant.batch_invariant = true;
+        variants.push_back(invariant);
       }
     }
   const MoeLayerOptions defaults;
@@ -371,7 +377,8 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
       options.activation = shape.activation;
       options.routing = shape.routing;
       // Graph replays for the default finalize and gather, with and without PDL.
-      const bool is_default = options.finalize == defaults.finalize && options.gather == defaults.gather;
+      const bool is_default = options.finalize == defaults.finalize && options.gather == defaults.gather &&
+                              options.batch_invariant == defaults.batch_invariant;
       const MoeLayer layer = MoeLayer::prepare(weights, options);
       LayerTimer timer(layer, max_tokens, opt.seed);
       for (int64_t tokens : opt.tokens) {
@@ -411,6 +418,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"finalize", to_string(options.finalize)},
                            {"gather", to_string(options.gather)},
                            {"programmatic_launch", options.programmatic_launch},
+                           {"batch_invariant", options.batch_invariant},
                            {"gemm1_config", plan.gemm1.config.to_string()},
                            {"gemm1_split_k", plan.gemm1.split_k},
                            {"gemm2_config", plan.gemm2.config.to_string()},

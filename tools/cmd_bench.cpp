@@ -1,8 +1,8 @@
 // `fp4moe bench`: the grouped-GEMM benchmark (bench/gemm_bench.hpp) over the
 // model shapes and token counts, against the roofline and cuBLAS measured in
 // the same run; with --layer, the whole-MoE-layer benchmark
-// (bench/layer_bench.hpp: routing on the device, four finalize/gather
-// variants, stage split, CUDA-graph replay). A table on stdout and JSON
+// (bench/layer_bench.hpp: routing on the device, six variants, stage split,
+// CUDA-graph replay). A table on stdout and JSON
 // lines in a file. Run on a GPU by tests/tools/test_cli_gpu.cpp.
 #include <fstream>
 #include <iostream>
@@ -31,9 +31,9 @@ void add_bench_command(CLI::App& app) {
                "roofline and cuBLAS bf16, measured in the same run; with --layer, the whole MoE layer (routing "
                "included) against the sum of the two GEMMs' rooflines (needs a GPU).");
   cmd->add_flag("--layer", o->layer,
-                "Benchmark the whole MoE layer: 5 variants (finalize deterministic/atomic x gather "
+                "Benchmark the whole MoE layer: 6 variants (finalize deterministic/atomic x gather "
                 "fused/separate, and the default with plain launches instead of programmatic dependent "
-                "launch), stage split, CUDA-graph replays (default models: glm-5, deepseek-v3; "
+                "launch or made batch invariant), stage split, CUDA-graph replays (default models: glm-5, deepseek-v3; "
                 "default tokens: 1 16 64 256 1024)");
   cmd->add_option("--models", o->models, "Models (default: all; with --layer glm-5 deepseek-v3): " + model_names());
   cmd->add_option("--tokens", o->options.tokens, "Token counts")->capture_default_str();

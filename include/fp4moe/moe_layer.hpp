@@ -61,6 +61,16 @@ struct MoeLayerOptions {
   // per token count. The epilogue field is ignored (set by the layer).
   std::optional<TileConfig> gemm1_config;
   std::optional<TileConfig> gemm2_config;
+  // Batch invariance: a token's output bits depend only on that token (its
+  // hidden state and routing), never on which other tokens share the
+  // forward or how many there are. Split-K is then never used (it changes
+  // the order in which K is summed, and the planner picks it per token
+  // count); tile shapes may still vary, as they do not change that order.
+  // Needs the deterministic finalize. The cost is speed where the planner
+  // would split K (small batches on GPUs with idle SMs). Expert-parallel
+  // serving needs it to equal a single GPU, where each rank sees other
+  // token counts.
+  bool batch_invariant = false;
 };
 
 // What a forward of `num_tokens` tokens will launch.

@@ -138,6 +138,9 @@ void validate_weights(const MoeWeights& w, const MoeLayerOptions& o) {
                "; expected a positive multiple of 16 (the NVFP4 block)");
   FP4MOE_CHECK(w.inter >= 16 && w.inter % 16 == 0, "MoeLayer: inter = ", w.inter,
                "; expected a positive multiple of 16 (the NVFP4 block)");
+  FP4MOE_CHECK(!o.batch_invariant || o.finalize == FinalizeMode::kDeterministic,
+               "MoeLayer: batch_invariant needs the deterministic finalize (atomic adds sum the "
+               "top-k rows in a different order on every run)");
   const int k = o.routing.top_k;
   FP4MOE_CHECK(k >= 1 && k <= w.num_experts && k <= kernels::kMaxTopK, "MoeLayer: top_k = ", k,
                "; expected 1..", std::min<int64_t>(w.num_experts, kernels::kMaxTopK));
@@ -211,8 +214,11 @@ struct MoeLayer::Impl {
     return p;
   }
 
-  static GemmPlan cap_split(GemmPlan plan) {
-    if (plan.split_k > 1 && plan.max_tiles > kSplitCounterCapacity) {
+  GemmPlan cap_split(GemmPlan plan) const {
+    if (plan.split_k > 1 && options.batch_invariant) {
+      plan.split_k = 1;
+      plan.reason += "; split-K off (batch invariant)";
+    } else if (plan.split_k > 1 && plan.max_tiles > kSplitCounterCapacity) {
       plan.split_k = 1;
       plan.reason += "; split-K off (more tiles than the workspace's counters)";
     }

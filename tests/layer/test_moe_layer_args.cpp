@@ -2,7 +2,8 @@
 // before anything touches the GPU: shapes that differ between experts, gate
 // and up with different global scales (they must share one), hidden or inter
 // not a multiple of 16, wrong bias sizes, zero experts, more than 512
-// experts, short buffers, NaN and negative block scales. Every case checks
+// experts, short buffers, NaN and negative block scales, batch invariance
+// asked with the atomic finalize. Every case checks
 // what the message says, not only that it throws, so these run (and pass)
 // without a GPU.
 #include <gmock/gmock.h>
@@ -184,6 +185,16 @@ TEST(MoeLayerArgs, RejectsBiasesOnSomeExpertsOnly) {
   const std::string msg = prepare_error(w);
   EXPECT_THAT(msg, HasSubstr("expert 2"));
   EXPECT_THAT(msg, HasSubstr("bias"));
+  EXPECT_THAT(msg, is_validation_error());
+}
+
+TEST(MoeLayerArgs, RejectsBatchInvarianceWithTheAtomicFinalize) {
+  MoeLayerOptions o = options_for(4);
+  o.batch_invariant = true;
+  o.finalize = FinalizeMode::kAtomic;
+  const std::string msg = prepare_error(valid_weights(), o);
+  EXPECT_THAT(msg, HasSubstr("batch_invariant"));
+  EXPECT_THAT(msg, HasSubstr("deterministic"));
   EXPECT_THAT(msg, is_validation_error());
 }
 

@@ -168,7 +168,7 @@ TEST_F(CliGpuTest, LayerBenchWritesOneJsonLinePerCase) {
     }
   }
   EXPECT_TRUE(has_ceilings);
-  EXPECT_EQ(num_cases, 5 * 2) << "5 variants x 2 token counts";
+  EXPECT_EQ(num_cases, 6 * 2) << "6 variants x 2 token counts";
   EXPECT_EQ(num_graphs, 2 * 2) << "two graph replays per token count";
 }
 
