@@ -140,10 +140,21 @@ class MoeLayer {
   // output: bf16 [num_tokens, hidden], 16-byte aligned. Validates every
   // argument on the host before any launch; launches only (no allocation, no
   // host synchronisation); num_tokens = 0 does nothing. Caller-given routing
-  // has options().routing.top_k slots per token. Expert ids out of range are
-  // reported by device_errors(); their slots contribute nothing.
+  // has options().routing.top_k slots per token; an id of -1 marks an absent
+  // slot (served elsewhere, e.g. by another rank) and contributes nothing.
+  // Other expert ids out of range are reported by device_errors(); their
+  // slots contribute nothing either.
   void forward(const MoeForwardArgs& args, void* output, void* workspace, size_t workspace_bytes,
                cudaStream_t stream, const MoeStageEvents* events = nullptr) const;
+
+  // The forward without its last step, for callers that sum the top-k rows
+  // themselves (expert parallelism): pair_rows, fp32 [num_tokens * top_k,
+  // hidden] and 16-byte aligned, receives at row token * top_k + slot the
+  // router-weighted expert output of every slot with a valid id, exactly
+  // the rows the deterministic finalize sums in slot order; rows of absent
+  // slots are left as they were. Needs FinalizeMode::kDeterministic.
+  void forward_pair_rows(const MoeForwardArgs& args, float* pair_rows, void* workspace,
+                         size_t workspace_bytes, cudaStream_t stream) const;
 
   // Device-side errors recorded in `workspace` by earlier forwards (expert
   // ids out of range), then clears them; synchronises the stream. Empty when
@@ -153,6 +164,9 @@ class MoeLayer {
  private:
   struct Impl;
   explicit MoeLayer(std::unique_ptr<Impl> impl);
+  // forward() (output set) or forward_pair_rows() (pair_rows set).
+  void run(const MoeForwardArgs& args, void* output, float* pair_rows, void* workspace,
+           size_t workspace_bytes, cudaStream_t stream, const MoeStageEvents* events) const;
   std::unique_ptr<Impl> impl_;
 };
 

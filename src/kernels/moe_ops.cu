@@ -250,7 +250,7 @@ __device__ void sort_pairs_in_block(SortShared<THREADS>& sh,
   bool saw_invalid = false;
   for_each_pair<THREADS, SOURCE>(topk_ids, num_pairs, num_experts,
                          [&](int64_t, int32_t id, bool in_range, bool valid) {
-                           saw_invalid |= in_range && !valid;
+                           saw_invalid |= in_range && !valid && id != kAbsentSlot;
                            const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
                            if (valid) {
                              const unsigned peers = __match_any_sync(valid_lanes, id);

@@ -26,6 +26,9 @@ namespace fp4moe::kernels {
 
 // Bits of the layer's device-side error word (the grouped GEMM's bits are 1, 2).
 inline constexpr int kErrorExpertIdOutOfRange = 4;
+// The expert id of a slot that is deliberately empty (served by another rank
+// under expert parallelism): skipped like any id out of range, not an error.
+inline constexpr int32_t kAbsentSlot = -1;
 
 // Largest top_k the routing and finalize kernels support.
 inline constexpr int kMaxTopK = 32;
@@ -50,8 +53,8 @@ void launch_route(const float* router_logits, const float* correction_bias, int6
 //   pair_of_row    [num_tokens * top_k]: the pair of each permuted row.
 // Entries past offsets[E] are left unwritten. The order of rows within one
 // expert is unspecified (results computed per row do not depend on it). Ids
-// outside [0, num_experts) are not placed and set kErrorExpertIdOutOfRange in
-// *error_flags (atomicOr). num_experts <= 512.
+// outside [0, num_experts) are not placed; all but kAbsentSlot set
+// kErrorExpertIdOutOfRange in *error_flags (atomicOr). num_experts <= 512.
 void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_k,
                            int64_t num_experts, int32_t* expert_offsets, int32_t* token_of_row,
                            int32_t* pair_of_row, int32_t* error_flags, cudaStream_t stream, bool programmatic = false);

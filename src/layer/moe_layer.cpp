@@ -376,6 +376,19 @@ void record(cudaEvent_t event, cudaStream_t stream) {
 void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace,
                        size_t workspace_bytes, cudaStream_t stream,
                        const MoeStageEvents* events) const {
+  run(args, output, nullptr, workspace, workspace_bytes, stream, events);
+}
+
+void MoeLayer::forward_pair_rows(const MoeForwardArgs& args, float* pair_rows, void* workspace,
+                                 size_t workspace_bytes, cudaStream_t stream) const {
+  FP4MOE_CHECK(impl_->options.finalize == FinalizeMode::kDeterministic,
+               "MoeLayer::forward_pair_rows: needs FinalizeMode::kDeterministic (the atomic mode "
+               "never holds a row per slot)");
+  run(args, nullptr, pair_rows, workspace, workspace_bytes, stream, nullptr);
+}
+
+void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, void* workspace,
+                   size_t workspace_bytes, cudaStream_t stream, const MoeStageEvents* events) const {
   const Impl& m = *impl_;
   const int64_t T = args.num_tokens;
   FP4MOE_CHECK(T >= 0 && T * m.top_k < (int64_t{1} << 31), "MoeLayer::forward: num_tokens = ", T,
@@ -384,9 +397,13 @@ void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace
   FP4MOE_CHECK(args.hidden_states && aligned16(args.hidden_states),
                "MoeLayer::forward: hidden_states must be a 16-byte aligned device pointer (bf16 [",
                T, ", ", m.hidden, "])");
-  FP4MOE_CHECK(output && aligned16(output),
-               "MoeLayer::forward: output must be a 16-byte aligned device pointer (bf16 [", T, ", ",
-               m.hidden, "])");
+  if (pair_rows)
+    FP4MOE_CHECK(aligned16(pair_rows), "MoeLayer::forward_pair_rows: pair_rows must be a 16-byte "
+                 "aligned device pointer (fp32 [", T * m.top_k, ", ", m.hidden, "])");
+  else
+    FP4MOE_CHECK(output && aligned16(output),
+                 "MoeLayer::forward: output must be a 16-byte aligned device pointer (bf16 [", T,
+                 ", ", m.hidden, "])");
   const bool device_routing = args.router_logits != nullptr;
   FP4MOE_CHECK(device_routing != (args.topk_ids != nullptr || args.topk_weights != nullptr),
                "MoeLayer::forward: give either router_logits or topk_ids + topk_weights, not both");
@@ -480,7 +497,7 @@ void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace
   g2.bias = m.bias2.get();
   g2.scatter_rows = pair_of_row;
   g2.row_weights = topk_weights;
-  g2.out_f32 = finalize;
+  g2.out_f32 = pair_rows ? pair_rows : finalize;
   g2.out_rows = atomic ? T : pairs;
   g2.out_row_divisor = atomic ? m.top_k : 1;
   g2.atomic_out = atomic;
@@ -492,6 +509,7 @@ void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace
   g2.programmatic_launch = pdl;
   grouped_gemm(g2, plan.gemm2, stream);
   record(ev.gemm2, stream);
+  if (pair_rows) return;
 
   if (atomic)
     kernels::launch_finalize_accumulated(finalize, T, m.hidden, output, stream, pdl);

@@ -470,8 +470,9 @@ void verify_sort(const std::vector<int32_t>& ids, int64_t num_tokens, int top_k,
 void check_sort(const std::vector<int32_t>& ids, int64_t num_tokens, int top_k,
                 int64_t num_experts, const std::string& what) {
   const int64_t num_pairs = num_tokens * top_k;
+  // kAbsentSlot (-1) is skipped without an error; every other id outside the range is one.
   const bool has_out_of_range = std::any_of(ids.begin(), ids.end(), [&](int32_t id) {
-    return id < 0 || id >= num_experts;
+    return (id < 0 && id != kernels::kAbsentSlot) || id >= num_experts;
   });
   const DeviceBuffer<int32_t> d_ids(ids);
   DeviceBuffer<int32_t> d_offsets(static_cast<size_t>(num_experts + 1));
@@ -510,6 +511,23 @@ TEST(MoeOpsGpu, SortEveryIdOutOfRange) {
   std::vector<int32_t> ids(64 * 8);
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = i % 2 ? -1 : 256;
   check_sort(ids, 64, 8, 256, "every id out of range");
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = i % 3 ? -2 : -1;
+  check_sort(ids, 64, 8, 256, "negative ids, some absent slots");
+}
+
+// Absent slots (-1, expert parallelism's slots served by another rank) are
+// skipped without an error; the others are sorted as usual.
+TEST(MoeOpsGpu, SortSkipsAbsentSlotsWithoutAnError) {
+  FP4MOE_REQUIRE_GPU();
+  std::mt19937 rng(17);
+  for (int64_t num_tokens : {1, 64, 1000}) {
+    std::vector<int32_t> ids = make_ids(IdPattern::kRandom, num_tokens * 8, 256, rng);
+    for (size_t i = 0; i < ids.size(); ++i)
+      if (i % 3 != 1) ids[i] = kernels::kAbsentSlot;
+    check_sort(ids, num_tokens, 8, 256, "two of three slots absent, tokens=" + std::to_string(num_tokens));
+    std::fill(ids.begin(), ids.end(), kernels::kAbsentSlot);
+    check_sort(ids, num_tokens, 8, 256, "every slot absent, tokens=" + std::to_string(num_tokens));
+  }
 }
 
 // Routing and sort in one call (one kernel up to 1024 pairs, two past it):

@@ -9,6 +9,7 @@
 //   - every compiled tile config forced in GEMM1 and GEMM2;
 //   - the full-size GLM-5 layer (~5.4 GB of weights) at T = 1 and 64;
 //   - batch invariance (a slice of a batch run alone gives the same bits);
+//   - forward_pair_rows: the rows the deterministic finalize sums;
 //   - determinism (bit-identical repeats), atomic mode, CUDA-graph capture
 //     and replay with new inputs, two host threads on one layer, workspace
 //     reuse and a too-small workspace, out-of-range expert ids reported by
@@ -25,6 +26,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -901,6 +903,52 @@ TEST(MoeLayerBatchInvariance, TokenOutputsDoNotDependOnTheBatch) {
   }
 }
 
+// forward_pair_rows: the fp32 (token, slot) rows, summed in slot order on the
+// host and rounded once, are forward()'s output bits; absent slots (-1) are
+// left untouched; the atomic mode refuses.
+TEST(MoeLayerPairRows, SlotOrderSumOfThePairRowsIsTheForwardOutput) {
+  FP4MOE_REQUIRE_GPU();
+  const ModelShape& shape = shape_named("GptOss");  // with biases
+  ModelData& data = model_data(shape);
+  const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape));
+  const int64_t T = 64, H = shape.hidden;
+  const int k = shape.routing.top_k;
+  Routing given = data.batch(T).routing;
+  for (int64_t t = 0; t < T; t += 5) given.topk_ids[static_cast<size_t>(t * k + t % k)] = -1;
+  const DeviceInputs inputs(data.batch(T).hidden_states, {}, {}, given, T);
+  Stream stream;
+  const DeviceBuffer<uint8_t> workspace = make_workspace(layer, T);
+  DeviceBuffer<uint16_t> output(static_cast<size_t>(T * H));
+  const std::vector<uint16_t> want = forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
+
+  DeviceBuffer<float> pair_rows(static_cast<size_t>(T * k * H));
+  pair_rows.fill_bytes(0xFF);  // NaN: absent slots must keep it
+  FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  layer.forward_pair_rows(inputs.caller_routing(), pair_rows.get(), workspace.get(), workspace.bytes(),
+                          stream.get());
+  const std::vector<float> rows = download_after(pair_rows, stream.get());
+  int64_t bad = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < H; ++c) {
+      float sum = 0.0f;
+      for (int j = 0; j < k; ++j) {
+        const float v = rows[static_cast<size_t>((t * k + j) * H + c)];
+        if (given.topk_ids[static_cast<size_t>(t * k + j)] == -1)
+          bad += !std::isnan(v);  // untouched
+        else
+          sum += v;
+      }
+      bad += float_to_bf16(sum) != want[static_cast<size_t>(t * H + c)];
+    }
+  EXPECT_EQ(bad, 0) << "pair rows that do not sum to forward()'s bits, or absent rows written";
+
+  const MoeLayer atomic =
+      MoeLayer::prepare(data.weights, layer_options(shape, FinalizeMode::kAtomic));
+  EXPECT_THROW(atomic.forward_pair_rows(inputs.caller_routing(), pair_rows.get(), workspace.get(),
+                                        workspace.bytes(), stream.get()),
+               Error);
+}
+
 // Repeated atomic forwards, with the token count changing in between, each
 // within tolerance: the accumulation buffer must be cleared for the next one.
 TEST(MoeLayerDeterminism, AtomicForwardsStayWithinTolerance) {
@@ -1121,8 +1169,9 @@ TEST(MoeLayerWorkspace, TooSmallWorkspaceThrowsBeforeLaunch) {
 
 // ------------------------------------------------------------- device errors
 
-// Ids outside [0, num_experts) in caller routing: reported by device_errors,
-// their slots contribute nothing, every other (token, slot) is computed.
+// Ids outside [0, num_experts) in caller routing: their slots contribute
+// nothing, every other (token, slot) is computed; device_errors reports them,
+// except -1 (an absent slot, served by another rank).
 TEST(MoeLayerDeviceErrors, OutOfRangeIdsAreReportedAndSkipped) {
   FP4MOE_REQUIRE_GPU();
   const ModelShape& shape = shape_named("Mixtral");
@@ -1134,17 +1183,39 @@ TEST(MoeLayerDeviceErrors, OutOfRangeIdsAreReportedAndSkipped) {
   Stream stream;
   DeviceBuffer<uint16_t> output(static_cast<size_t>(num_tokens * shape.hidden));
 
-  {
-    SCOPED_TRACE("valid routing");
+  // Runs caller routing `given`, checks the output against the reference on
+  // `expected` (the skipped slots as a valid id with weight 0) and returns
+  // device_errors(), which must then be clear (reported once).
+  const auto run = [&](const Routing& given, const Routing& expected) {
     const DeviceBuffer<uint8_t> workspace = make_workspace(layer, num_tokens);
-    const DeviceInputs inputs(batch, data.correction_bias);
-    forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
-    EXPECT_EQ(layer.device_errors(workspace.get(), stream.get()), "");
+    const DeviceInputs inputs(batch.hidden_states, {}, {}, given, num_tokens);
+    const std::vector<uint16_t> out =
+        forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
+    expect_matches_reference(
+        out, reference_output(data.weights, batch.hidden_states, expected, shape.activation),
+        shape.hidden);
+    const std::string errors = layer.device_errors(workspace.get(), stream.get());
+    EXPECT_EQ(layer.device_errors(workspace.get(), stream.get()), "") << "reported twice";
+    return errors;
+  };
+
+  EXPECT_EQ(run(batch.routing, batch.routing), "") << "valid routing";
+  {
+    // Absent slots (-1: served by another rank) are skipped without an error.
+    SCOPED_TRACE("absent slots");
+    Routing given = batch.routing;
+    Routing expected = batch.routing;
+    for (int64_t token = 0; token < num_tokens; token += 3) {
+      const size_t pair = static_cast<size_t>(token * top_k + token % top_k);
+      given.topk_ids[pair] = -1;
+      expected.topk_weights[pair] = 0.0f;  // the same expert, contributing nothing
+    }
+    EXPECT_EQ(run(given, expected), "");
   }
 
   // (token, slot, bad id); the reference gets a valid unused id with weight 0 there.
   const std::tuple<int64_t, int, int32_t> bad_slots[] = {
-      {5, 1, static_cast<int32_t>(shape.num_experts)}, {17, 0, -1}, {63, top_k - 1, 1 << 20}};
+      {5, 1, static_cast<int32_t>(shape.num_experts)}, {17, 0, -2}, {63, top_k - 1, 1 << 20}};
   Routing given = batch.routing;
   Routing expected = batch.routing;
   for (const auto& [token, slot, bad_id] : bad_slots) {
@@ -1158,22 +1229,13 @@ TEST(MoeLayerDeviceErrors, OutOfRangeIdsAreReportedAndSkipped) {
     expected.topk_ids[pair] = unused;
     expected.topk_weights[pair] = 0.0f;
   }
-  const DeviceBuffer<uint8_t> workspace = make_workspace(layer, num_tokens);
-  const DeviceInputs inputs(batch.hidden_states, {}, {}, given, num_tokens);
-  const std::vector<uint16_t> out =
-      forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
-  expect_matches_reference(
-      out, reference_output(data.weights, batch.hidden_states, expected, shape.activation),
-      shape.hidden);
-  const std::string errors = layer.device_errors(workspace.get(), stream.get());
+  const std::string errors = run(given, expected);
   std::printf("  device_errors: %s\n", errors.c_str());
   EXPECT_NE(errors, "");
   std::string lower = errors;
   std::transform(lower.begin(), lower.end(), lower.begin(),
                  [](unsigned char c) { return std::tolower(c); });
   EXPECT_THAT(lower, HasSubstr("expert"));
-  // Reported once: the error words are cleared.
-  EXPECT_EQ(layer.device_errors(workspace.get(), stream.get()), "");
 }
 
 // --------------------------------------------------------- load from a file

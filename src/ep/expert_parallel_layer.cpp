@@ -1,0 +1,294 @@
+// ExpertParallelMoeLayer (include/fp4moe/expert_parallel_layer.hpp): the
+// host plans of expert_parallel.hpp carried out with the NCCL helpers of
+// nccl_util.hpp and the single-GPU layer's kernels. Row moves on the device
+// use the layer's row gather (16-byte vectors, so an fp32 row of H values is
+// gathered as 2H bf16-sized halves); the final slot-order sum is the
+// deterministic finalize kernel itself, which is what makes the result
+// bit-identical to one GPU.
+#include "fp4moe/expert_parallel_layer.hpp"
+
+#include <cuda_runtime.h>
+
+#include <utility>
+#include <vector>
+
+#include "ep/nccl_util.hpp"
+#include "fp4moe/cuda_check.hpp"
+#include "fp4moe/error.hpp"
+#include "kernels/moe_ops.hpp"
+
+namespace fp4moe {
+namespace {
+
+static_assert(kSlotServedElsewhere == kernels::kAbsentSlot,
+              "the wire format's absent slot is the layer's skipped id");
+
+// Device memory that grows to the largest size asked for and keeps it.
+class GrowingBuffer {
+ public:
+  GrowingBuffer() = default;
+  GrowingBuffer(const GrowingBuffer&) = delete;
+  GrowingBuffer& operator=(const GrowingBuffer&) = delete;
+  GrowingBuffer(GrowingBuffer&& o) noexcept
+      : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  GrowingBuffer& operator=(GrowingBuffer&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~GrowingBuffer() {
+    if (ptr_) cudaFree(ptr_);
+  }
+
+  // At least `bytes` (16-byte aligned: cudaMalloc's 256). Returns whether
+  // the memory is new (its contents undefined). cudaFree waits for the
+  // device, so work still reading the old memory is finished first.
+  bool reserve(size_t bytes) {
+    if (bytes <= bytes_) return false;
+    if (ptr_) FP4MOE_CUDA_CHECK(cudaFree(ptr_));
+    ptr_ = nullptr;
+    bytes_ = 0;
+    FP4MOE_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
+    bytes_ = bytes;
+    return true;
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+template <typename T>
+void upload_async(GrowingBuffer& buffer, const std::vector<T>& host, cudaStream_t stream) {
+  if (host.empty()) return;
+  buffer.reserve(host.size() * sizeof(T));
+  // Pageable source: the call returns once the bytes are staged.
+  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(buffer.as<void>(), host.data(), host.size() * sizeof(T),
+                                    cudaMemcpyHostToDevice, stream));
+}
+
+template <typename T>
+void download(std::vector<T>& host, const T* device, size_t count, cudaStream_t stream) {
+  host.resize(count);
+  if (count > 0)
+    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(host.data(), device, count * sizeof(T),
+                                      cudaMemcpyDeviceToHost, stream));
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+}  // namespace
+
+struct ExpertParallelMoeLayer::Impl {
+  ExpertPlacement placement;
+  ncclComm_t comm = nullptr;
+  int rank = 0;
+  int64_t num_experts = 0, hidden = 0;
+  int top_k = 0;
+  RoutingParams routing;
+  MoeLayer local;
+
+  // Per-forward buffers, grown on demand.
+  GrowingBuffer ids, weights;             // home routing [T, k] (router-logits forwards)
+  GrowingBuffer row_counts;               // {0, n} pairs that size the row gathers
+  GrowingBuffer send_token_idx, send_hidden, send_meta;
+  GrowingBuffer counts_send, counts_recv;
+  GrowingBuffer recv_hidden, recv_meta, local_ids, local_weights;
+  GrowingBuffer workspace, pair_rows, return_idx, return_rows;
+  GrowingBuffer returned, combine_idx, home_pair_rows;
+
+  Impl(ExpertPlacement p, ncclComm_t c, int r, MoeLayer layer)
+      : placement(std::move(p)), comm(c), rank(r), local(std::move(layer)) {}
+
+  // dst[i, :] = src[index[i], :] for rows of `row_bytes` (a multiple of 16),
+  // i < n, where counts holds {0, n} on the device.
+  void gather(const void* src, const int32_t* index, const int32_t* counts, int64_t n,
+              int64_t row_bytes, void* dst, cudaStream_t stream) const {
+    kernels::launch_gather_rows(src, index, counts, 1, n, row_bytes / 2, dst, stream);
+  }
+};
+
+ExpertParallelMoeLayer::ExpertParallelMoeLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ExpertParallelMoeLayer::ExpertParallelMoeLayer(ExpertParallelMoeLayer&&) noexcept = default;
+ExpertParallelMoeLayer& ExpertParallelMoeLayer::operator=(ExpertParallelMoeLayer&&) noexcept = default;
+ExpertParallelMoeLayer::~ExpertParallelMoeLayer() = default;
+
+int ExpertParallelMoeLayer::rank() const { return impl_->rank; }
+const ExpertPlacement& ExpertParallelMoeLayer::placement() const { return impl_->placement; }
+const MoeLayer& ExpertParallelMoeLayer::local_layer() const { return impl_->local; }
+int64_t ExpertParallelMoeLayer::num_experts() const { return impl_->num_experts; }
+int64_t ExpertParallelMoeLayer::hidden() const { return impl_->hidden; }
+int ExpertParallelMoeLayer::top_k() const { return impl_->top_k; }
+
+ExpertParallelMoeLayer ExpertParallelMoeLayer::prepare(const MoeWeights& weights,
+                                                       const ExpertPlacement& placement,
+                                                       ncclComm_t comm,
+                                                       const MoeLayerOptions& options) {
+  FP4MOE_CHECK(comm != nullptr, "ExpertParallelMoeLayer: the NCCL communicator is null");
+  int comm_size = 0, rank = 0;
+  FP4MOE_NCCL_CHECK(ncclCommCount(comm, &comm_size));
+  FP4MOE_NCCL_CHECK(ncclCommUserRank(comm, &rank));
+  FP4MOE_CHECK(comm_size == placement.num_ranks, "ExpertParallelMoeLayer: the communicator has ",
+               comm_size, " ranks but the placement ", placement.num_ranks);
+  FP4MOE_CHECK(placement.num_experts == weights.num_experts, "ExpertParallelMoeLayer: the placement is for ",
+               placement.num_experts, " experts but the layer has ", weights.num_experts);
+  FP4MOE_CHECK(options.finalize == FinalizeMode::kDeterministic,
+               "ExpertParallelMoeLayer: needs FinalizeMode::kDeterministic (the home rank sums "
+               "each token's rows in slot order)");
+  FP4MOE_CHECK(weights.hidden % 8 == 0, "ExpertParallelMoeLayer: hidden = ", weights.hidden,
+               "; expected a multiple of 8 (rows move as 16-byte vectors)");
+  MoeWeights local;
+  local.hidden = weights.hidden;
+  local.inter = weights.inter;
+  local.num_experts = placement.num_local_experts(rank);
+  for (int64_t i = 0; i < local.num_experts; ++i)
+    local.experts.push_back(weights.experts.at(static_cast<size_t>(placement.global_expert(rank, i))));
+  MoeLayerOptions local_options = options;
+  local_options.batch_invariant = true;
+  auto impl = std::make_unique<Impl>(placement, comm, rank, MoeLayer::prepare(local, local_options));
+  impl->num_experts = weights.num_experts;
+  impl->hidden = weights.hidden;
+  impl->top_k = options.routing.top_k;
+  impl->routing = options.routing;
+  return ExpertParallelMoeLayer(std::move(impl));
+}
+
+ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, void* output,
+                                                    cudaStream_t stream) {
+  Impl& m = *impl_;
+  const int64_t T = args.num_tokens, H = m.hidden, P = m.placement.num_ranks;
+  const int k = m.top_k;
+  FP4MOE_CHECK(T >= 0 && T * k < (int64_t{1} << 31), "ExpertParallelMoeLayer::forward: num_tokens = ",
+               T, "; expected 0 .. 2^31 / top_k");
+  const bool device_routing = args.router_logits != nullptr;
+  if (T > 0) {  // a rank without tokens still takes part, with nothing to give
+    FP4MOE_CHECK(device_routing != (args.topk_ids != nullptr || args.topk_weights != nullptr),
+                 "ExpertParallelMoeLayer::forward: give either router_logits or topk_ids + "
+                 "topk_weights, not both");
+    FP4MOE_CHECK(device_routing || (args.topk_ids && args.topk_weights),
+                 "ExpertParallelMoeLayer::forward: topk_ids and topk_weights go together");
+    FP4MOE_CHECK(args.hidden_states && output,
+                 "ExpertParallelMoeLayer::forward: hidden_states and output must be device pointers");
+  }
+
+  // 1. The home tokens' routing, on the host for the dispatch plan.
+  const int32_t* home_ids = args.topk_ids;
+  const float* home_weights = args.topk_weights;
+  if (device_routing && T > 0) {
+    m.ids.reserve(static_cast<size_t>(T * k) * 4);
+    m.weights.reserve(static_cast<size_t>(T * k) * 4);
+    kernels::launch_route(args.router_logits, args.correction_bias, T, m.num_experts, m.routing,
+                          m.ids.as<int32_t>(), m.weights.as<float>(), stream);
+    home_ids = m.ids.as<int32_t>();
+    home_weights = m.weights.as<float>();
+  }
+  std::vector<int32_t> host_ids;
+  std::vector<float> host_weights;
+  if (T > 0) {
+    host_weights.resize(static_cast<size_t>(T * k));
+    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(host_weights.data(), home_weights, host_weights.size() * 4,
+                                      cudaMemcpyDeviceToHost, stream));
+  }
+  download(host_ids, home_ids, static_cast<size_t>(T * k), stream);
+  const DispatchPlan plan =
+      plan_dispatch(host_ids.data(), T, k, m.placement, m.rank, host_weights.data());
+  const int64_t S = plan.num_send_rows();
+  const int64_t W = dispatch_meta_words(k);
+
+  // 2. Send buffers: the rows in plan order and their metadata.
+  upload_async(m.send_token_idx, plan.send_token_idx, stream);
+  upload_async(m.send_meta, plan.send_meta, stream);
+  m.send_hidden.reserve(static_cast<size_t>(S * H) * 2);
+  // 3. Counts, to and from every rank.
+  upload_async(m.counts_send, plan.counts_messages(), stream);
+  m.counts_recv.reserve(static_cast<size_t>(P * kCountsMessageWords) * 8);
+  std::vector<int32_t> row_counts = {0, static_cast<int32_t>(S), 0, 0, 0, 0};
+  upload_async(m.row_counts, row_counts, stream);  // the other pairs are set below
+  if (S > 0)
+    m.gather(args.hidden_states, m.send_token_idx.as<int32_t>(), m.row_counts.as<int32_t>(), S,
+             H * 2, m.send_hidden.as<void>(), stream);
+  nccl_exchange_counts(m.counts_send.as<int64_t>(), m.counts_recv.as<int64_t>(), static_cast<int>(P),
+                       m.comm, stream);
+  std::vector<int64_t> recv_counts;
+  download(recv_counts, m.counts_recv.as<int64_t>(), static_cast<size_t>(P * kCountsMessageWords), stream);
+  int64_t R = 0;
+  for (int64_t s = 0; s < P; ++s) R += recv_counts[static_cast<size_t>(s * kCountsMessageWords)];
+
+  // 4. Dispatch: rows and metadata from every rank, in rank order.
+  m.recv_hidden.reserve(static_cast<size_t>(R * H) * 2);
+  m.recv_meta.reserve(static_cast<size_t>(R * W) * 4);
+  nccl_dispatch(plan, recv_counts.data(), H, m.send_hidden.as<void>(), m.send_meta.as<int32_t>(),
+                m.recv_hidden.as<void>(), m.recv_meta.as<int32_t>(), m.comm, stream);
+  std::vector<int32_t> recv_meta;
+  download(recv_meta, m.recv_meta.as<int32_t>(), static_cast<size_t>(R * W), stream);
+  const ReceivePlan recv = plan_receive(recv_counts.data(), recv_meta.data(), k, m.placement, m.rank);
+  const int64_t Rp = recv.num_recv_pairs();
+
+  // 5. This rank's experts on what it received: one fp32 row per served
+  // (row, slot), then those rows in return order.
+  m.return_rows.reserve(static_cast<size_t>(Rp * H) * 4);
+  if (R > 0) {
+    m.local_ids.reserve(static_cast<size_t>(R * k) * 4);
+    m.local_weights.reserve(static_cast<size_t>(R * k) * 4);
+    const auto* meta = m.recv_meta.as<int32_t>();
+    FP4MOE_CUDA_CHECK(cudaMemcpy2DAsync(m.local_ids.as<void>(), k * 4, meta + 1, W * 4, k * 4, R,
+                                        cudaMemcpyDeviceToDevice, stream));
+    FP4MOE_CUDA_CHECK(cudaMemcpy2DAsync(m.local_weights.as<void>(), k * 4, meta + 1 + k, W * 4, k * 4,
+                                        R, cudaMemcpyDeviceToDevice, stream));
+    const size_t workspace_bytes = m.local.workspace_bytes(R);
+    if (m.workspace.reserve(workspace_bytes))
+      FP4MOE_CUDA_CHECK(cudaMemsetAsync(m.workspace.as<void>(), 0, workspace_bytes, stream));
+    m.pair_rows.reserve(static_cast<size_t>(R * k * H) * 4);
+    MoeForwardArgs local_args;
+    local_args.hidden_states = m.recv_hidden.as<void>();
+    local_args.num_tokens = R;
+    local_args.topk_ids = m.local_ids.as<int32_t>();
+    local_args.topk_weights = m.local_weights.as<float>();
+    m.local.forward_pair_rows(local_args, m.pair_rows.as<float>(), m.workspace.as<void>(),
+                              workspace_bytes, stream);
+    std::vector<int32_t> return_idx(static_cast<size_t>(Rp));
+    for (int64_t p = 0; p < Rp; ++p) {
+      const RecvPair& pair = recv.pairs[static_cast<size_t>(p)];
+      return_idx[static_cast<size_t>(p)] = static_cast<int32_t>(pair.recv_row * k + pair.slot);
+    }
+    upload_async(m.return_idx, return_idx, stream);
+    row_counts = {0, static_cast<int32_t>(Rp)};
+    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(m.row_counts.as<int32_t>() + 2, row_counts.data(), 8,
+                                      cudaMemcpyHostToDevice, stream));
+    m.gather(m.pair_rows.as<void>(), m.return_idx.as<int32_t>(), m.row_counts.as<int32_t>() + 2, Rp,
+             H * 4, m.return_rows.as<void>(), stream);
+  }
+
+  // 6. Return: each rank's rows back to it; ours arrive in rank order.
+  m.returned.reserve(static_cast<size_t>(T * k * H) * 4);
+  nccl_return_rows(recv, plan, H, m.return_rows.as<float>(), m.returned.as<float>(), m.comm, stream);
+
+  // 7. Combine: the rows in (token, slot) order, summed in slot order.
+  if (T > 0) {
+    std::vector<int32_t> combine_idx(static_cast<size_t>(T * k));
+    for (size_t i = 0; i < combine_idx.size(); ++i)
+      combine_idx[i] = static_cast<int32_t>(plan.combine.return_row_idx[i]);
+    upload_async(m.combine_idx, combine_idx, stream);
+    row_counts = {0, static_cast<int32_t>(T * k)};
+    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(m.row_counts.as<int32_t>() + 4, row_counts.data(), 8,
+                                      cudaMemcpyHostToDevice, stream));
+    m.home_pair_rows.reserve(static_cast<size_t>(T * k * H) * 4);
+    m.gather(m.returned.as<void>(), m.combine_idx.as<int32_t>(), m.row_counts.as<int32_t>() + 4,
+             T * k, H * 4, m.home_pair_rows.as<void>(), stream);
+    kernels::launch_finalize_pairs(m.home_pair_rows.as<float>(), home_ids, T, k, m.num_experts, H,
+                                   output, stream);
+  }
+  // The host vectors staged above are no longer referenced; the device work
+  // is ordered on `stream`.
+  ExpertParallelStats stats;
+  stats.sent_rows = S;
+  stats.sent_pairs = plan.num_send_pairs();
+  stats.received_rows = R;
+  stats.received_pairs = Rp;
+  return stats;
+}
+
+}  // namespace fp4moe
