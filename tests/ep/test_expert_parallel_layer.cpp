@@ -192,8 +192,10 @@ TEST(ExpertParallelLayer, OneRankEqualsTheSingleGpuLayer) {
     EXPECT_TRUE(ep.local_layer().options().batch_invariant);
     for (int64_t T : {int64_t{1}, int64_t{64}, int64_t{4096}, int64_t{0}, int64_t{3}}) {
       const Batch b = make_batch(s, T, rng);
-      const Routing caller = route(b.logits.data(), T, s.num_experts, b.bias.data(), options.routing);
-      for (const Routing* given : {static_cast<const Routing*>(nullptr), &caller}) {
+      Routing caller;  // the CPU routing, fed to both layers (empty for T = 0)
+      caller.top_k = options.routing.top_k;
+      if (T > 0) caller = route(b.logits.data(), T, s.num_experts, b.bias.data(), options.routing);
+      for (const Routing* given : {static_cast<const Routing*>(nullptr), static_cast<const Routing*>(&caller)}) {
         SCOPED_TRACE(s.name + " T=" + std::to_string(T) + (given ? " caller routing" : " device routing"));
         const std::vector<uint16_t> want = single_gpu_output(weights, options, s, b, given);
         const DeviceBatch d(s, b, given, 0, T);

@@ -861,11 +861,12 @@ TEST(MoeLayerBatchInvariance, TokenOutputsDoNotDependOnTheBatch) {
 
   Stream stream;
   const DeviceBuffer<uint8_t> workspace = make_workspace(invariant, kTokens);
+  const DeviceBuffer<uint8_t> plain_workspace = make_workspace(plain, kTokens);
   DeviceBuffer<uint16_t> output(static_cast<size_t>(kTokens * shape.hidden));
   const std::vector<uint16_t> full_invariant =
       forward_bits(invariant, inputs.device_routing(), output, workspace, stream.get());
   const std::vector<uint16_t> full_plain =
-      forward_bits(plain, inputs.device_routing(), output, workspace, stream.get());
+      forward_bits(plain, inputs.device_routing(), output, plain_workspace, stream.get());
 
   const int64_t H = shape.hidden, E = shape.num_experts;
   struct Slice {
@@ -888,7 +889,7 @@ TEST(MoeLayerBatchInvariance, TokenOutputsDoNotDependOnTheBatch) {
     if (slice.count == 3)
       expect_matches_reference(got, reference_output(weights, hidden, part_routing, shape.activation), H);
     const std::vector<uint16_t> got_plain =
-        forward_bits(plain, part.device_routing(), output, workspace, stream.get());
+        forward_bits(plain, part.device_routing(), output, plain_workspace, stream.get());
     const std::vector<uint16_t> want_plain = rows(full_plain, H);
     int64_t differing_tokens = 0;
     for (int64_t t = 0; t < slice.count; ++t)
@@ -898,7 +899,8 @@ TEST(MoeLayerBatchInvariance, TokenOutputsDoNotDependOnTheBatch) {
                 "tokens differ from the full batch\n",
                 plain.plan(slice.count).gemm1.split_k, plain.plan(slice.count).gemm2.split_k,
                 static_cast<long long>(slice.count), plain.plan(kTokens).gemm1.split_k,
-                plain.plan(kTokens).gemm2.split_k, static_cast<long long>(differing_tokens),
+                plain.plan(kTokens).gemm2.split_k, static_cast<long long>(kTokens),
+                static_cast<long long>(differing_tokens),
                 static_cast<long long>(slice.count));
   }
 }
