@@ -248,16 +248,16 @@ __device__ void sort_pairs_in_block(SortShared<THREADS>& sh,
   __syncthreads();
 
   bool saw_invalid = false;
-  for_each_pair<THREADS, SOURCE>(topk_ids, num_pairs, num_experts,
-                         [&](int64_t, int32_t id, bool in_range, bool valid) {
-                           saw_invalid |= in_range && !valid && id != kAbsentSlot;
-                           const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
-                           if (valid) {
-                             const unsigned peers = __match_any_sync(valid_lanes, id);
-                             if (lane == __ffs(peers) - 1)
-                               atomicAdd(&sh.expert_cursor[id], __popc(peers));
-                           }
-                         });
+  for_each_pair<THREADS, SOURCE>(
+      topk_ids, num_pairs, num_experts, [&](int64_t, int32_t id, bool in_range, bool valid) {
+        saw_invalid |= in_range && !valid && id != kAbsentSlot;
+        const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
+        if (valid) {
+          const unsigned peers = __match_any_sync(valid_lanes, id);
+          if (lane == __ffs(peers) - 1)
+            atomicAdd(&sh.expert_cursor[id], __popc(peers));
+        }
+      });
   if (__syncthreads_or(saw_invalid) && tid == 0) atomicOr(error_flags, kErrorExpertIdOutOfRange);
 
   // Exclusive scan of the counts: per-thread sums, warp scans of those, then
@@ -302,20 +302,20 @@ __device__ void sort_pairs_in_block(SortShared<THREADS>& sh,
   if (tid == THREADS - 1) expert_offsets[num_experts] = start;  // the total
   __syncthreads();
 
-  for_each_pair<THREADS, SOURCE>(topk_ids, num_pairs, num_experts,
-                         [&](int64_t pair, int32_t id, bool, bool valid) {
-                           const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
-                           if (!valid) return;
-                           const unsigned peers = __match_any_sync(valid_lanes, id);
-                           const int leader = __ffs(peers) - 1;
-                           int first_row = 0;
-                           if (lane == leader)
-                             first_row = atomicAdd(&sh.expert_cursor[id], __popc(peers));
-                           const int row =
-                               __shfl_sync(peers, first_row, leader) + __popc(peers & lanes_below);
-                           token_of_row[row] = static_cast<int32_t>(pair / top_k);
-                           pair_of_row[row] = static_cast<int32_t>(pair);
-                         });
+  for_each_pair<THREADS, SOURCE>(
+      topk_ids, num_pairs, num_experts, [&](int64_t pair, int32_t id, bool, bool valid) {
+        const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
+        if (!valid) return;
+        const unsigned peers = __match_any_sync(valid_lanes, id);
+        const int leader = __ffs(peers) - 1;
+        int first_row = 0;
+        if (lane == leader)
+          first_row = atomicAdd(&sh.expert_cursor[id], __popc(peers));
+        const int row =
+            __shfl_sync(peers, first_row, leader) + __popc(peers & lanes_below);
+        token_of_row[row] = static_cast<int32_t>(pair / top_k);
+        pair_of_row[row] = static_cast<int32_t>(pair);
+      });
 }
 
 __global__ void __launch_bounds__(kSortThreads)
@@ -326,8 +326,9 @@ __global__ void __launch_bounds__(kSortThreads)
   __shared__ SortShared<kSortThreads> sh;
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
-  sort_pairs_in_block<kSortThreads, IdSource::kGlobal>(sh, topk_ids, num_pairs, top_k, num_experts, expert_offsets,
-                                    token_of_row, pair_of_row, error_flags);
+  sort_pairs_in_block<kSortThreads, IdSource::kGlobal>(sh, topk_ids, num_pairs, top_k, num_experts,
+                                                       expert_offsets, token_of_row, pair_of_row,
+                                                       error_flags);
 }
 
 // Routing and sort in one launch, for small batches where a second kernel's
@@ -365,9 +366,9 @@ __global__ void __launch_bounds__(kRouteThreads)
   if (!is_last) return;
   __threadfence();
   if (threadIdx.x == 0) *arrivals = 0;
-  sort_pairs_in_block<kRouteThreads, IdSource::kGlobal>(sort_sh, topk_ids, static_cast<int64_t>(gridDim.x) * params.top_k,
-                                     params.top_k, num_experts, expert_offsets, token_of_row,
-                                     pair_of_row, error_flags);
+  sort_pairs_in_block<kRouteThreads, IdSource::kGlobal>(
+      sort_sh, topk_ids, static_cast<int64_t>(gridDim.x) * params.top_k, params.top_k, num_experts,
+      expert_offsets, token_of_row, pair_of_row, error_flags);
 }
 
 // ------------------------------------------------------- gather, finalize

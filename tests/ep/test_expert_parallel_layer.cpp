@@ -195,7 +195,8 @@ TEST(ExpertParallelLayer, OneRankEqualsTheSingleGpuLayer) {
       Routing caller;  // the CPU routing, fed to both layers (empty for T = 0)
       caller.top_k = options.routing.top_k;
       if (T > 0) caller = route(b.logits.data(), T, s.num_experts, b.bias.data(), options.routing);
-      for (const Routing* given : {static_cast<const Routing*>(nullptr), static_cast<const Routing*>(&caller)}) {
+      const Routing* no_routing = nullptr;
+      for (const Routing* given : {no_routing, static_cast<const Routing*>(&caller)}) {
         SCOPED_TRACE(s.name + " T=" + std::to_string(T) + (given ? " caller routing" : " device routing"));
         const std::vector<uint16_t> want = single_gpu_output(weights, options, s, b, given);
         const DeviceBatch d(s, b, given, 0, T);
@@ -279,7 +280,8 @@ TEST(ExpertParallelLayer, RanksOnSeveralGpusEqualTheSingleGpuLayer) {
             try {
               FP4MOE_CUDA_CHECK(cudaSetDevice(r));
               const Comm comm(P, id, r);
-              ExpertParallelMoeLayer ep = ExpertParallelMoeLayer::prepare(weights, placement, comm.get(), options);
+              ExpertParallelMoeLayer ep =
+                  ExpertParallelMoeLayer::prepare(weights, placement, comm.get(), options);
               const int64_t count = first[static_cast<size_t>(r) + 1] - first[static_cast<size_t>(r)];
               const DeviceBatch d(s, b, &caller, first[static_cast<size_t>(r)], count);
               DeviceBuffer<uint16_t> out(static_cast<size_t>(std::max<int64_t>(count, 1) * s.hidden));
