@@ -47,6 +47,19 @@ struct ExpertParallelStats {
   int64_t received_pairs = 0;  // fp32 result rows it returned
 };
 
+// Where one forward's time went on this rank, from CUDA events between the
+// phases (milliseconds; host work between phases, such as planning, falls in
+// the phase that follows it).
+struct ExpertParallelTimes {
+  double route_ms = 0;     // routing, its ids to the host, plan_dispatch
+  double dispatch_ms = 0;  // send rows gathered, counts exchanged, rows + metadata moved (NCCL)
+  double experts_ms = 0;   // metadata to the host, this rank's grouped GEMMs, rows in return order
+  double return_ms = 0;    // result rows back to their home ranks (NCCL)
+  double combine_ms = 0;   // slot-order sums into bf16
+  double total_ms() const { return route_ms + dispatch_ms + experts_ms + return_ms + combine_ms; }
+  double all_to_all_ms() const { return dispatch_ms + return_ms; }
+};
+
 class ExpertParallelMoeLayer {
  public:
   // This rank's part of the layer: `weights` holds every expert; only the
@@ -71,7 +84,10 @@ class ExpertParallelMoeLayer {
   // This rank's tokens: args as for MoeLayer::forward, with global expert
   // ids (caller routing) or router logits over all experts; output bf16
   // [args.num_tokens, hidden]. Collective over the communicator; see above.
-  ExpertParallelStats forward(const MoeForwardArgs& args, void* output, cudaStream_t stream);
+  // With `times`, the phases are timed and the stream is synchronised once
+  // more at the end to read them.
+  ExpertParallelStats forward(const MoeForwardArgs& args, void* output, cudaStream_t stream,
+                              ExpertParallelTimes* times = nullptr);
 
  private:
   struct Impl;

@@ -62,6 +62,33 @@ class GrowingBuffer {
   size_t bytes_ = 0;
 };
 
+// CUDA events between the phases of a forward, created on first use.
+class PhaseEvents {
+ public:
+  static constexpr int kCount = 6;  // start, then the end of each of the five phases
+  PhaseEvents() = default;
+  PhaseEvents(const PhaseEvents&) = delete;
+  PhaseEvents& operator=(const PhaseEvents&) = delete;
+  ~PhaseEvents() {
+    for (cudaEvent_t e : events_)
+      if (e) cudaEventDestroy(e);
+  }
+  void record(int i, cudaStream_t stream) {
+    if (!events_[i]) FP4MOE_CUDA_CHECK(cudaEventCreate(&events_[i]));
+    FP4MOE_CUDA_CHECK(cudaEventRecord(events_[i], stream));
+  }
+  // Milliseconds from event i - 1 to event i; waits for event i.
+  double elapsed_ms(int i) const {
+    FP4MOE_CUDA_CHECK(cudaEventSynchronize(events_[i]));
+    float ms = 0.0f;
+    FP4MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[i - 1], events_[i]));
+    return ms;
+  }
+
+ private:
+  cudaEvent_t events_[kCount] = {};
+};
+
 template <typename T>
 void upload_async(GrowingBuffer& buffer, const std::vector<T>& host, cudaStream_t stream) {
   if (host.empty()) return;
@@ -99,6 +126,7 @@ struct ExpertParallelMoeLayer::Impl {
   GrowingBuffer recv_hidden, recv_meta, local_ids, local_weights;
   GrowingBuffer workspace, pair_rows, return_idx, return_rows;
   GrowingBuffer returned, combine_idx, home_pair_rows;
+  PhaseEvents phases;
 
   Impl(ExpertPlacement p, ncclComm_t c, int r, MoeLayer layer)
       : placement(std::move(p)), comm(c), rank(r), local(std::move(layer)) {}
@@ -157,7 +185,7 @@ ExpertParallelMoeLayer ExpertParallelMoeLayer::prepare(const MoeWeights& weights
 }
 
 ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, void* output,
-                                                    cudaStream_t stream) {
+                                                    cudaStream_t stream, ExpertParallelTimes* times) {
   Impl& m = *impl_;
   const int64_t T = args.num_tokens, H = m.hidden, P = m.placement.num_ranks;
   const int k = m.top_k;
@@ -173,6 +201,11 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
     FP4MOE_CHECK(args.hidden_states && output,
                  "ExpertParallelMoeLayer::forward: hidden_states and output must be device pointers");
   }
+
+  const auto phase_done = [&](int phase) {
+    if (times) m.phases.record(phase, stream);
+  };
+  phase_done(0);
 
   // 1. The home tokens' routing, on the host for the dispatch plan.
   const int32_t* home_ids = args.topk_ids;
@@ -197,6 +230,7 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
       plan_dispatch(host_ids.data(), T, k, m.placement, m.rank, host_weights.data());
   const int64_t S = plan.num_send_rows();
   const int64_t W = dispatch_meta_words(k);
+  phase_done(1);
 
   // 2. Send buffers: the rows in plan order and their metadata.
   upload_async(m.send_token_idx, plan.send_token_idx, stream);
@@ -222,6 +256,7 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
   m.recv_meta.reserve(static_cast<size_t>(R * W) * 4);
   nccl_dispatch(plan, recv_counts.data(), H, m.send_hidden.as<void>(), m.send_meta.as<int32_t>(),
                 m.recv_hidden.as<void>(), m.recv_meta.as<int32_t>(), m.comm, stream);
+  phase_done(2);
   std::vector<int32_t> recv_meta;
   download(recv_meta, m.recv_meta.as<int32_t>(), static_cast<size_t>(R * W), stream);
   const ReceivePlan recv = plan_receive(recv_counts.data(), recv_meta.data(), k, m.placement, m.rank);
@@ -262,9 +297,12 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
              H * 4, m.return_rows.as<void>(), stream);
   }
 
+  phase_done(3);
+
   // 6. Return: each rank's rows back to it; ours arrive in rank order.
   m.returned.reserve(static_cast<size_t>(T * k * H) * 4);
   nccl_return_rows(recv, plan, H, m.return_rows.as<float>(), m.returned.as<float>(), m.comm, stream);
+  phase_done(4);
 
   // 7. Combine: the rows in (token, slot) order, summed in slot order.
   if (T > 0) {
@@ -281,8 +319,12 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
     kernels::launch_finalize_pairs(m.home_pair_rows.as<float>(), home_ids, T, k, m.num_experts, H,
                                    output, stream);
   }
-  // The host vectors staged above are no longer referenced; the device work
-  // is ordered on `stream`.
+  phase_done(5);
+  if (times) {
+    double* fields[] = {&times->route_ms, &times->dispatch_ms, &times->experts_ms, &times->return_ms,
+                        &times->combine_ms};
+    for (int i = 1; i < PhaseEvents::kCount; ++i) *fields[i - 1] = m.phases.elapsed_ms(i);
+  }
   ExpertParallelStats stats;
   stats.sent_rows = S;
   stats.sent_pairs = plan.num_send_pairs();

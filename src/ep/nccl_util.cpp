@@ -2,9 +2,16 @@
 // Tested in tests/ep/test_nccl_one_rank.cpp.
 #include "ep/nccl_util.hpp"
 
+#include <cuda_runtime.h>
+
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+#include "fp4moe/cuda_check.hpp"
 
 namespace fp4moe {
 namespace {
@@ -81,6 +88,54 @@ std::optional<ncclUniqueId> nccl_unique_id_from_env(const char* var) {
   } catch (const Error& e) {
     FP4MOE_THROW("environment variable ", var, ": ", e.message());
   }
+}
+
+void run_ranks_in_threads(int num_ranks, const std::function<void(int rank, ncclComm_t comm)>& fn) {
+  int num_gpus = 0;
+  if (cudaGetDeviceCount(&num_gpus) != cudaSuccess) {
+    cudaGetLastError();
+    num_gpus = 0;
+  }
+  FP4MOE_CHECK(num_ranks >= 1 && num_ranks <= num_gpus, num_ranks,
+               " rank(s) need as many GPUs (one each); this machine has ", num_gpus);
+  ncclUniqueId id;
+  FP4MOE_NCCL_CHECK(ncclGetUniqueId(&id));
+  std::mutex mutex;
+  std::vector<ncclComm_t> comms(static_cast<size_t>(num_ranks), nullptr);
+  bool aborted = false;
+  std::string first_error;
+  const auto fail = [&](int rank, const std::string& what) {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (first_error.empty()) first_error = "rank " + std::to_string(rank) + ": " + what;
+    if (aborted) return;
+    aborted = true;
+    for (ncclComm_t& c : comms)
+      if (c) ncclCommAbort(std::exchange(c, nullptr));
+  };
+  std::vector<std::thread> threads;
+  for (int r = 0; r < num_ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        FP4MOE_CUDA_CHECK(cudaSetDevice(r));
+        ncclComm_t comm = nullptr;
+        FP4MOE_NCCL_CHECK(ncclCommInitRank(&comm, num_ranks, id, r));
+        {
+          const std::lock_guard<std::mutex> lock(mutex);
+          if (aborted) {
+            ncclCommAbort(comm);
+            return;
+          }
+          comms[static_cast<size_t>(r)] = comm;
+        }
+        fn(r, comm);
+        const std::lock_guard<std::mutex> lock(mutex);
+        if (ncclComm_t own = std::exchange(comms[static_cast<size_t>(r)], nullptr)) ncclCommDestroy(own);
+      } catch (const std::exception& e) {
+        fail(r, e.what());
+      }
+    });
+  for (std::thread& t : threads) t.join();
+  FP4MOE_CHECK(first_error.empty(), first_error);
 }
 
 void nccl_exchange_counts(const int64_t* counts_send, int64_t* counts_recv, int num_ranks,

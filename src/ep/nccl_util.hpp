@@ -17,6 +17,7 @@
 #include <nccl.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -49,6 +50,16 @@ ncclUniqueId nccl_unique_id_from_hex(const std::string& hex);
 // The id in environment variable `var` (default FP4MOE_NCCL_ID); nullopt when
 // the variable is unset. Throws when it is set but malformed.
 std::optional<ncclUniqueId> nccl_unique_id_from_env(const char* var = kNcclIdEnvVar);
+
+// Single-process multi-GPU mode (the CLI's --ep N, the multi-GPU tests):
+// rank r runs fn(r, comm) on device r, in a thread of its own, over one
+// communicator of num_ranks ranks. Returns when all are done. When a rank
+// throws, every communicator is aborted, so the other ranks' pending NCCL
+// work fails instead of waiting forever, and the first error is rethrown
+// naming its rank. Throws up front unless 1 <= num_ranks <= the GPU count.
+// (A rank that fails before joining the communicator leaves the others
+// waiting in ncclCommInitRank: fn's inputs should be checked first.)
+void run_ranks_in_threads(int num_ranks, const std::function<void(int rank, ncclComm_t comm)>& fn);
 
 // Counts exchange: sends counts_send [num_ranks, kCountsMessageWords] (row r
 // to rank r) and receives counts_recv [num_ranks, kCountsMessageWords] (row s

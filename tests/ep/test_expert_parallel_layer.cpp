@@ -1,10 +1,11 @@
 // ExpertParallelMoeLayer (include/fp4moe/expert_parallel_layer.hpp) against
 // the single-GPU MoeLayer, bit for bit, in deterministic mode:
-//   - one rank (any GPU): DeepSeek-V3- and GLM-5-shaped layers (256 experts,
+//   - one rank (any GPU), phases timed: DeepSeek-V3- and GLM-5-shaped layers (256 experts,
 //     top-8, noaux_tc routing; hidden/inter scaled down), T in {0, 1, 64,
 //     4096}, device routing and caller routing, repeated forwards on one
 //     layer (buffers reused and grown);
-//   - P ranks on P GPUs (P = every GPU up to 8, one thread each): contiguous
+//   - P ranks on P GPUs (P = every GPU up to 8, one thread each through
+//     run_ranks_in_threads, as `fp4moe moe --ep N` runs them): contiguous
 //     and table placements, tokens split unevenly over the ranks with one
 //     rank holding none; skipped, visibly, on fewer than 2 GPUs;
 //   - errors: a placement for another communicator size, the atomic finalize.
@@ -17,7 +18,6 @@
 #include <functional>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "ep/nccl_util.hpp"
@@ -154,32 +154,7 @@ int64_t first_difference(const std::vector<uint16_t>& a, const std::vector<uint1
   return it.first == a.end() ? -1 : static_cast<int64_t>(it.first - a.begin());
 }
 
-// One rank's communicator, destroyed at scope exit.
-class Comm {
- public:
-  Comm(int num_ranks, const ncclUniqueId& id, int rank) {
-    FP4MOE_NCCL_CHECK(ncclCommInitRank(&comm_, num_ranks, id, rank));
-  }
-  ~Comm() {
-    if (comm_) ncclCommDestroy(comm_);
-  }
-  Comm(const Comm&) = delete;
-  Comm& operator=(const Comm&) = delete;
-  ncclComm_t get() const { return comm_; }
-
- private:
-  ncclComm_t comm_ = nullptr;
-};
-
-ncclUniqueId new_id() {
-  ncclUniqueId id;
-  FP4MOE_NCCL_CHECK(ncclGetUniqueId(&id));
-  return id;
-}
-
-TEST(ExpertParallelLayer, OneRankEqualsTheSingleGpuLayer) {
-  FP4MOE_REQUIRE_GPU();
-  const Comm comm(1, new_id(), 0);
+void one_rank_equals_the_single_gpu_layer(ncclComm_t comm) {
   cudaStream_t stream = nullptr;
   FP4MOE_CUDA_CHECK(cudaStreamCreate(&stream));
   std::mt19937 rng(3);
@@ -188,7 +163,7 @@ TEST(ExpertParallelLayer, OneRankEqualsTheSingleGpuLayer) {
     const MoeLayerOptions options = options_for(s);
     ExpertParallelMoeLayer ep =
         ExpertParallelMoeLayer::prepare(weights, ExpertPlacement::contiguous(s.num_experts, 1),
-                                        comm.get(), options);
+                                        comm, options);
     EXPECT_TRUE(ep.local_layer().options().batch_invariant);
     for (int64_t T : {int64_t{1}, int64_t{64}, int64_t{4096}, int64_t{0}, int64_t{3}}) {
       const Batch b = make_batch(s, T, rng);
@@ -202,8 +177,15 @@ TEST(ExpertParallelLayer, OneRankEqualsTheSingleGpuLayer) {
         const DeviceBatch d(s, b, given, 0, T);
         DeviceBuffer<uint16_t> out(static_cast<size_t>(std::max<int64_t>(T, 1) * s.hidden));
         out.fill_bytes(0xFF);
-        const ExpertParallelStats stats = ep.forward(d.args(), out.get(), stream);
+        ExpertParallelTimes times;
+        const ExpertParallelStats stats = ep.forward(d.args(), out.get(), stream, given ? &times : nullptr);
         FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+        if (given) {
+          for (double ms : {times.route_ms, times.dispatch_ms, times.experts_ms, times.return_ms,
+                            times.combine_ms})
+            EXPECT_GE(ms, 0.0);
+          EXPECT_GT(times.total_ms(), 0.0);
+        }
         EXPECT_EQ(stats.sent_rows, T) << "one rank: every token once";
         EXPECT_EQ(stats.sent_pairs, T * options.routing.top_k);
         EXPECT_EQ(stats.received_rows, T);
@@ -216,14 +198,12 @@ TEST(ExpertParallelLayer, OneRankEqualsTheSingleGpuLayer) {
   cudaStreamDestroy(stream);
 }
 
-TEST(ExpertParallelLayer, RejectsAMismatchedPlacementAndTheAtomicFinalize) {
-  FP4MOE_REQUIRE_GPU();
-  const Comm comm(1, new_id(), 0);
+void rejects_bad_configurations(ncclComm_t comm) {
   const Shape& s = kShapes[0];
   const MoeWeights weights = weights_for(s);
   const auto error_of = [&](const ExpertPlacement& placement, const MoeLayerOptions& options) {
     try {
-      ExpertParallelMoeLayer::prepare(weights, placement, comm.get(), options);
+      ExpertParallelMoeLayer::prepare(weights, placement, comm, options);
     } catch (const Error& e) {
       return e.message();
     }
@@ -238,6 +218,16 @@ TEST(ExpertParallelLayer, RejectsAMismatchedPlacementAndTheAtomicFinalize) {
   EXPECT_NE(error_of(ExpertPlacement::contiguous(s.num_experts, 1), atomic).find("Deterministic"),
             std::string::npos);
   EXPECT_NE(error_of(ExpertPlacement::contiguous(128, 1), options_for(s)).find("128"), std::string::npos);
+}
+
+TEST(ExpertParallelLayer, OneRankEqualsTheSingleGpuLayer) {
+  FP4MOE_REQUIRE_GPU();
+  run_ranks_in_threads(1, [](int, ncclComm_t comm) { one_rank_equals_the_single_gpu_layer(comm); });
+}
+
+TEST(ExpertParallelLayer, RejectsAMismatchedPlacementAndTheAtomicFinalize) {
+  FP4MOE_REQUIRE_GPU();
+  run_ranks_in_threads(1, [](int, ncclComm_t comm) { rejects_bad_configurations(comm); });
 }
 
 // P ranks on P GPUs in one process, a thread per rank (as a serving framework
@@ -271,35 +261,24 @@ TEST(ExpertParallelLayer, RanksOnSeveralGpusEqualTheSingleGpuLayer) {
           first[static_cast<size_t>(r) + 1] = std::min(T, first[static_cast<size_t>(r)] + share);
         }
         first[static_cast<size_t>(P)] = T;
-        const ncclUniqueId id = new_id();
         std::vector<std::vector<uint16_t>> got(static_cast<size_t>(P));
-        std::vector<std::string> errors(static_cast<size_t>(P));
-        std::vector<std::thread> threads;
-        for (int r = 0; r < P; ++r)
-          threads.emplace_back([&, r] {
-            try {
-              FP4MOE_CUDA_CHECK(cudaSetDevice(r));
-              const Comm comm(P, id, r);
-              ExpertParallelMoeLayer ep =
-                  ExpertParallelMoeLayer::prepare(weights, placement, comm.get(), options);
-              const int64_t count = first[static_cast<size_t>(r) + 1] - first[static_cast<size_t>(r)];
-              const DeviceBatch d(s, b, &caller, first[static_cast<size_t>(r)], count);
-              DeviceBuffer<uint16_t> out(static_cast<size_t>(std::max<int64_t>(count, 1) * s.hidden));
-              cudaStream_t stream = nullptr;
-              FP4MOE_CUDA_CHECK(cudaStreamCreate(&stream));
-              ep.forward(d.args(), out.get(), stream);
-              FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-              cudaStreamDestroy(stream);
-              std::vector<uint16_t> bits = out.download();
-              bits.resize(static_cast<size_t>(count * s.hidden));
-              got[static_cast<size_t>(r)] = std::move(bits);
-            } catch (const std::exception& e) {
-              errors[static_cast<size_t>(r)] = e.what();
-            }
-          });
-        for (std::thread& t : threads) t.join();
+        run_ranks_in_threads(P, [&](int r, ncclComm_t comm) {
+          ExpertParallelMoeLayer ep = ExpertParallelMoeLayer::prepare(weights, placement, comm, options);
+          const int64_t count = first[static_cast<size_t>(r) + 1] - first[static_cast<size_t>(r)];
+          const DeviceBatch d(s, b, &caller, first[static_cast<size_t>(r)], count);
+          DeviceBuffer<uint16_t> out(static_cast<size_t>(std::max<int64_t>(count, 1) * s.hidden));
+          cudaStream_t stream = nullptr;
+          FP4MOE_CUDA_CHECK(cudaStreamCreate(&stream));
+          ExpertParallelTimes times;
+          ep.forward(d.args(), out.get(), stream, &times);
+          FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+          cudaStreamDestroy(stream);
+          EXPECT_GT(times.all_to_all_ms(), 0.0) << "rank " << r;
+          std::vector<uint16_t> bits = out.download();
+          bits.resize(static_cast<size_t>(count * s.hidden));
+          got[static_cast<size_t>(r)] = std::move(bits);
+        });
         SCOPED_TRACE(s.name + " P=" + std::to_string(P) + " T=" + std::to_string(T));
-        for (int r = 0; r < P; ++r) ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
         std::vector<uint16_t> all;
         for (const auto& part : got) all.insert(all.end(), part.begin(), part.end());
         EXPECT_EQ(first_difference(all, want), -1) << "EP output differs from one GPU";
