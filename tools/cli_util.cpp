@@ -12,6 +12,12 @@
 #include <filesystem>
 #include <thread>
 
+#ifdef FP4MOE_WITH_NCCL
+#include <mutex>
+
+#include "ep/nccl_util.hpp"
+#include "fp4moe/expert_parallel_layer.hpp"
+#endif
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
@@ -279,23 +285,37 @@ struct CudaStreamAndEvents {
   CudaStreamAndEvents& operator=(const CudaStreamAndEvents&) = delete;
 };
 
-MoeRunStats run_moe_layer_cuda(const MoeWeights& weights, const float* hidden_states, const Routing& routing,
-                               const MoeLayerOptions& layer_options, float* output) {
+void check_routing(const Routing& routing) {
   const int64_t num_tokens = routing.num_tokens;
-  const int64_t hidden = weights.hidden;
   FP4MOE_CHECK(num_tokens >= 1, "run_moe_layer: ", num_tokens, " tokens; expected at least 1");
   FP4MOE_CHECK(routing.topk_ids.size() == static_cast<size_t>(num_tokens * routing.top_k) &&
                    routing.topk_weights.size() == routing.topk_ids.size(),
                "run_moe_layer: routing holds ", routing.topk_ids.size(), " ids and ", routing.topk_weights.size(),
                " weights; expected ", num_tokens, " x ", routing.top_k);
+}
 
-  // The routing is given, so the layer's routing parameters matter only for
-  // its top-k (a layer of just the active experts, as the demo builds, may
-  // not fit a model's expert groups).
+// The routing is given, so the layer's routing parameters matter only for
+// its top-k (a layer of just the active experts, as the demo builds, may not
+// fit a model's expert groups).
+MoeLayerOptions caller_routing_options(const MoeLayerOptions& layer_options, int top_k) {
   MoeLayerOptions options = layer_options;
   options.routing = RoutingParams{};
-  options.routing.top_k = routing.top_k;
-  const MoeLayer layer = MoeLayer::prepare(weights, options);
+  options.routing.top_k = top_k;
+  return options;
+}
+
+std::vector<uint16_t> to_bf16(const float* values, size_t count) {
+  std::vector<uint16_t> bits(count);
+  for (size_t i = 0; i < count; ++i) bits[i] = float_to_bf16(values[i]);
+  return bits;
+}
+
+MoeRunStats run_moe_layer_cuda(const MoeWeights& weights, const float* hidden_states, const Routing& routing,
+                               const MoeLayerOptions& layer_options, float* output) {
+  check_routing(routing);
+  const int64_t num_tokens = routing.num_tokens;
+  const int64_t hidden = weights.hidden;
+  const MoeLayer layer = MoeLayer::prepare(weights, caller_routing_options(layer_options, routing.top_k));
 
   MoeRunStats stats;
   int device_idx = 0;
@@ -305,8 +325,7 @@ MoeRunStats run_moe_layer_cuda(const MoeWeights& weights, const float* hidden_st
   stats.backend = std::string("cuda (") + prop.name + ")";
   stats.plan = layer.plan(num_tokens).describe();
 
-  std::vector<uint16_t> hidden_bf16(static_cast<size_t>(num_tokens * hidden));
-  for (size_t i = 0; i < hidden_bf16.size(); ++i) hidden_bf16[i] = float_to_bf16(hidden_states[i]);
+  const std::vector<uint16_t> hidden_bf16 = to_bf16(hidden_states, static_cast<size_t>(num_tokens * hidden));
 
   CudaStreamAndEvents cuda;
   DeviceBuffer d_hidden(hidden_bf16.size() * sizeof(uint16_t));
@@ -388,6 +407,88 @@ MoeRunStats run_moe_layer(Device device, const MoeWeights& weights, const float*
   stats.time_ms = timer.elapsed_ms();
   if (progress) progress->finish();
   return stats;
+}
+
+bool built_with_nccl() {
+#ifdef FP4MOE_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+MoeRunStats run_moe_layer_expert_parallel(const MoeWeights& weights, const float* hidden_states,
+                                          const Routing& routing, const MoeLayerOptions& layer_options,
+                                          int num_ranks, float* output) {
+#ifndef FP4MOE_WITH_NCCL
+  (void)weights, (void)hidden_states, (void)routing, (void)layer_options, (void)num_ranks, (void)output;
+  FP4MOE_THROW("expert parallelism needs NCCL, and this fp4moe was built without it (configure with "
+               "NCCL installed or NCCL_HOME set)");
+#else
+  check_routing(routing);
+  const int64_t T = routing.num_tokens, H = weights.hidden;
+  const int k = routing.top_k;
+  FP4MOE_CHECK(num_ranks >= 1 && num_ranks <= weights.num_experts, "--ep ", num_ranks,
+               ": expected 1 .. the expert count (", weights.num_experts, ")");
+  const ExpertPlacement placement = ExpertPlacement::contiguous(weights.num_experts, num_ranks);
+  const MoeLayerOptions options = caller_routing_options(layer_options, k);
+  const std::vector<uint16_t> hidden_bf16 = to_bf16(hidden_states, static_cast<size_t>(T * H));
+  std::vector<uint16_t> output_bf16(static_cast<size_t>(T * H));
+  std::vector<double> rank_ms(static_cast<size_t>(num_ranks));
+  std::vector<std::string> rank_lines(static_cast<size_t>(num_ranks));
+  std::string device_name;
+  std::mutex mutex;
+  run_ranks_in_threads(num_ranks, [&](int r, ncclComm_t comm) {
+    // Rank r is home to tokens [first, last).
+    const int64_t first = T * r / num_ranks, last = T * (r + 1) / num_ranks, count = last - first;
+    ExpertParallelMoeLayer layer = ExpertParallelMoeLayer::prepare(weights, placement, comm, options);
+    CudaStreamAndEvents cuda;
+    DeviceBuffer d_hidden(static_cast<size_t>(count * H) * 2), d_output(static_cast<size_t>(count * H) * 2);
+    DeviceBuffer d_ids(static_cast<size_t>(count * k) * 4), d_weights(static_cast<size_t>(count * k) * 4);
+    d_hidden.upload(std::vector<uint16_t>(hidden_bf16.begin() + first * H, hidden_bf16.begin() + last * H),
+                    cuda.stream);
+    d_ids.upload(std::vector<int32_t>(routing.topk_ids.begin() + first * k, routing.topk_ids.begin() + last * k),
+                 cuda.stream);
+    d_weights.upload(
+        std::vector<float>(routing.topk_weights.begin() + first * k, routing.topk_weights.begin() + last * k),
+        cuda.stream);
+    MoeForwardArgs args;
+    args.hidden_states = d_hidden.get();
+    args.num_tokens = count;
+    if (count > 0) {
+      args.topk_ids = static_cast<const int32_t*>(d_ids.get());
+      args.topk_weights = static_cast<const float*>(d_weights.get());
+    }
+    layer.forward(args, d_output.get(), cuda.stream);  // untimed: module loading, buffers
+    ExpertParallelTimes times;
+    const ExpertParallelStats stats = layer.forward(args, d_output.get(), cuda.stream, &times);
+    if (count > 0)
+      FP4MOE_CUDA_CHECK(cudaMemcpyAsync(output_bf16.data() + first * H, d_output.get(), d_output.bytes(),
+                                        cudaMemcpyDeviceToHost, cuda.stream));
+    FP4MOE_CUDA_CHECK(cudaStreamSynchronize(cuda.stream));
+    char line[320];
+    std::snprintf(line, sizeof line,
+                  "  rank %d: %lld tokens, %lld experts; sent %lld rows, computed %lld rows / %lld pairs; "
+                  "ms: route %.3f, dispatch %.3f, experts %.3f, return %.3f, combine %.3f (all-to-all %.3f)\n",
+                  r, static_cast<long long>(count), static_cast<long long>(placement.num_local_experts(r)),
+                  static_cast<long long>(stats.sent_rows), static_cast<long long>(stats.received_rows),
+                  static_cast<long long>(stats.received_pairs), times.route_ms, times.dispatch_ms,
+                  times.experts_ms, times.return_ms, times.combine_ms, times.all_to_all_ms());
+    cudaDeviceProp prop{};
+    FP4MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, r));
+    const std::lock_guard<std::mutex> lock(mutex);
+    rank_ms[static_cast<size_t>(r)] = times.total_ms();
+    rank_lines[static_cast<size_t>(r)] = line;
+    if (r == 0) device_name = prop.name;
+  });
+  for (size_t i = 0; i < output_bf16.size(); ++i) output[i] = bf16_to_float(output_bf16[i]);
+  MoeRunStats stats;
+  stats.backend = "cuda, expert parallel over " + std::to_string(num_ranks) + " GPU(s) (" + device_name + ", NCCL)";
+  stats.time_ms = *std::max_element(rank_ms.begin(), rank_ms.end());
+  stats.plan = "expert parallel, experts placed contiguously, tokens split in order:\n";
+  for (const std::string& line : rank_lines) stats.plan += line;
+  return stats;
+#endif
 }
 
 Activation parse_activation(const std::string& name) {

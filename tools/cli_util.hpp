@@ -126,6 +126,20 @@ MoeRunStats run_moe_layer(Device device, const MoeWeights& weights, const float*
                           const Routing& routing, const MoeLayerOptions& layer_options, float* output,
                           Progress* progress = nullptr);
 
+// Whether this build has the NCCL expert-parallel layer (fp4moe_nccl).
+bool built_with_nccl();
+
+// The CUDA layer expert-parallel over the first num_ranks GPUs of this
+// machine in one process (run_ranks_in_threads: a thread and an NCCL rank
+// per GPU, experts placed contiguously, tokens split into num_ranks
+// consecutive runs). Same arguments and output as run_moe_layer; the
+// finalize must be deterministic. time_ms is the slowest rank's forward
+// (after one untimed forward); plan says per rank what moved and where the
+// time went. Throws when the build lacks NCCL or the machine the GPUs.
+MoeRunStats run_moe_layer_expert_parallel(const MoeWeights& weights, const float* hidden_states,
+                                          const Routing& routing, const MoeLayerOptions& layer_options,
+                                          int num_ranks, float* output);
+
 Activation parse_activation(const std::string& name);  // "swiglu", "gptoss"
 std::string to_string(Activation activation);
 

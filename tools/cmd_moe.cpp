@@ -9,6 +9,7 @@
 //   --output Y   output [T, H] BF16 (rounded to nearest even)
 //   --device     auto (the GPU when there is one), cpu (the reference), cuda
 //   --finalize   CUDA: deterministic (fixed summation order) or atomic
+//   --ep N       CUDA: expert parallel over this machine's first N GPUs (NCCL)
 //
 // Every input is checked before the layer runs and the output is written only
 // on success (atomically), so a failed run leaves no file behind.
@@ -51,6 +52,7 @@ struct MoeOptions {
   std::string activation = "swiglu";
   std::string device = "auto";
   std::string finalize = "deterministic";
+  int ep = 0;  // 0: one GPU, no NCCL
 };
 
 // Tensor names of a checkpoint file, or of every shard of a directory.
@@ -180,6 +182,15 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   Timer total_timer;
   // Refuse an unavailable backend before any loading.
   const Device device = resolve_device(parse_device(opts.device));
+  if (cmd.count("--ep") > 0) {
+    FP4MOE_CHECK(device == Device::kCuda, "--ep ", opts.ep, " needs the CUDA backend (--device cuda or auto on a "
+                 "machine with GPUs); this run resolved to the CPU");
+    FP4MOE_CHECK(built_with_nccl(), "--ep needs NCCL, and this fp4moe was built without it");
+    const int num_gpus = probe_gpu().num_devices;
+    FP4MOE_CHECK(opts.ep <= num_gpus, "--ep ", opts.ep, " needs ", opts.ep, " GPUs; this machine has ", num_gpus);
+    FP4MOE_CHECK(opts.finalize == "deterministic", "--ep needs --finalize deterministic (home ranks sum each "
+                 "token's rows in slot order)");
+  }
   check_output_path(opts.output);
 
   const std::string prefix = opts.prefix ? *opts.prefix : detect_prefix(opts.weights);
@@ -228,8 +239,11 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   layer_options.finalize = parse_finalize_mode(opts.finalize);
   if (device == Device::kCpu && cmd.count("--finalize") > 0)
     std::fprintf(stderr, "moe: note: --finalize applies to the CUDA backend only; ignored\n");
-  const MoeRunStats stats = run_moe_layer(device, weights, hidden_states.data(), routing, layer_options,
-                                          output.data());
+  const MoeRunStats stats =
+      opts.ep > 0 ? run_moe_layer_expert_parallel(weights, hidden_states.data(), routing, layer_options, opts.ep,
+                                                  output.data())
+                  : run_moe_layer(device, weights, hidden_states.data(), routing, layer_options, output.data());
+  if (opts.ep > 0) std::fprintf(stderr, "moe: %s", stats.plan.c_str());
 
   std::vector<uint16_t> output_bf16(output.size());
   for (size_t i = 0; i < output.size(); ++i) output_bf16[i] = float_to_bf16(output[i]);
@@ -241,7 +255,8 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   writer.write(opts.output);
 
   const std::string backend_detail = device == Device::kCuda
-                                         ? " finalize=" + opts.finalize
+                                         ? " finalize=" + opts.finalize +
+                                               (opts.ep > 0 ? " ep=" + std::to_string(opts.ep) : "")
                                          : " threads=" + std::to_string(stats.num_threads);
   std::fprintf(stderr,
                "moe: T=%lld E=%lld k=%d H=%lld I=%lld routing=%s activation=%s backend=%s%s "
@@ -299,6 +314,10 @@ void add_moe_command(CLI::App& app) {
                   "runs) or atomic (fp32 atomic adds)")
       ->check(CLI::IsMember({"deterministic", "atomic"}))
       ->capture_default_str();
+  cmd->add_option("--ep", opts->ep,
+                  "CUDA: run the layer expert parallel over this machine's first N GPUs, one NCCL rank each "
+                  "(experts placed contiguously, tokens split in order); per-rank traffic and times on stderr")
+      ->check(CLI::Range(1, 64));
   cmd->callback([opts, cmd] { run_moe(*opts, *cmd); });
 }
 

@@ -547,6 +547,13 @@ TEST_F(MoeTest, BadInputsFailWithOneLineAndNoOutput) {
          add_f32(w, "topk_weights", {t, 2}, weights2);
        },
        "", "model.layers.9.mlp.", "model.layers.9.mlp."},
+      {"--ep on the CPU backend",
+       [&](SafetensorsWriter& w) {
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+         add_i32(w, "topk_ids", {t, 2}, ids2);
+         add_f32(w, "topk_weights", {t, 2}, weights2);
+       },
+       "--device cpu --ep 2", "--ep 2 needs the CUDA backend"},
       {"two layers and no --prefix",
        [&](SafetensorsWriter& w) {
          add_bf16(w, "hidden_states", {t, kHidden}, hidden_);

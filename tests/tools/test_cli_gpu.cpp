@@ -93,9 +93,10 @@ TEST_F(CliGpuTest, MoeOnCudaMatchesTheCpuBackend) {
       const std::string common =
           "--weights '" + checkpoint + "' --prefix " + prefix + " --input '" + path("x.safetensors") + "' " + c.routing_args;
       const std::vector<float> cpu = run_moe("--device cpu " + common, "cpu.safetensors");
-      for (const std::string finalize : {"deterministic", "atomic"}) {
-        SCOPED_TRACE("--finalize " + finalize);
-        const std::vector<float> gpu = run_moe("--device cuda --finalize " + finalize + " " + common, "gpu.safetensors");
+      // Both finalize modes, and the expert-parallel layer on one rank (NCCL).
+      for (const std::string backend : {"--finalize deterministic", "--finalize atomic", "--ep 1"}) {
+        SCOPED_TRACE(backend);
+        const std::vector<float> gpu = run_moe("--device cuda " + backend + " " + common, "gpu.safetensors");
         ASSERT_EQ(gpu.size(), cpu.size());
         ASSERT_FALSE(gpu.empty());
         double err = 0.0, norm = 0.0;
@@ -108,7 +109,7 @@ TEST_F(CliGpuTest, MoeOnCudaMatchesTheCpuBackend) {
         EXPECT_EQ(nonfinite, 0) << "non-finite GPU outputs";
         const double rel_err = std::sqrt(err / norm);
         EXPECT_LT(rel_err, kGpuTolerance);
-        std::printf("  %s, %s, %s: rel err cuda vs cpu %.2e\n", c.what.c_str(), prefix.c_str(), finalize.c_str(),
+        std::printf("  %s, %s, %s: rel err cuda vs cpu %.2e\n", c.what.c_str(), prefix.c_str(), backend.c_str(),
                     rel_err);
       }
     }
