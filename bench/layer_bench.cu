@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
+#include <utility>
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/nvfp4.hpp"
@@ -173,20 +174,28 @@ struct LayerTimer::Buffers {
         workspace(workspace_bytes) {}
 };
 
+RouterInputs random_router_inputs(int64_t max_tokens, int64_t num_experts, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  RouterInputs r;
+  r.logits.resize(static_cast<size_t>(max_tokens * num_experts));
+  for (float& v : r.logits) v = normal(rng);
+  r.bias.resize(static_cast<size_t>(num_experts));
+  for (float& v : r.bias) v = 0.1f * normal(rng);
+  return r;
+}
+
 LayerTimer::LayerTimer(const MoeLayer& layer, int64_t max_tokens, uint64_t seed)
     : layer_(layer), max_tokens_(max_tokens) {
   FP4MOE_CHECK(max_tokens >= 1, "LayerTimer: max_tokens must be >= 1, not ", max_tokens);
   const int64_t num_experts = layer.num_experts();
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  host_logits_.resize(static_cast<size_t>(max_tokens * num_experts));
-  for (float& v : host_logits_) v = normal(rng);
-  host_bias_.resize(static_cast<size_t>(num_experts));
-  for (float& v : host_bias_) v = 0.1f * normal(rng);
+  RouterInputs inputs = random_router_inputs(max_tokens, num_experts, seed);
+  host_logits_ = std::move(inputs.logits);
+  host_bias_ = std::move(inputs.bias);
 
   buffers_ = std::make_unique<Buffers>(max_tokens, layer.hidden(), num_experts, layer.workspace_bytes(max_tokens));
   FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  fill_random_bf16(buffers_->hidden_states.ptr, buffers_->hidden_states.count, seed + 17, stream_);
+  fill_random_bf16(buffers_->hidden_states.ptr, buffers_->hidden_states.count, seed + kHiddenSeedOffset, stream_);
   FP4MOE_CUDA_CHECK(cudaMemcpyAsync(buffers_->router_logits.ptr, host_logits_.data(), host_logits_.size() * 4,
                                     cudaMemcpyHostToDevice, stream_));
   FP4MOE_CUDA_CHECK(cudaMemcpyAsync(buffers_->correction_bias.ptr, host_bias_.data(), host_bias_.size() * 4,

@@ -62,6 +62,17 @@ struct LayerShape {
 // finite. Biases (has_bias) are uniform in [-0.1, 0.1]. For timing only.
 MoeWeights random_moe_weights(const LayerShape& shape, uint64_t seed);
 
+// The router inputs LayerTimer gives a layer of num_experts experts:
+// logits ~ N(0, 1) [max_tokens, num_experts] and a correction bias ~ 0.1 N(0,
+// 1) [num_experts], drawn from `seed`; the hidden states are
+// fill_random_bf16(seed + 17) over [max_tokens, hidden]. The expert-parallel
+// benchmark gives its ranks the same tokens.
+struct RouterInputs {
+  std::vector<float> logits, bias;
+};
+RouterInputs random_router_inputs(int64_t max_tokens, int64_t num_experts, uint64_t seed);
+inline constexpr uint64_t kHiddenSeedOffset = 17;
+
 // The layer roofline of one forward (see the file comment).
 struct LayerRoofline {
   int64_t rows = 0;            // num_tokens * top_k

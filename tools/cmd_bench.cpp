@@ -2,13 +2,17 @@
 // model shapes and token counts, against the roofline and cuBLAS measured in
 // the same run; with --layer, the whole-MoE-layer benchmark
 // (bench/layer_bench.hpp: routing on the device, six variants, stage split,
-// CUDA-graph replay). A table on stdout and JSON
+// CUDA-graph replay); with --layer --ep N, the expert-parallel layer over N
+// GPUs (bench/ep_bench.hpp). A table on stdout and JSON
 // lines in a file. Run on a GPU by tests/tools/test_cli_gpu.cpp.
 #include <fstream>
 #include <iostream>
 
 #include "commands.hpp"
 #include "fp4moe/error.hpp"
+#ifdef FP4MOE_WITH_NCCL
+#include "ep_bench.hpp"
+#endif
 #include "gemm_bench.hpp"
 #include "layer_bench.hpp"
 #include "models.hpp"
@@ -24,6 +28,7 @@ void add_bench_command(CLI::App& app) {
     bool no_cublas = false;
     bool layer = false;
     bool no_graph = false;
+    int ep = 0;
   };
   auto o = std::make_shared<BenchCli>();
   CLI::App* cmd = app.add_subcommand(
@@ -42,6 +47,11 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--config", o->config, "Force a tile config, e.g. n128m8k256s4w4 (not with --layer)");
   cmd->add_flag("--no-cublas", o->no_cublas, "Skip the cuBLAS bf16 peer (not with --layer)");
   cmd->add_flag("--no-graph", o->no_graph, "--layer: skip the CUDA-graph replay");
+  cmd->add_option("--ep", o->ep,
+                  "--layer: the expert-parallel layer over this machine's first N GPUs instead (NCCL; per-phase "
+                  "times with the all-to-all on its own, the single-GPU layer as peer; default tokens: 1 16 64 "
+                  "256 1024 4096)")
+      ->check(CLI::Range(1, 64));
   cmd->add_option("--json", o->json_path, "Write one JSON object per case to this file");
   cmd->callback([o, cmd] {
     for (int64_t t : o->options.tokens) FP4MOE_CHECK(t >= 1, "--tokens must be >= 1, not ", t);
@@ -75,11 +85,26 @@ void add_bench_command(CLI::App& app) {
         opts.models.push_back(shape);
       }
       open_json();
+      if (cmd->count("--ep") > 0) {
+#ifdef FP4MOE_WITH_NCCL
+        FP4MOE_CHECK(cmd->count("--no-graph") == 0, "--no-graph does not apply to --ep (no graph replays)");
+        bench::EpBenchOptions ep;
+        ep.models = opts.models;
+        ep.num_ranks = o->ep;
+        ep.iterations = opts.iterations;
+        if (cmd->count("--tokens") > 0) ep.tokens = opts.tokens;
+        bench::run_ep_bench(ep, std::cout, json.is_open() ? &json : nullptr);
+#else
+        FP4MOE_THROW("--ep needs NCCL, and this fp4moe was built without it");
+#endif
+        return;
+      }
       bench::run_layer_bench(opts, std::cout, json.is_open() ? &json : nullptr);
       return;
     }
 
-    FP4MOE_CHECK(cmd->count("--no-graph") == 0, "--no-graph applies to --layer only");
+    for (const char* flag : {"--no-graph", "--ep"})
+      FP4MOE_CHECK(cmd->count(flag) == 0, flag, " applies to --layer only");
     bench::Options opts = o->options;
     std::vector<std::string> names = o->models;
     if (names.empty())

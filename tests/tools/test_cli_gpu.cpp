@@ -174,4 +174,31 @@ TEST_F(CliGpuTest, LayerBenchWritesOneJsonLinePerCase) {
 }
 
 }  // namespace
+// The expert-parallel benchmark on one rank (the GPUs this machine has
+// beyond one are not assumed): a JSON line per token count, phases timed,
+// outputs finite, the single-GPU peer measured.
+TEST_F(CliGpuTest, ExpertParallelBenchWritesOneJsonLinePerCase) {
+  const CliResult r = run("bench --layer --ep 1 --models qwen3-30b --tokens 1 24 --iterations 3 --json '" +
+                          path("ep.jsonl") + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::printf("%s", r.out.c_str());
+  std::istringstream lines(read_text(path("ep.jsonl")));
+  std::string line;
+  int num_cases = 0;
+  while (std::getline(lines, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.at("kind") == "ceilings") continue;
+    ASSERT_EQ(j.at("kind"), "ep_layer") << line;
+    ++num_cases;
+    EXPECT_EQ(j.at("num_ranks"), 1);
+    EXPECT_GT(j.at("total_ms").get<double>(), 0.0) << line;
+    EXPECT_GE(j.at("all_to_all_ms").get<double>(), 0.0) << line;
+    EXPECT_GT(j.at("single_gpu_ms").get<double>(), 0.0) << line;
+    EXPECT_EQ(j.at("nonfinite_outputs").get<int64_t>(), 0) << line;
+    ASSERT_EQ(j.at("ranks").size(), 1u) << line;
+    EXPECT_EQ(j.at("ranks")[0].at("tokens"), j.at("tokens")) << "one rank is home to every token";
+  }
+  EXPECT_EQ(num_cases, 2) << "one line per token count";
+}
+
 }  // namespace fp4moe
