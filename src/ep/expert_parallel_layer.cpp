@@ -120,7 +120,7 @@ struct ExpertParallelMoeLayer::Impl {
 
   // Per-forward buffers, grown on demand.
   GrowingBuffer ids, weights;             // home routing [T, k] (router-logits forwards)
-  GrowingBuffer row_counts;               // {0, n} pairs that size the row gathers
+  GrowingBuffer row_count;                // {0, n}: the rows of the current gather
   GrowingBuffer send_token_idx, send_hidden, send_meta;
   GrowingBuffer counts_send, counts_recv;
   GrowingBuffer recv_hidden, recv_meta, local_ids, local_weights;
@@ -132,10 +132,16 @@ struct ExpertParallelMoeLayer::Impl {
       : placement(std::move(p)), comm(c), rank(r), local(std::move(layer)) {}
 
   // dst[i, :] = src[index[i], :] for rows of `row_bytes` (a multiple of 16),
-  // i < n, where counts holds {0, n} on the device.
-  void gather(const void* src, const int32_t* index, const int32_t* counts, int64_t n,
-              int64_t row_bytes, void* dst, cudaStream_t stream) const {
-    kernels::launch_gather_rows(src, index, counts, 1, n, row_bytes / 2, dst, stream);
+  // the host-given index uploaded into index_buffer. Stream-ordered, so one
+  // row-count buffer serves every gather.
+  void gather(const void* src, const std::vector<int32_t>& index, GrowingBuffer& index_buffer,
+              int64_t row_bytes, void* dst, cudaStream_t stream) {
+    if (index.empty()) return;
+    const auto n = static_cast<int64_t>(index.size());
+    upload_async(index_buffer, index, stream);
+    upload_async(row_count, std::vector<int32_t>{0, static_cast<int32_t>(n)}, stream);
+    kernels::launch_gather_rows(src, index_buffer.as<int32_t>(), row_count.as<int32_t>(), 1, n,
+                                row_bytes / 2, dst, stream);
   }
 };
 
@@ -233,17 +239,13 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
   phase_done(1);
 
   // 2. Send buffers: the rows in plan order and their metadata.
-  upload_async(m.send_token_idx, plan.send_token_idx, stream);
   upload_async(m.send_meta, plan.send_meta, stream);
   m.send_hidden.reserve(static_cast<size_t>(S * H) * 2);
   // 3. Counts, to and from every rank.
   upload_async(m.counts_send, plan.counts_messages(), stream);
   m.counts_recv.reserve(static_cast<size_t>(P * kCountsMessageWords) * 8);
-  std::vector<int32_t> row_counts = {0, static_cast<int32_t>(S), 0, 0, 0, 0};
-  upload_async(m.row_counts, row_counts, stream);  // the other pairs are set below
-  if (S > 0)
-    m.gather(args.hidden_states, m.send_token_idx.as<int32_t>(), m.row_counts.as<int32_t>(), S,
-             H * 2, m.send_hidden.as<void>(), stream);
+  m.gather(args.hidden_states, plan.send_token_idx, m.send_token_idx, H * 2, m.send_hidden.as<void>(),
+           stream);
   nccl_exchange_counts(m.counts_send.as<int64_t>(), m.counts_recv.as<int64_t>(), static_cast<int>(P),
                        m.comm, stream);
   std::vector<int64_t> recv_counts;
@@ -289,12 +291,7 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
       const RecvPair& pair = recv.pairs[static_cast<size_t>(p)];
       return_idx[static_cast<size_t>(p)] = static_cast<int32_t>(pair.recv_row * k + pair.slot);
     }
-    upload_async(m.return_idx, return_idx, stream);
-    row_counts = {0, static_cast<int32_t>(Rp)};
-    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(m.row_counts.as<int32_t>() + 2, row_counts.data(), 8,
-                                      cudaMemcpyHostToDevice, stream));
-    m.gather(m.pair_rows.as<void>(), m.return_idx.as<int32_t>(), m.row_counts.as<int32_t>() + 2, Rp,
-             H * 4, m.return_rows.as<void>(), stream);
+    m.gather(m.pair_rows.as<void>(), return_idx, m.return_idx, H * 4, m.return_rows.as<void>(), stream);
   }
 
   phase_done(3);
@@ -309,13 +306,8 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
     std::vector<int32_t> combine_idx(static_cast<size_t>(T * k));
     for (size_t i = 0; i < combine_idx.size(); ++i)
       combine_idx[i] = static_cast<int32_t>(plan.combine.return_row_idx[i]);
-    upload_async(m.combine_idx, combine_idx, stream);
-    row_counts = {0, static_cast<int32_t>(T * k)};
-    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(m.row_counts.as<int32_t>() + 4, row_counts.data(), 8,
-                                      cudaMemcpyHostToDevice, stream));
     m.home_pair_rows.reserve(static_cast<size_t>(T * k * H) * 4);
-    m.gather(m.returned.as<void>(), m.combine_idx.as<int32_t>(), m.row_counts.as<int32_t>() + 4,
-             T * k, H * 4, m.home_pair_rows.as<void>(), stream);
+    m.gather(m.returned.as<void>(), combine_idx, m.combine_idx, H * 4, m.home_pair_rows.as<void>(), stream);
     kernels::launch_finalize_pairs(m.home_pair_rows.as<float>(), home_ids, T, k, m.num_experts, H,
                                    output, stream);
   }
