@@ -248,8 +248,11 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
   table << "# " << gpu << ", " << date << ": copy " << std::fixed << std::setprecision(2)
         << ceil.copy_bytes_per_s / 1e12 << " TB/s, cuBLAS bf16 " << std::setprecision(0)
         << ceil.bf16_flops_per_s / 1e12 << " TFLOP/s (8192^3)\n";
-  table << "model         gemm      T    rows act     N     K config           sk   time_us   TB/s  TFLOP/s  eff   "
-           "cublas_us cub_eff  speedup rel_err\n";
+  table << "model         gemm      T    rows act     N     K config                   sk   time_us   TB/s  TFLOP/s  eff   "
+           "cublas_us cub_eff  speedup rel_err  portable  port_us port_eff\n";
+  int num_sms = 0, device = 0;
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
+  FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
   if (json) {
     nlohmann::json j{{"kind", "ceilings"}, {"gpu", gpu}, {"date", date},
                      {"copy_tbps", ceil.copy_bytes_per_s / 1e12}, {"bf16_tflops", ceil.bf16_flops_per_s / 1e12}};
@@ -321,6 +324,24 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
         const double bytes = cost.bytes, flops = cost.flops;
         const double roof_us = roofline_us(cost, ceil);
 
+        // Peer: the portable family's own choice, where the plan is another family's.
+        double portable_us = 0;
+        std::string portable_config = "-";
+        if (opt.with_portable && plan.config.family != KernelFamily::kPortable) {
+          const GemmProblem problem{E, n, k, rows, active, Epilogue::kNone};
+          const TileConfig config = plan_gemm(problem, kPortableSmemLimit, num_sms, /*compute_capability=*/0).config;
+          const GemmPlan portable = plan_grouped_gemm(args, config);
+          DeviceArray<uint8_t> portable_ws(grouped_gemm_workspace_bytes(portable));
+          FP4MOE_CUDA_CHECK(cudaMemset(portable_ws.ptr, 0, portable_ws.count));
+          GroupedGemmArgs portable_args = args;
+          portable_args.workspace = portable_ws.ptr;
+          portable_args.workspace_bytes = portable_ws.count;
+          portable_us = time_median_us([&] { grouped_gemm(portable_args, portable, nullptr); }, iters, flusher);
+          portable_config = portable.config.to_string() + "/" + std::to_string(portable.split_k);
+          // The portable run wrote y too: time ours again last so y is ours for the cross-check.
+          grouped_gemm(args, plan, nullptr);
+        }
+
         double cublas_us = 0, rel_err = -1;
         if (opt.with_cublas) {
           DeviceArray<__nv_bfloat16> y_ref(static_cast<size_t>(rows * n));
@@ -373,14 +394,16 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
           rel_err = den > 0 ? std::sqrt(num / den) : 0.0;
         }
         const double eff = roof_us / t_us;
-        char line[512];
+        char line[640];
         std::snprintf(line, sizeof line,
-                      "%-13s gemm%d %6lld %7lld %3lld %5lld %5lld %-16s %2d %9.1f %6.2f %8.1f %5.2f %9.1f %6.2f %7.2fx %.1e\n",
+                      "%-13s gemm%d %6lld %7lld %3lld %5lld %5lld %-24s %2d %9.1f %6.2f %8.1f %5.2f %9.1f %6.2f %7.2fx %.1e"
+                      "  %-18s %8.1f %6.2f\n",
                       model.name.c_str(), gemm, static_cast<long long>(tokens), static_cast<long long>(rows),
                       static_cast<long long>(active), static_cast<long long>(n), static_cast<long long>(k),
                       plan.config.to_string().c_str(), plan.split_k, t_us, bytes / (t_us * 1e-6) / 1e12,
                       flops / (t_us * 1e-6) / 1e12, eff, cublas_us, cublas_us > 0 ? roof_us / cublas_us : 0.0,
-                      cublas_us > 0 ? cublas_us / t_us : 0.0, rel_err);
+                      cublas_us > 0 ? cublas_us / t_us : 0.0, rel_err, portable_config.c_str(), portable_us,
+                      portable_us > 0 ? roof_us / portable_us : 0.0);
         table << line << std::flush;
         if (json) {
           nlohmann::json j{{"kind", "grouped_gemm"},
@@ -395,6 +418,7 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
                            {"n", n},
                            {"k", k},
                            {"config", plan.config.to_string()},
+                           {"family", to_string(plan.config.family)},
                            {"split_k", plan.split_k},
                            {"time_us", t_us},
                            {"tbps", bytes / (t_us * 1e-6) / 1e12},
@@ -407,6 +431,9 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
                            {"cublas_efficiency", cublas_us > 0 ? roof_us / cublas_us : 0.0},
                            {"speedup_vs_cublas", cublas_us > 0 ? cublas_us / t_us : 0.0},
                            {"rel_err_vs_cublas", rel_err},
+                           {"portable_config", portable_config},
+                           {"portable_us", portable_us},
+                           {"portable_efficiency", portable_us > 0 ? roof_us / portable_us : 0.0},
                            {"iterations", iters}};
           *json << j.dump() << std::endl;
         }

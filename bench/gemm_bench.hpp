@@ -110,6 +110,7 @@ struct Options {
   std::vector<int> gemms = {1, 2};
   int iterations = 20;
   bool with_cublas = true;
+  bool with_portable = true;  // also time the portable family's choice where the plan is SM90's
   std::optional<TileConfig> config;  // force a config instead of the planner's
   uint64_t seed = 1;
 };

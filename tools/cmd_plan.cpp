@@ -71,13 +71,22 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
     for (const auto& r : layout.regions)
       regions.push_back({{"name", r.name}, {"shape", r.shape}, {"offset", r.offset}, {"bytes", r.bytes},
                          {"union_with_mainloop", r.overlaps_mainloop}});
+    const bool runs = family_runs_on(c.family, arch.compute_capability);
     j["configs"].push_back({{"config", c.to_string()},
+                            {"family", to_string(c.family)},
+                            {"runs_on_arch", runs},
                             {"total_bytes", layout.total_bytes},
                             {"fits", fit.fits},
                             {"advice", fit.advice},
                             {"blocks_per_sm_by_smem", resident},
                             {"regions", regions}});
-    if (!out) std::cout << format_layout(c, budget) << "  blocks per SM (shared memory bound): " << resident << "\n\n";
+    if (!out) {
+      std::cout << format_layout(c, budget) << "  blocks per SM (shared memory bound): " << resident << "\n";
+      if (!runs)
+        std::cout << "  (the " << to_string(c.family) << " family does not run on " << arch.name
+                  << ": shown for its shared-memory fit only)\n";
+      std::cout << "\n";
+    }
   }
   if (!out) {
     std::cout << "planner choice for " << label << ", per token count (GEMM1: N = 2*inter, K = hidden; GEMM2: N = "
@@ -90,8 +99,8 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
     // The layer's GEMMs: GEMM1 with the fused SwiGLU, GEMM2 with the fused finalize.
     GemmProblem g1{experts, 2 * inter, hidden, rows, std::max<int64_t>(active, 1), Epilogue::kSwiglu};
     GemmProblem g2{experts, hidden, inter, rows, std::max<int64_t>(active, 1), Epilogue::kFinalize};
-    const GemmPlan p1 = plan_gemm(g1, budget, num_sms);
-    const GemmPlan p2 = plan_gemm(g2, budget, num_sms);
+    const GemmPlan p1 = plan_gemm(g1, budget, num_sms, arch.compute_capability);
+    const GemmPlan p2 = plan_gemm(g2, budget, num_sms, arch.compute_capability);
     auto name = [](const GemmPlan& p) { return p.config.to_string() + " sk" + std::to_string(p.split_k); };
     j["plans"].push_back({{"tokens", t}, {"rows", rows}, {"expected_active_experts", active},
                           {"gemm1", {{"config", p1.config.to_string()}, {"split_k", p1.split_k}, {"reason", p1.reason}}},

@@ -41,17 +41,27 @@ enum class Epilogue {
 };
 std::string to_string(Epilogue epilogue);
 
-// One tile configuration of the portable grouped GEMM (swap AB: weight rows
-// are the MMA's M side, tokens its N side).
+// The grouped-GEMM kernel families (docs/design.md §4).
+enum class KernelFamily {
+  kPortable,  // mma.sync + cp.async, SM80 ... SM120, <= 101,376 B of shared memory
+  kSm90,      // warp-specialised wgmma + bulk copies + mbarrier ring, SM90a only
+};
+std::string to_string(KernelFamily family);
+
+// One tile configuration of a grouped GEMM kernel (swap AB: weight rows are
+// the MMA's M side, tokens its N side).
 struct TileConfig {
   int block_n = 128;  // weight rows (output features) per tile
   int block_m = 8;    // token rows per tile
   int block_k = 256;  // K per pipeline stage
   int stages = 4;     // pipeline depth
-  int warps = 4;      // warps per block; each owns block_n / warps weight rows
+  int warps = 4;      // warps per block (portable: each owns block_n / warps weight rows;
+                      // sm90: one producer and two consumer warpgroups)
   Epilogue epilogue = Epilogue::kNone;
+  KernelFamily family = KernelFamily::kPortable;
 
-  // "n128m8k256s4w4"; a fused epilogue adds a suffix: "n128m8k256s4w4-swiglu".
+  // "n128m8k256s4w4"; the SM90 family is prefixed, "sm90n128m64k128s6w12"; a
+  // fused epilogue adds a suffix: "n128m8k256s4w4-swiglu".
   std::string to_string() const;
   // Inverse of to_string; throws with the expected form on a malformed name.
   static TileConfig parse(std::string_view name);
@@ -114,11 +124,17 @@ struct GemmPlan {
   std::string reason;     // why this config and split
 };
 
+// Whether a family's kernels run on a GPU of compute capability `cc`
+// (e.g. 90): the portable family from 80 on, the SM90 family on 90 only.
+bool family_runs_on(KernelFamily family, int compute_capability);
+
 // Picks a config for `problem` among those with its epilogue fitting
-// `smem_budget_bytes`.
-// num_sms and blocks_per_sm size the split-K choice (waves of work).
+// `smem_budget_bytes` whose family runs on `compute_capability` (0: the
+// portable family only).
+// num_sms and blocks_per_sm size the split-K choice (waves of work); the SM90
+// family always runs one block per SM.
 GemmPlan plan_gemm(const GemmProblem& problem, int64_t smem_budget_bytes, int num_sms,
-                   int blocks_per_sm = 2);
+                   int compute_capability = 0, int blocks_per_sm = 2);
 
 // Plans with a given config (split-K still chosen by the planner).
 GemmPlan plan_gemm_with(const GemmProblem& problem, const TileConfig& config, int num_sms,

@@ -1,6 +1,6 @@
-// Host side of the portable grouped GEMM: the compiled kernel table (from the
-// X-macro in plan/compiled_configs.hpp), input validation, planning for the
-// local GPU, workspace sizing and the launch.
+// Host side of the grouped GEMM, both kernel families: the compiled kernel
+// table (from the X-macros in plan/compiled_configs.hpp), input validation,
+// planning for the local GPU, workspace sizing and the launch.
 // Tested in tests/kernels/test_grouped_gemm.cpp.
 #include <algorithm>
 #include <map>
@@ -11,6 +11,7 @@
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/grouped_gemm.hpp"
 #include "kernels/device_info.hpp"
+#include "kernels/kernel_table.hpp"
 #include "kernels/launch.cuh"
 #include "kernels/portable_grouped_gemm.cuh"
 #include "plan/compiled_configs.hpp"
@@ -19,23 +20,22 @@ namespace fp4moe {
 
 namespace {
 
-using KernelFn = void (*)(kernels::PortableGemmParams);
-
-struct KernelEntry {
-  TileConfig config;
-  KernelFn fn;
-  int64_t smem_bytes;  // from the shared-memory model, the launch size
-};
+using KernelEntry = kernels::GroupedGemmKernel;
 
 const std::vector<KernelEntry>& kernel_table() {
-  static const std::vector<KernelEntry> table = {
+  static const std::vector<KernelEntry> table = [] {
+    std::vector<KernelEntry> entries = {
 #define FP4MOE_X(BN, BM, BK, S, W, EPI)                                      \
-  {TileConfig{BN, BM, BK, S, W, EPI},                                        \
+  {TileConfig{BN, BM, BK, S, W, EPI, KernelFamily::kPortable},              \
    &kernels::portable_grouped_gemm_kernel<BN, BM, BK, S, W, EPI>,            \
    portable_smem_layout(BN, BM, BK, S, EPI).total_bytes},
-      FP4MOE_PORTABLE_KERNELS(FP4MOE_X)
+        FP4MOE_PORTABLE_KERNELS(FP4MOE_X)
 #undef FP4MOE_X
-  };
+    };
+    const auto& sm90 = kernels::sm90_kernels();
+    entries.insert(entries.end(), sm90.begin(), sm90.end());
+    return entries;
+  }();
   return table;
 }
 
@@ -70,9 +70,14 @@ int occupancy(const KernelEntry& entry, int device) {
   return blocks;
 }
 
-// Refuses, before any launch, a config that does not fit the device, with the
-// region-by-region breakdown.
+// Refuses, before any launch, a config whose family does not run on the
+// device or that does not fit it, with the region-by-region breakdown.
 void check_fits_device(const TileConfig& config, const DeviceInfo& dev) {
+  FP4MOE_CHECK(family_runs_on(config.family, kernels::compute_capability(dev)), "tile config ",
+               config.to_string(), " is of the ", to_string(config.family), " family, which needs ",
+               config.family == KernelFamily::kSm90 ? "an SM90 GPU (H100/H200, compute capability 9.0)"
+                                                    : "compute capability 8.0 or newer",
+               "; this GPU has compute capability ", dev.cc_major, ".", dev.cc_minor);
   const FitReport fit = check_fit(config, dev.smem_per_block);
   if (!fit.fits)
     FP4MOE_THROW("tile config ", config.to_string(), " needs ", fit.total_bytes,
@@ -164,7 +169,8 @@ GemmPlan plan_grouped_gemm(const GemmProblem& problem, const std::optional<TileC
     check_fits_device(config, dev);
     return plan_gemm_with(problem, config, dev.num_sms, occupancy(entry, dev.device));
   }
-  const GemmPlan first = plan_gemm(problem, dev.smem_per_block, dev.num_sms);
+  const GemmPlan first =
+      plan_gemm(problem, dev.smem_per_block, dev.num_sms, kernels::compute_capability(dev));
   const KernelEntry& entry = find_kernel(first.config);
   return plan_gemm_with(problem, first.config, dev.num_sms, occupancy(entry, dev.device));
 }
@@ -197,7 +203,7 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   FP4MOE_CHECK(reinterpret_cast<uintptr_t>(args.workspace) % 16 == 0,
                "grouped_gemm: workspace is not 16-byte aligned");
 
-  kernels::PortableGemmParams p{};
+  kernels::GroupedGemmParams p{};
   p.weights = args.weights;
   p.scales = args.scales;
   p.global_scales = args.global_scales;

@@ -42,150 +42,16 @@
 
 #include <cstdint>
 
-#include "kernels/fragment_layout.hpp"
+#include "kernels/grouped_gemm_common.cuh"
 #include "kernels/ptx/cp_async.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 #include "kernels/ptx/mma.cuh"
-#include "plan/smem_model.hpp"
 
 namespace fp4moe::kernels {
 
-// Bits of the device-side error word at the start of the workspace.
-inline constexpr int kErrorOffsetsNotMonotone = 1;
-inline constexpr int kErrorOffsetsOutOfRange = 2;
-inline constexpr int kErrorGatherRowOutOfRange = 8;  // 4 is the layer's (moe_ops.hpp)
-
-// Activation of the kSwiglu epilogue (fp4moe::Activation).
-inline constexpr int kActSwiglu = 0;  // silu(gate) * up
-inline constexpr int kActGptOss = 1;  // g = min(gate, 7), l = clamp(up, -7, 7), g sigma(1.702 g) (l + 1)
-
-struct PortableGemmParams {
-  const uint8_t* weights;         // [E][n_pad/16][k_pad/64][512] fragment-ordered fp4
-  const uint8_t* scales;          // [E][n_pad/16][k_pad/64][64] scale codes
-  const float* global_scales;     // [E] weight_scale_2
-  const __nv_bfloat16* x;         // [x_rows, k] activations
-  const int32_t* gather_rows;     // [num_rows] x row of each problem row; null: identity
-  int x_rows;                     // rows of x (gather bound)
-  const int32_t* expert_offsets;  // [E + 1] first row of each expert; [E] = num_rows
-  __nv_bfloat16* y;               // kNone [num_rows, n], kSwiglu [num_rows, n/2] bf16
-  const float* bias;              // optional fp32 [E][n]: kSwiglu gate then up biases, kFinalize per column
-  int activation;                 // kSwiglu: kAct*
-  const int32_t* scatter_rows;    // kFinalize [num_rows]: output slot of each row
-  const float* row_weights;       // kFinalize: router weight per slot (indexed by scatter row)
-  float* out_f32;                 // kFinalize: fp32 [out_rows, n], row = slot / out_row_divisor
-  int out_rows;
-  int out_row_divisor;            // kFinalize: 1 (one row per slot) or top_k (one per token)
-  int atomic_out;                 // kFinalize: add atomically instead of storing
-  int32_t* error_flags;           // workspace: kError* bits, sticky
-  int32_t* tile_counters;         // workspace: split-K arrivals per tile, zero at rest
-  float* partials;                // workspace: split-K fp32 tiles [tile][slice][BLOCK_N][BLOCK_M]
-  int num_experts;
-  int n;                          // output features (logical)
-  int k;                          // reduction length (logical)
-  int n_groups;                   // n_pad / 16
-  int k_frags;                    // k_pad / 64
-  int num_rows;
-  int split_k;                    // k-slices per tile
-};
-
-namespace detail {
-
-// Builds s_prefix[e] = number of m-tiles of experts < e (e = 0..E) from the
-// device offsets; flags malformed offsets. All threads participate.
-template <int THREADS, int BLOCK_M>
-__device__ __forceinline__ void build_schedule(const PortableGemmParams& p, int32_t* s_prefix,
-                                               int32_t* s_warp_sums) {
-  constexpr int kPerThread = (kMaxExperts + THREADS - 1) / THREADS;
-  const int tid = threadIdx.x;
-  const int lane = tid % 32;
-  const int warp = tid / 32;
-  int counts[kPerThread];
-  int local_sum = 0;
-  int bad = 0;
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int e = tid * kPerThread + i;
-    int tiles = 0;
-    if (e < p.num_experts) {
-      const int begin = __ldg(p.expert_offsets + e);
-      const int end = __ldg(p.expert_offsets + e + 1);
-      if (end < begin) bad |= kErrorOffsetsNotMonotone;
-      if (begin < 0 || end > p.num_rows) bad |= kErrorOffsetsOutOfRange;
-      // Malformed offsets produce no work rather than out-of-bounds accesses.
-      const int rows = (end > begin && begin >= 0 && end <= p.num_rows) ? end - begin : 0;
-      tiles = (rows + BLOCK_M - 1) / BLOCK_M;
-    }
-    counts[i] = tiles;
-    local_sum += tiles;
-  }
-  if (bad && p.error_flags) atomicOr(p.error_flags, bad);
-  // Exclusive scan of local sums: within the warp, then across warps.
-  int inclusive = local_sum;
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
-    if (lane >= d) inclusive += v;
-  }
-  if (lane == 31) s_warp_sums[warp] = inclusive;
-  __syncthreads();
-  int warp_base = 0;
-  for (int w = 0; w < warp; ++w) warp_base += s_warp_sums[w];
-  int running = warp_base + inclusive - local_sum;
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int e = tid * kPerThread + i;
-    if (e <= kMaxExperts) s_prefix[e] = running;
-    running += counts[i];
-  }
-  if (tid == THREADS - 1) s_prefix[kMaxExperts] = running;
-  __syncthreads();
-}
-
-// Finds the expert owning unit `unit`: the largest e with prefix[e] * units_per_mtile <= unit.
-__device__ __forceinline__ int find_expert(const int32_t* s_prefix, int num_experts,
-                                           int64_t unit, int units_per_mtile) {
-  int lo = 0, hi = num_experts - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (static_cast<int64_t>(s_prefix[mid]) * units_per_mtile <= unit) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
-
-// Eight fp4 codes (fragment order) and the two rows' bf16x2 scales -> the
-// four A registers of one m16n8k16 MMA.
-__device__ __forceinline__ void dequant_a_fragment(uint32_t codes, uint32_t scale_row_g,
-                                                   uint32_t scale_row_g8, uint32_t (&a)[4]) {
-  // Sign to bit 15/31, exponent+mantissa (3 bits) to bits 6..8 / 22..24.
-  auto place = [](uint32_t v) { return (v & 0x80008000u) | ((v >> 6) & 0x01C001C0u); };
-  a[0] = ptx::mul_bf16x2(place(codes), scale_row_g);
-  a[1] = ptx::mul_bf16x2(place(codes << 4), scale_row_g8);
-  a[2] = ptx::mul_bf16x2(place(codes << 8), scale_row_g);
-  a[3] = ptx::mul_bf16x2(place(codes << 12), scale_row_g8);
-}
-
-// Scale byte `ks` of a word of four scale codes -> bf16x2 {scale, scale}.
-__device__ __forceinline__ uint32_t scale_pair(uint32_t codes4, int ks) {
-  const uint32_t dup = ptx::prmt(codes4, 0u, 0x4040u | (ks * 0x0101u));  // 0x00cc00cc
-  return dup * 16u + (layout::kScaleBf16Bias | (layout::kScaleBf16Bias << 16));
-}
-
-// The kSwiglu epilogue's activation of one (gate, up) pair, in fp32.
-__device__ __forceinline__ float activate(int activation, float gate, float up) {
-  if (activation == kActGptOss) {
-    const float g = fminf(gate, 7.0f);
-    const float l = fminf(fmaxf(up, -7.0f), 7.0f);
-    return g / (1.0f + __expf(-1.702f * g)) * (l + 1.0f);
-  }
-  return gate / (1.0f + __expf(-gate)) * up;
-}
-
-}  // namespace detail
-
 template <int BLOCK_N, int BLOCK_M, int BLOCK_K, int STAGES, int WARPS, Epilogue EPI>
 __global__ void __launch_bounds__(WARPS * 32)
-    portable_grouped_gemm_kernel(const PortableGemmParams p) {
+    portable_grouped_gemm_kernel(const GroupedGemmParams p) {
   constexpr PortableSmemLayout L = portable_smem_layout(BLOCK_N, BLOCK_M, BLOCK_K, STAGES, EPI);
   static_assert(L.total_bytes <= kPortableSmemLimit, "config exceeds the 99 KB portable budget");
   constexpr int THREADS = WARPS * 32;
@@ -239,20 +105,15 @@ __global__ void __launch_bounds__(WARPS * 32)
   const size_t frag_row_stride = static_cast<size_t>(p.k_frags);  // fragments per 16-row group
 
   for (int64_t unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
-    // ---- decode the unit: m-tiles fastest, so blocks running side by side
-    // share a weight tile in L2 when an expert has many rows.
-    const int e = detail::find_expert(s_prefix, p.num_experts, unit, units_per_mtile);
-    const int64_t local = unit - static_cast<int64_t>(s_prefix[e]) * units_per_mtile;
-    const int m_tiles_e = s_prefix[e + 1] - s_prefix[e];
-    const int ns = static_cast<int>(local / m_tiles_e);
-    const int m_tile = static_cast<int>(local % m_tiles_e);
-    const int n_tile = ns / p.split_k;
-    const int slice = ns % p.split_k;
-    const int row_begin = __ldg(p.expert_offsets + e) + m_tile * BLOCK_M;
-    const int rows_valid = min(BLOCK_M, __ldg(p.expert_offsets + e + 1) - row_begin);
-    const int kt_begin = slice * k_tiles_total / p.split_k;
-    const int kt_end = (slice + 1) * k_tiles_total / p.split_k;
-    const int num_k_tiles = kt_end - kt_begin;
+    const detail::WorkUnit u = detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
+    const int e = u.expert;
+    const int n_tile = u.n_tile;
+    const int slice = u.slice;
+    const int m_tile = u.m_tile;
+    const int row_begin = u.row_begin;
+    const int rows_valid = u.rows_valid;
+    const int kt_begin = u.kt_begin;
+    const int num_k_tiles = u.num_k_tiles;
 
     // Row indices of the tile. Rows past the expert's end repeat its last row:
     // their columns of the result are never stored.

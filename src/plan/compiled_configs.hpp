@@ -24,3 +24,26 @@
   FP4MOE_PORTABLE_TILES(X, ::fp4moe::Epilogue::kNone)       \
   FP4MOE_PORTABLE_TILES(X, ::fp4moe::Epilogue::kSwiglu)     \
   FP4MOE_PORTABLE_TILES(X, ::fp4moe::Epilogue::kFinalize)
+
+// The SM90a family (sm90_grouped_gemm.cuh): BLOCK_N is always kSm90BlockN
+// (two consumer warpgroups of 64 weight rows) and 12 warps.
+// X(BLOCK_M, BLOCK_K, STAGES, EPILOGUE)
+//   BLOCK_M  token rows per tile: the wgmma's N (8 ... 256)
+//   BLOCK_K  K elements per pipeline stage: 64 or 128 (with four 64-wide
+//            fragments per stage ptxas serialises the wgmmas, C7513)
+//   STAGES   depth of the mbarrier ring
+// One per token-tile size, plus sm90n128m128k64s3w12, which fits the
+// 101,376-byte budget of SM120/SM86-class parts (fp4moe plan --arch sm120).
+#define FP4MOE_SM90_TILES(X, EPI) \
+  X(8, 128, 12, EPI)              \
+  X(16, 128, 10, EPI)             \
+  X(32, 128, 8, EPI)              \
+  X(64, 128, 6, EPI)              \
+  X(128, 128, 4, EPI)             \
+  X(128, 64, 3, EPI)              \
+  X(256, 64, 4, EPI)
+
+#define FP4MOE_SM90_KERNELS(X)                          \
+  FP4MOE_SM90_TILES(X, ::fp4moe::Epilogue::kNone)       \
+  FP4MOE_SM90_TILES(X, ::fp4moe::Epilogue::kSwiglu)     \
+  FP4MOE_SM90_TILES(X, ::fp4moe::Epilogue::kFinalize)

@@ -57,9 +57,18 @@ std::string to_string(Epilogue epilogue) {
   return "?";
 }
 
+std::string to_string(KernelFamily family) {
+  return family == KernelFamily::kSm90 ? "sm90" : "portable";
+}
+
+namespace {
+constexpr std::string_view kSm90Prefix = "sm90";
+}  // namespace
+
 std::string TileConfig::to_string() const {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "n%dm%dk%ds%dw%d", block_n, block_m, block_k, stages, warps);
+  std::snprintf(buf, sizeof buf, "%sn%dm%dk%ds%dw%d", family == KernelFamily::kSm90 ? "sm90" : "", block_n,
+                block_m, block_k, stages, warps);
   return epilogue == Epilogue::kNone ? std::string(buf)
                                      : std::string(buf) + "-" + fp4moe::to_string(epilogue);
 }
@@ -79,12 +88,17 @@ TileConfig TileConfig::parse(std::string_view name) {
                  "'; expected none, swiglu or finalize");
     s.resize(dash);
   }
+  if (s.starts_with(kSm90Prefix)) {
+    c.family = KernelFamily::kSm90;
+    s.erase(0, kSm90Prefix.size());
+  }
   int consumed = 0;
   if (std::sscanf(s.c_str(), "n%dm%dk%ds%dw%d%n", &c.block_n, &c.block_m, &c.block_k, &c.stages,
                   &c.warps, &consumed) != 5 ||
       consumed != static_cast<int>(s.size()))
     FP4MOE_THROW("malformed tile config '", name,
-                 "': expected n<BLOCK_N>m<BLOCK_M>k<BLOCK_K>s<STAGES>w<WARPS>, e.g. n128m8k256s4w4");
+                 "': expected [sm90]n<BLOCK_N>m<BLOCK_M>k<BLOCK_K>s<STAGES>w<WARPS>[-epilogue], e.g. "
+                 "n128m8k256s4w4 or sm90n128m64k128s6w12-swiglu");
   FP4MOE_CHECK(c.block_n > 0 && c.block_m > 0 && c.block_k > 0 && c.stages > 0 && c.warps > 0,
                "tile config '", name, "' has a zero field");
   return c;
@@ -92,11 +106,19 @@ TileConfig TileConfig::parse(std::string_view name) {
 
 const std::vector<TileConfig>& compiled_configs() {
   static const std::vector<TileConfig> configs = {
-#define FP4MOE_X(BN, BM, BK, S, W, EPI) TileConfig{BN, BM, BK, S, W, EPI},
+#define FP4MOE_X(BN, BM, BK, S, W, EPI) TileConfig{BN, BM, BK, S, W, EPI, KernelFamily::kPortable},
       FP4MOE_PORTABLE_KERNELS(FP4MOE_X)
+#undef FP4MOE_X
+#define FP4MOE_X(BM, BK, S, EPI) TileConfig{kSm90BlockN, BM, BK, S, kSm90Threads / 32, EPI, KernelFamily::kSm90},
+      FP4MOE_SM90_KERNELS(FP4MOE_X)
 #undef FP4MOE_X
   };
   return configs;
+}
+
+bool family_runs_on(KernelFamily family, int compute_capability) {
+  if (family == KernelFamily::kSm90) return compute_capability == 90;
+  return compute_capability >= 80;
 }
 
 bool is_compiled(const TileConfig& config) {
@@ -118,18 +140,18 @@ std::string epilogue_row_formula(Epilogue epilogue) {
 }
 }  // namespace
 
-SmemLayout smem_layout(const TileConfig& c) {
-  FP4MOE_CHECK(c.block_n % kFragRows == 0 && c.block_k % kFragK == 0,
-               "tile config ", c.to_string(), ": BLOCK_N must be a multiple of ", kFragRows,
-               " and BLOCK_K of ", kFragK);
+namespace {
+
+std::string dims(std::initializer_list<std::string> parts) {
+  std::string s = "(";
+  for (const auto& p : parts) s += (s.size() > 1 ? ", " : "") + p;
+  return s + ")";
+}
+
+SmemLayout portable_layout(const TileConfig& c) {
   const PortableSmemLayout l =
       portable_smem_layout(c.block_n, c.block_m, c.block_k, c.stages, c.epilogue);
   const std::string stages = "STAGES=" + std::to_string(c.stages);
-  auto dims = [](std::initializer_list<std::string> parts) {
-    std::string s = "(";
-    for (const auto& p : parts) s += (s.size() > 1 ? ", " : "") + p;
-    return s + ")";
-  };
   const std::string bn = "BLOCK_N=" + std::to_string(c.block_n);
   const std::string bm = "BLOCK_M=" + std::to_string(c.block_m);
   SmemLayout out;
@@ -154,6 +176,49 @@ SmemLayout smem_layout(const TileConfig& c) {
   };
   out.total_bytes = l.total_bytes;
   return out;
+}
+
+SmemLayout sm90_layout(const TileConfig& c) {
+  FP4MOE_CHECK(c.block_n == kSm90BlockN && c.warps == kSm90Threads / 32 && c.block_m % 8 == 0 &&
+                   c.block_m <= 256,
+               "tile config ", c.to_string(), ": the SM90 family has BLOCK_N = ", kSm90BlockN, ", ",
+               kSm90Threads / 32, " warps and BLOCK_M a multiple of 8 up to 256");
+  const Sm90SmemLayout l = sm90_smem_layout(c.block_m, c.block_k, c.stages, c.epilogue);
+  const std::string stages = "STAGES=" + std::to_string(c.stages);
+  const std::string bn = "BLOCK_N=" + std::to_string(c.block_n);
+  const std::string bm = "BLOCK_M=" + std::to_string(c.block_m);
+  const int64_t epi_row_bytes = int64_t{l.epi_row_elems} * l.epi_elem_bytes;
+  SmemLayout out;
+  out.regions = {
+      {"activations", dims({stages, bm, "BLOCK_K=" + std::to_string(c.block_k)}) + " bf16, 128-B swizzled",
+       l.act_offset, l.act_bytes, false},
+      {"weights", dims({stages, bn, "BLOCK_K/2=" + std::to_string(c.block_k / 2)}) + " packed fp4",
+       l.weight_offset, l.weight_bytes, false},
+      {"scales", dims({stages, bn, "BLOCK_K/16=" + std::to_string(c.block_k / 16)}) + " e4m3",
+       l.scale_offset, l.scale_bytes, false},
+      {"barriers", dims({"2", stages}) + " mbarrier full/empty", l.barrier_offset, l.barrier_bytes, false},
+      {"alignment", "padding to 128 B", l.barrier_offset + l.barrier_bytes,
+       l.ring_end - (l.barrier_offset + l.barrier_bytes), false},
+      {"epilogue", dims({"CONSUMERS=" + std::to_string(kSm90Consumers), "CHUNK=" + std::to_string(l.chunk_tokens),
+                         std::to_string(l.epi_row_elems)}) +
+                       (l.epi_elem_bytes == 4 ? " fp32 " : " bf16 ") + fp4moe::to_string(c.epilogue) + " staging",
+       l.epilogue_offset, int64_t{kSm90Consumers} * l.chunk_tokens * epi_row_bytes, false},
+      {"row indices", dims({bm}) + " int32 producer's gathered rows", l.rows_offset, l.rows_bytes, false},
+      {"schedule", "(" + std::to_string(kMaxExperts + 1) + " + 32) int32 m-tile prefix per expert",
+       l.schedule_offset, l.schedule_bytes, false},
+      {"split-k flag", "(4) int32 + padding", l.flag_offset, l.total_bytes - l.flag_offset, false},
+  };
+  out.total_bytes = l.total_bytes;
+  return out;
+}
+
+}  // namespace
+
+SmemLayout smem_layout(const TileConfig& c) {
+  FP4MOE_CHECK(c.block_n % kFragRows == 0 && c.block_k % kFragK == 0 && c.stages >= 1,
+               "tile config ", c.to_string(), ": BLOCK_N must be a multiple of ", kFragRows,
+               " and BLOCK_K of ", kFragK);
+  return c.family == KernelFamily::kSm90 ? sm90_layout(c) : portable_layout(c);
 }
 
 FitReport check_fit(const TileConfig& config, int64_t budget) {
@@ -190,7 +255,7 @@ std::string format_layout(const TileConfig& config, int64_t budget) {
   const FitReport fit = check_fit(config, budget);
   std::ostringstream os;
   char line[256];
-  os << "config " << config.to_string() << "  (block_n " << config.block_n << ", block_m "
+  os << "config " << config.to_string() << "  (" << to_string(config.family) << ", block_n " << config.block_n << ", block_m "
      << config.block_m << ", block_k " << config.block_k << ", " << config.stages << " stages, "
      << config.warps << " warps, epilogue " << to_string(config.epilogue) << ")\n";
   std::snprintf(line, sizeof line, "  %-13s %-62s %8s %8s\n", "region", "shape", "offset", "bytes");
@@ -262,10 +327,13 @@ GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_
   const double tiles =
       std::ceil(rows_per_expert / config.block_m) * active * static_cast<double>(n_tiles);
   const int64_t k_tiles = ceil_div(p.k, config.block_k);
+  const bool sm90 = config.family == KernelFamily::kSm90;
+  if (sm90) blocks_per_sm = 1;  // the warp-specialised kernel takes a whole SM
   const double slots = static_cast<double>(std::max(1, num_sms) * std::max(1, blocks_per_sm));
   // Time model in units of one k-tile: waves * (k-tiles per unit + the
-  // pipeline fill and epilogue of one unit, about 1.5 k-tiles).
-  constexpr double kUnitOverhead = 1.5;
+  // pipeline fill and epilogue of one unit: about 1.5 k-tiles in the portable
+  // family; the SM90 producer loads the next unit during the epilogue).
+  const double kUnitOverhead = sm90 ? 0.5 : 1.5;
   double best_time = 0.0;
   for (int split = 1; split <= 8; ++split) {
     if (split > 1 && k_tiles / split < 2) break;
@@ -286,11 +354,19 @@ GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_
 }
 
 GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
-                   int blocks_per_sm) {
+                   int compute_capability, int blocks_per_sm) {
   validate_problem(p);
+  // The SM90 family where it runs and a config of it fits, else the portable one.
+  auto candidates = [&](KernelFamily family) {
+    std::vector<TileConfig> out;
+    for (const auto& c : compiled_configs())
+      if (c.family == family && c.epilogue == p.epilogue && check_fit(c, smem_budget_bytes).fits)
+        out.push_back(c);
+    return out;
+  };
   std::vector<TileConfig> fitting;
-  for (const auto& c : compiled_configs())
-    if (c.epilogue == p.epilogue && check_fit(c, smem_budget_bytes).fits) fitting.push_back(c);
+  if (family_runs_on(KernelFamily::kSm90, compute_capability)) fitting = candidates(KernelFamily::kSm90);
+  if (fitting.empty()) fitting = candidates(KernelFamily::kPortable);
   if (fitting.empty()) {
     std::ostringstream os;
     os << "no compiled tile config with the " << to_string(p.epilogue) << " epilogue fits "

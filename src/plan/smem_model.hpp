@@ -1,12 +1,14 @@
-// The shared-memory model of the portable grouped GEMM: one constexpr
-// description per tile configuration, giving every region's offset and size.
+// The shared-memory models of the two grouped-GEMM kernel families: one
+// constexpr description per tile configuration, giving every region's offset
+// and size.
 //
-// The kernel (src/kernels/portable_grouped_gemm.cuh) carves its dynamic shared
-// memory from portable_smem_layout() and nothing else, and static_asserts its
-// total against the smallest per-block limit it must run on; the host planner
-// (src/plan/plan.cpp) builds the printed layout from the same struct, so the
-// table `fp4moe plan` shows is the one the kernel uses. The GPU test checks the
-// compiled kernel's attributes against it.
+// Each kernel (src/kernels/portable_grouped_gemm.cuh, sm90_grouped_gemm.cuh)
+// carves its dynamic shared memory from its family's layout function and
+// nothing else, and static_asserts the total against the smallest per-block
+// limit it must run on; the host planner (src/plan/plan.cpp) builds the
+// printed layout from the same structs, so the table `fp4moe plan` shows is
+// the one the kernel uses. The GPU test checks the compiled kernels'
+// attributes against it.
 #pragma once
 
 #include <cstdint>
@@ -110,6 +112,93 @@ constexpr PortableSmemLayout portable_smem_layout(int block_n, int block_m, int 
   l.rows_offset = l.union_end;
   l.rows_bytes = 3 * int64_t{block_m} * 4;
 
+  l.schedule_offset = align_up(l.rows_offset + l.rows_bytes, kSmemAlign);
+  l.schedule_bytes = (kMaxExperts + 1 + 32) * 4;
+  l.flag_offset = align_up(l.schedule_offset + l.schedule_bytes, 16);
+  l.flag_bytes = 16;
+
+  l.total_bytes = align_up(l.flag_offset + l.flag_bytes, kSmemAlign);
+  return l;
+}
+
+// ------------------------------------------------------------ SM90a family
+//
+// A block is one producer warpgroup (bulk copies of weights and scales,
+// cp.async of the gathered activation rows) and kSm90Consumers consumer
+// warpgroups (dequantise, wgmma, epilogue), each owning 64 weight rows of the
+// BLOCK_N = 128 tile. The producer runs ahead across work units, so the
+// epilogue staging cannot reuse the ring: it is a region of its own, sized
+// for a chunk of at most kSm90EpilogueChunk tokens at a time.
+inline constexpr int kSm90Consumers = 2;
+inline constexpr int kSm90WarpgroupRows = 64;  // weight rows per consumer warpgroup (wgmma M)
+inline constexpr int kSm90BlockN = kSm90Consumers * kSm90WarpgroupRows;
+inline constexpr int kSm90Threads = (kSm90Consumers + 1) * 128;
+inline constexpr int kSm90EpilogueChunk = 32;  // tokens staged per epilogue round
+// wgmma reads the activation tile in 128-byte-swizzled atoms of 8 rows x
+// 128 B, which must start on 1024-byte boundaries.
+inline constexpr int64_t kSm90AtomAlign = 1024;
+
+struct Sm90SmemLayout {
+  // Per pipeline stage.
+  int64_t act_stage_bytes = 0;     // (BLOCK_K/64, BLOCK_M, 64) bf16, 128-B swizzled
+  int64_t weight_stage_bytes = 0;  // (BLOCK_N/16, BLOCK_K/64, 512 B) fp4 fragments
+  int64_t scale_stage_bytes = 0;   // (BLOCK_N/16, BLOCK_K/64, 64 B) scale codes
+
+  // Ring buffers, (STAGES, ...) each; activations first, 1024-B aligned.
+  int64_t act_offset = 0, act_bytes = 0;
+  int64_t weight_offset = 0, weight_bytes = 0;
+  int64_t scale_offset = 0, scale_bytes = 0;
+  // (2, STAGES) mbarriers of 8 B: "stage full" then "stage empty".
+  int64_t barrier_offset = 0, barrier_bytes = 0;
+  int64_t ring_end = 0;
+
+  // Epilogue staging, (CONSUMERS, CHUNK, epi_row_elems), token-major so rows
+  // leave with 16-byte stores. Row length per epilogue, as in the portable
+  // family but per warpgroup (64 weight rows):
+  //   kNone      64 + 8  bf16     kSwiglu  32 + 8 bf16     kFinalize  64 + 4 fp32
+  int chunk_tokens = 0;
+  int epi_row_elems = 0;
+  int epi_elem_bytes = 0;
+  int64_t epilogue_offset = 0, epilogue_bytes = 0;
+
+  // The producer's table of source (gathered) rows of the unit it loads,
+  // (BLOCK_M) int32.
+  int64_t rows_offset = 0, rows_bytes = 0;
+  // Scheduler: m-tile prefix sums per expert (kMaxExperts + 1) + 32 int32.
+  int64_t schedule_offset = 0, schedule_bytes = 0;
+  // Split-K: the "this block reduces the tile" flag.
+  int64_t flag_offset = 0, flag_bytes = 0;
+
+  int64_t total_bytes = 0;
+};
+
+constexpr Sm90SmemLayout sm90_smem_layout(int block_m, int block_k, int stages, Epilogue epilogue) {
+  Sm90SmemLayout l;
+  l.act_stage_bytes = int64_t{block_m} * block_k * 2;
+  l.weight_stage_bytes = int64_t{kSm90BlockN} * block_k / 2;
+  l.scale_stage_bytes = int64_t{kSm90BlockN} * block_k / 16;
+
+  l.act_offset = 0;
+  l.act_bytes = stages * l.act_stage_bytes;
+  l.weight_offset = align_up(l.act_offset + l.act_bytes, kSm90AtomAlign);
+  l.weight_bytes = stages * l.weight_stage_bytes;
+  l.scale_offset = align_up(l.weight_offset + l.weight_bytes, kSmemAlign);
+  l.scale_bytes = stages * l.scale_stage_bytes;
+  l.barrier_offset = align_up(l.scale_offset + l.scale_bytes, kSmemAlign);
+  l.barrier_bytes = 2 * int64_t{stages} * 8;
+  l.ring_end = align_up(l.barrier_offset + l.barrier_bytes, kSmemAlign);
+
+  l.chunk_tokens = block_m < kSm90EpilogueChunk ? block_m : kSm90EpilogueChunk;
+  switch (epilogue) {
+    case Epilogue::kNone: l.epi_row_elems = kSm90WarpgroupRows + 8; l.epi_elem_bytes = 2; break;
+    case Epilogue::kSwiglu: l.epi_row_elems = kSm90WarpgroupRows / 2 + 8; l.epi_elem_bytes = 2; break;
+    case Epilogue::kFinalize: l.epi_row_elems = kSm90WarpgroupRows + 4; l.epi_elem_bytes = 4; break;
+  }
+  l.epilogue_offset = l.ring_end;
+  l.epilogue_bytes = int64_t{kSm90Consumers} * l.chunk_tokens * l.epi_row_elems * l.epi_elem_bytes;
+
+  l.rows_offset = align_up(l.epilogue_offset + l.epilogue_bytes, kSmemAlign);
+  l.rows_bytes = int64_t{block_m} * 4;
   l.schedule_offset = align_up(l.rows_offset + l.rows_bytes, kSmemAlign);
   l.schedule_bytes = (kMaxExperts + 1 + 32) * 4;
   l.flag_offset = align_up(l.schedule_offset + l.schedule_bytes, 16);

@@ -22,6 +22,21 @@ namespace {
 
 using testing::DeviceBuffer;
 
+// Whether `config`'s kernel family runs on this machine's GPU.
+bool runs_here(const TileConfig& config) {
+  ArchLimits arch;
+  return local_arch_limits(&arch) && family_runs_on(config.family, arch.compute_capability);
+}
+
+// The compiled configs with the none epilogue (the fused epilogues are
+// tested in tests/layer) that run on this GPU.
+std::vector<TileConfig> configs_to_test() {
+  std::vector<TileConfig> out;
+  for (const TileConfig& c : compiled_configs())
+    if (c.epilogue == Epilogue::kNone && runs_here(c)) out.push_back(c);
+  return out;
+}
+
 struct GemmCase {
   int64_t n = 0;
   int64_t k = 0;
@@ -159,8 +174,7 @@ TEST(GroupedGemmGpu, EveryCompiledConfigMatchesReference) {
   for (const GemmCase& c : enumerated_cases()) {
     Problem prob(c, rng);
     const std::vector<double> ref = prob.reference();
-    for (const TileConfig& config : compiled_configs()) {
-      if (config.epilogue != Epilogue::kNone) continue;  // epilogues: tests/layer
+    for (const TileConfig& config : configs_to_test()) {
       GemmPlan plan = plan_grouped_gemm(prob.args(), config);
       plan.split_k = 1;
       run_and_check(prob, plan, ref, describe(c, config, 1));
@@ -176,8 +190,7 @@ TEST(GroupedGemmGpu, SplitKMatchesReference) {
   for (const GemmCase& c : cases) {
     Problem prob(c, rng);
     const std::vector<double> ref = prob.reference();
-    for (const TileConfig& config : compiled_configs()) {
-      if (config.epilogue != Epilogue::kNone) continue;  // epilogues: tests/layer
+    for (const TileConfig& config : configs_to_test()) {
       for (int split : {2, 3, 5}) {
         GemmPlan plan = plan_grouped_gemm(prob.args(), config);
         const int64_t k_tiles = (c.k + config.block_k - 1) / config.block_k;
@@ -222,8 +235,7 @@ TEST(GroupedGemmGpu, EveryCodeAndScaleDequantisesExactly) {
   DeviceBuffer<float> dg(prepared.global_scales);
   DeviceBuffer<uint16_t> dx(x), dy(static_cast<size_t>(k * n));
   DeviceBuffer<int32_t> doff(std::vector<int32_t>{0, static_cast<int32_t>(k)});
-  for (const TileConfig& config : compiled_configs()) {
-    if (config.epilogue != Epilogue::kNone) continue;  // epilogues: tests/layer
+  for (const TileConfig& config : configs_to_test()) {
     GroupedGemmArgs a;
     a.weights = dw.get();
     a.scales = ds.get();
@@ -317,14 +329,20 @@ TEST(GroupedGemmGpu, DeviceFlagsMalformedOffsets) {
 TEST(GroupedGemmGpu, SmemModelMatchesCompiledKernels) {
   FP4MOE_REQUIRE_GPU();
   for (const TileConfig& config : compiled_configs()) {
+    if (!runs_here(config)) {
+      std::printf("  %-24s not for this GPU (%s family)\n", config.to_string().c_str(),
+                  to_string(config.family).c_str());
+      continue;
+    }
     const KernelAttributes attr = grouped_gemm_kernel_attributes(config);
     const SmemLayout layout = smem_layout(config);
     EXPECT_EQ(attr.static_smem_bytes, 0) << config.to_string();
     EXPECT_EQ(attr.max_dynamic_smem_bytes, layout.total_bytes) << config.to_string();
-    EXPECT_LE(layout.total_bytes, kPortableSmemLimit) << config.to_string();
+    EXPECT_LE(layout.total_bytes, config.family == KernelFamily::kPortable ? kPortableSmemLimit : kSmemLimitSm90)
+        << config.to_string();
     EXPECT_EQ(attr.local_bytes, 0) << config.to_string() << " spills to local memory";
     EXPECT_GE(attr.blocks_per_sm, 1) << config.to_string();
-    std::printf("  %-16s smem %6lld B (model %6lld B), %3d registers, %d blocks/SM\n",
+    std::printf("  %-24s smem %6lld B (model %6lld B), %3d registers, %d blocks/SM\n",
                 config.to_string().c_str(), static_cast<long long>(attr.max_dynamic_smem_bytes),
                 static_cast<long long>(layout.total_bytes), attr.num_regs, attr.blocks_per_sm);
   }

@@ -1,6 +1,8 @@
 // Tests of the shared-memory model, the fit checks and the planner (host only).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "fp4moe/error.hpp"
 #include "fp4moe/plan.hpp"
 #include "plan/smem_model.hpp"
@@ -18,6 +20,12 @@ TEST(TileConfig, RoundTripsThroughItsName) {
   EXPECT_EQ(TileConfig::parse("n128m8k256s4w4-finalize").epilogue, Epilogue::kFinalize);
   EXPECT_EQ(TileConfig::parse("n128m8k256s4w4").epilogue, Epilogue::kNone);
   EXPECT_THROW(TileConfig::parse("n128m8k256s4w4-gelu"), Error);
+  const TileConfig sm90 = TileConfig::parse("sm90n128m64k128s6w12-finalize");
+  EXPECT_EQ(sm90.family, KernelFamily::kSm90);
+  EXPECT_EQ(sm90.block_m, 64);
+  EXPECT_EQ(sm90.epilogue, Epilogue::kFinalize);
+  EXPECT_EQ(TileConfig::parse("n128m64k128s6w12").family, KernelFamily::kPortable);
+  EXPECT_THROW(TileConfig::parse("sm90"), Error);
 }
 
 TEST(TileConfig, EveryTileShapeIsCompiledWithEveryEpilogue) {
@@ -43,6 +51,7 @@ TEST(SmemModel, EpilogueStagingPerKind) {
 
 TEST(SmemModel, RegionsAreDisjointAlignedAndSumToTotal) {
   for (const TileConfig& c : compiled_configs()) {
+    if (c.family != KernelFamily::kPortable) continue;
     const SmemLayout layout = smem_layout(c);
     const PortableSmemLayout l = portable_smem_layout(c.block_n, c.block_m, c.block_k, c.stages, c.epilogue);
     EXPECT_EQ(l.weight_bytes, int64_t{c.stages} * c.block_n * c.block_k / 2) << c.to_string();
@@ -63,10 +72,49 @@ TEST(SmemModel, RegionsAreDisjointAlignedAndSumToTotal) {
     EXPECT_LE(l.schedule_offset + l.schedule_bytes, l.flag_offset);
     EXPECT_LE(l.flag_offset + l.flag_bytes, l.total_bytes);
     EXPECT_EQ(layout.total_bytes, l.total_bytes);
-    // Every compiled config fits the smallest (SM120 / SM86) budget.
+    // Every portable config fits the smallest (SM120 / SM86) budget.
     EXPECT_LE(l.total_bytes, kPortableSmemLimit) << c.to_string();
     EXPECT_TRUE(check_fit(c, arch_limits("sm120").smem_per_block).fits) << c.to_string();
   }
+}
+
+TEST(SmemModel, Sm90RegionsAreDisjointAlignedAndSumToTotal) {
+  int fits_sm120 = 0;
+  for (const TileConfig& c : compiled_configs()) {
+    if (c.family != KernelFamily::kSm90) continue;
+    const SmemLayout layout = smem_layout(c);
+    const Sm90SmemLayout l = sm90_smem_layout(c.block_m, c.block_k, c.stages, c.epilogue);
+    EXPECT_EQ(c.block_n, kSm90BlockN);
+    EXPECT_EQ(l.act_bytes, int64_t{c.stages} * c.block_m * c.block_k * 2) << c.to_string();
+    EXPECT_EQ(l.weight_bytes, int64_t{c.stages} * c.block_n * c.block_k / 2) << c.to_string();
+    EXPECT_EQ(l.scale_bytes, int64_t{c.stages} * c.block_n * c.block_k / 16) << c.to_string();
+    // The swizzled activation atoms (8 rows x 128 B) start on 1024-B boundaries in every stage.
+    EXPECT_EQ(l.act_offset % kSm90AtomAlign, 0);
+    EXPECT_EQ(l.act_stage_bytes % kSm90AtomAlign, 0) << c.to_string();
+    // Regions in order, non-overlapping; the bulk-copy targets 16-B aligned.
+    const int64_t ends[][2] = {{l.act_offset + l.act_bytes, l.weight_offset},
+                               {l.weight_offset + l.weight_bytes, l.scale_offset},
+                               {l.scale_offset + l.scale_bytes, l.barrier_offset},
+                               {l.barrier_offset + l.barrier_bytes, l.ring_end},
+                               {l.ring_end, l.epilogue_offset},
+                               {l.epilogue_offset + l.epilogue_bytes, l.rows_offset},
+                               {l.rows_offset + l.rows_bytes, l.schedule_offset},
+                               {l.schedule_offset + l.schedule_bytes, l.flag_offset},
+                               {l.flag_offset + l.flag_bytes, l.total_bytes}};
+    for (const auto& e : ends) EXPECT_LE(e[0], e[1]) << c.to_string();
+    for (int64_t off : {l.weight_offset, l.scale_offset, l.barrier_offset, l.weight_stage_bytes,
+                        l.scale_stage_bytes, l.epilogue_offset})
+      EXPECT_EQ(off % 16, 0) << c.to_string();
+    EXPECT_EQ(l.barrier_bytes, 2 * 8 * int64_t{c.stages});
+    EXPECT_EQ(l.epilogue_bytes,
+              int64_t{kSm90Consumers} * std::min(c.block_m, kSm90EpilogueChunk) * l.epi_row_elems * l.epi_elem_bytes);
+    EXPECT_EQ(layout.total_bytes, l.total_bytes);
+    EXPECT_LE(l.total_bytes, kSmemLimitSm90) << c.to_string();
+    EXPECT_TRUE(check_fit(c, arch_limits("sm90").smem_per_block).fits) << c.to_string();
+    fits_sm120 += check_fit(c, arch_limits("sm120").smem_per_block).fits;
+  }
+  // One tile shape (with each epilogue) fits the 101,376 B of SM120 / SM86.
+  EXPECT_EQ(fits_sm120, 3);
 }
 
 TEST(SmemModel, RefusesWithBreakdownAndAdvice) {
@@ -115,6 +163,25 @@ TEST(Planner, PicksTokenTileByRowsPerExpert) {
   EXPECT_GT(plan.split_k, 1) << plan.reason;
   // The tile bound covers any routing: all rows on one expert, or one per expert.
   EXPECT_GE(plan.max_tiles, 2 * (4096 / 128));
+}
+
+TEST(Planner, PicksTheSm90FamilyOnSm90Only) {
+  const GemmProblem p{256, 4096, 7168, 8, 0, Epilogue::kSwiglu};
+  EXPECT_EQ(plan_gemm(p, 232448, 132, 90).config.family, KernelFamily::kSm90);
+  EXPECT_EQ(plan_gemm(p, 232448, 132, 90).config.block_m, 8);
+  EXPECT_EQ(plan_gemm(p, 232448, 132, 90).config.epilogue, Epilogue::kSwiglu);
+  for (int cc : {0, 80, 89, 100, 120}) EXPECT_EQ(plan_gemm(p, 232448, 132, cc).config.family, KernelFamily::kPortable) << cc;
+  // Prefill: the widest token tile.
+  GemmProblem prefill = p;
+  prefill.num_rows = 16384 * 8;
+  EXPECT_EQ(plan_gemm(prefill, 232448, 132, 90).config.block_m, 256);
+  // With SM120's budget only the small SM90 config fits; it is still chosen on SM90.
+  const GemmPlan small = plan_gemm(prefill, 101376, 132, 90);
+  EXPECT_EQ(small.config.family, KernelFamily::kSm90);
+  EXPECT_LE(smem_layout(small.config).total_bytes, 101376);
+  EXPECT_TRUE(family_runs_on(KernelFamily::kSm90, 90));
+  EXPECT_FALSE(family_runs_on(KernelFamily::kSm90, 100));
+  EXPECT_TRUE(family_runs_on(KernelFamily::kPortable, 120));
 }
 
 TEST(Planner, MaxTilesBoundsEveryRouting) {

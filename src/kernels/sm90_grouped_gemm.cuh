@@ -1,0 +1,424 @@
+// The SM90a NVFP4 grouped GEMM: warp-specialised, bulk async copies into an
+// mbarrier ring, wgmma with the dequantised weights as the register A operand.
+//
+// Swap AB as in the portable family: per expert e it computes
+// Y^T[n, rows] = W_e[n, k] . X^T[k, rows]. A block is one producer
+// warpgroup and kSm90Consumers consumer warpgroups (src/plan/smem_model.hpp):
+//
+//   producer   per k-tile of a unit: waits for a free stage, one lane sets the
+//              stage barrier's transaction count and 16 lanes issue bulk copies
+//              of the tile's prepared weight fragments and scale codes (16
+//              contiguous rows of K each); all 128 threads cp.async the
+//              gathered activation rows into 128-byte-swizzled atoms (zero
+//              past k and past the expert's rows) and arrive on the barrier
+//              when their copies land. It runs ahead across work units.
+//   consumers  each owns 64 weight rows (one 16-row fragment group per warp):
+//              per 64-wide K fragment, one 16-byte shared load of fp4 codes per
+//              lane, dequantised in registers into four m16k16 A fragments
+//              (fragment_layout.hpp), then four wgmma m64nBLOCK_Mk16 against the
+//              activation tile in shared memory. The A registers of one
+//              fragment are consumed while the next is dequantised: at most two
+//              wgmma groups in flight, and a stage is released once the wgmmas
+//              that read it have completed.
+//
+// Work units, split-K (deterministic, slice order) and the epilogues (NONE,
+// SWIGLU with the gpt-oss variant and biases, FINALIZE stored or atomic)
+// follow the portable family (portable_grouped_gemm.cuh). The epilogue stages
+// each warpgroup's 64 rows x up to kSm90EpilogueChunk tokens token-major in a
+// region of its own (the producer keeps filling the ring meanwhile) and
+// writes whole 16-byte chunks of output rows.
+//
+// Built for sm_90a only; on other targets the kernel is an empty stub and the
+// host never launches it. Tested in tests/kernels/test_grouped_gemm.cpp
+// (every compiled config against the CPU reference) and tests/layer/.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/grouped_gemm_common.cuh"
+#include "kernels/ptx/cp_async.cuh"
+#include "kernels/ptx/grid_dependency.cuh"
+#include "kernels/ptx/sm90.cuh"
+#include "kernels/ptx/wgmma.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FP4MOE_SM90_DEVICE_CODE 1
+#else
+#define FP4MOE_SM90_DEVICE_CODE 0
+#endif
+
+namespace fp4moe::kernels {
+
+// Error bit: dynamic shared memory did not start on a 1024-byte boundary
+// (the swizzled activation atoms need it); the launch computed nothing.
+inline constexpr int kErrorSmemMisaligned = 16;
+
+namespace sm90 {
+
+// Hardware named barriers (0 is __syncthreads).
+inline constexpr int kBarConsumers = 1;     // every consumer thread
+inline constexpr int kBarWarpgroup0 = 2;    // + consumer warpgroup index
+inline constexpr int kBarProducer = 2 + kSm90Consumers;
+
+// Registers per thread after the producer gives its surplus to the consumers
+// (setmaxnreg): 128 * (kProducerRegs + kSm90Consumers * kConsumerRegs) <= 64K.
+inline constexpr int kProducerRegs = 64;
+inline constexpr int kConsumerRegs = 216;
+static_assert(128 * (kProducerRegs + kSm90Consumers * kConsumerRegs) <= 65536, "register file overcommitted");
+
+// Byte offset, inside one stage's activation tile, of 16-byte chunk c (8 k
+// values) of token row r: 64-wide K blocks of BLOCK_M rows x 128 B, chunks
+// XOR-swizzled by the row within each 8-row atom (the wgmma 128-B swizzle).
+template <int BLOCK_M>
+__device__ __forceinline__ uint32_t act_chunk_offset(int r, int c) {
+  return static_cast<uint32_t>((c / 8) * (BLOCK_M * 128) + r * 128 + (((c % 8) ^ (r % 8)) << 4));
+}
+
+// Pins registers to this point of the instruction stream: the compiler may
+// not move their definitions below it nor their uses above it. Used before
+// wgmma_fence (every A register is written before the wgmmas start, or ptxas
+// serialises them) and after wgmma_wait (no accumulator is read early).
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+}  // namespace sm90
+
+template <int BLOCK_M, int BLOCK_K, int STAGES, Epilogue EPI>
+__global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(const GroupedGemmParams p) {
+#if FP4MOE_SM90_DEVICE_CODE
+  constexpr Sm90SmemLayout L = sm90_smem_layout(BLOCK_M, BLOCK_K, STAGES, EPI);
+  static_assert(L.total_bytes <= kSmemLimitSm90, "config exceeds the SM90 shared-memory limit");
+  constexpr int BLOCK_N = kSm90BlockN;
+  constexpr int K_FRAGS = BLOCK_K / kFragK;      // 64-wide K fragments per stage
+  constexpr int N_GROUPS = BLOCK_N / kFragRows;  // 16-row fragment groups per tile
+  constexpr int X_CHUNKS = BLOCK_K / 8;          // 16-byte chunks per activation row per stage
+  constexpr int NACC = BLOCK_M / 2;              // fp32 accumulators per consumer thread
+  constexpr int CHUNK = L.chunk_tokens;          // tokens per epilogue round
+  static_assert(BLOCK_M % 8 == 0 && BLOCK_M <= 256 && BLOCK_M % CHUNK == 0 && CHUNK % 8 == 0,
+                "BLOCK_M must be a multiple of 8 up to 256 (wgmma N)");
+  static_assert(BLOCK_K % kFragK == 0 && layout::kPadK % BLOCK_K == 0 && layout::kPadN % BLOCK_N == 0,
+                "unsupported tile shape");
+  static_assert(2 * N_GROUPS <= 32, "one producer warp issues the weight and scale copies");
+
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const uint32_t smem_base = ptx::smem_u32(smem);
+  const uint32_t act_ring = smem_base + L.act_offset;        // (STAGES, K_FRAGS, BLOCK_M, 128 B) swizzled bf16
+  const uint32_t weight_ring = smem_base + L.weight_offset;  // (STAGES, N_GROUPS, K_FRAGS, 512 B) fp4
+  const uint32_t scale_ring = smem_base + L.scale_offset;    // (STAGES, N_GROUPS, K_FRAGS, 64 B) scale codes
+  const uint32_t full_bar = smem_base + L.barrier_offset;    // (STAGES) mbarrier: stage loaded
+  const uint32_t empty_bar = full_bar + 8 * STAGES;          // (STAGES) mbarrier: stage consumed
+  const uint8_t* s_weights = smem + L.weight_offset;
+  const uint8_t* s_scales = smem + L.scale_offset;
+  uint8_t* s_epilogue = smem + L.epilogue_offset;  // (CONSUMERS, CHUNK, epi_row_elems)
+  int32_t* s_src_rows = reinterpret_cast<int32_t*>(smem + L.rows_offset);         // (BLOCK_M)
+  int32_t* s_prefix = reinterpret_cast<int32_t*>(smem + L.schedule_offset);       // (kMaxExperts + 1)
+  int32_t* s_warp_sums = s_prefix + kMaxExperts + 1;                              // (32)
+  int32_t* s_flag = reinterpret_cast<int32_t*>(smem + L.flag_offset);
+
+  const int tid = threadIdx.x;
+  ptx::wait_for_prior_grids();
+  ptx::allow_dependent_launch();
+  if (smem_base % kSm90AtomAlign != 0) {  // uniform: every thread leaves
+    if (tid == 0) atomicOr(p.error_flags, kErrorSmemMisaligned);
+    return;
+  }
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      ptx::mbarrier_init(full_bar + 8 * s, 128);                     // the producer's cp.async arrivals
+      ptx::mbarrier_init(empty_bar + 8 * s, kSm90Consumers * 4);     // one per consumer warp
+    }
+    ptx::fence_barrier_init();
+  }
+  detail::build_schedule<kSm90Threads, BLOCK_M>(p, s_prefix, s_warp_sums);  // synchronises the block
+
+  // NOTE: the roles' values are derived after setmaxnreg: a value live across
+  // the register reallocation is spilled to local memory.
+  const int warpgroup = tid / 128;
+  const int lane = tid % 32;
+  const int n_tiles = (p.n + BLOCK_N - 1) / BLOCK_N;
+  const int units_per_mtile = n_tiles * p.split_k;
+  const int k_tiles_total = p.k_frags / K_FRAGS;
+
+  if (warpgroup == 0) {
+    // ================================================================ producer
+    ptx::setmaxnreg_dec<sm90::kProducerRegs>();
+    const int64_t num_units = static_cast<int64_t>(s_prefix[p.num_experts]) * units_per_mtile;
+    const size_t frag_row_stride = static_cast<size_t>(p.k_frags);  // fragments per 16-row group
+    const int ptid = tid;
+    const int warp = tid / 32;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int64_t unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
+      const detail::WorkUnit u = detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
+      // Source rows of the unit's tokens (-1: past the expert's rows, zero-filled).
+      ptx::named_barrier_sync(sm90::kBarProducer, 128);  // the previous unit's copies are issued
+      for (int r = ptid; r < BLOCK_M; r += 128) {
+        int src = -1;
+        if (r < u.rows_valid) {
+          src = u.row_begin + r;
+          if (p.gather_rows) {
+            src = __ldg(p.gather_rows + src);
+            if (src < 0 || src >= p.x_rows) {
+              atomicOr(p.error_flags, kErrorGatherRowOutOfRange);
+              src = 0;
+            }
+          }
+        }
+        s_src_rows[r] = src;
+      }
+      ptx::named_barrier_sync(sm90::kBarProducer, 128);
+      const size_t group_base = static_cast<size_t>(u.expert) * p.n_groups + u.n_tile * N_GROUPS;
+      const uint8_t* g_weights = p.weights + group_base * frag_row_stride * kFragBytes;
+      const uint8_t* g_scales = p.scales + group_base * frag_row_stride * kFragScaleBytes;
+      for (int it = 0; it < u.num_k_tiles; ++it) {
+        const int kt = u.kt_begin + it;
+        ptx::mbarrier_wait(empty_bar + 8 * stage, phase ^ 1);
+        const uint32_t full = full_bar + 8 * stage;
+        if (warp == 0) {
+          if (lane == 0) ptx::mbarrier_expect_tx(full, static_cast<uint32_t>(L.weight_stage_bytes + L.scale_stage_bytes));
+          __syncwarp();
+          const size_t frag0 = static_cast<size_t>(kt) * K_FRAGS;
+          if (lane < N_GROUPS) {  // one 16-row group's K_FRAGS weight fragments
+            ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes + lane * (K_FRAGS * kFragBytes),
+                               g_weights + (lane * frag_row_stride + frag0) * kFragBytes, K_FRAGS * kFragBytes, full);
+          } else if (lane < 2 * N_GROUPS) {  // and its scale codes
+            const int group = lane - N_GROUPS;
+            ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes + group * (K_FRAGS * kFragScaleBytes),
+                               g_scales + (group * frag_row_stride + frag0) * kFragScaleBytes,
+                               K_FRAGS * kFragScaleBytes, full);
+          }
+        }
+        const uint32_t a_stage = act_ring + stage * L.act_stage_bytes;
+        for (int i = ptid; i < BLOCK_M * X_CHUNKS; i += 128) {
+          const int r = i / X_CHUNKS;
+          const int c = i % X_CHUNKS;
+          const int kk = kt * BLOCK_K + c * 8;
+          const int src = s_src_rows[r];
+          const bool valid = src >= 0 && kk < p.k;
+          const __nv_bfloat16* gp = p.x + (valid ? static_cast<size_t>(src) * p.k + kk : 0);
+          ptx::cp_async_16(a_stage + sm90::act_chunk_offset<BLOCK_M>(r, c), gp, valid ? 16 : 0);
+        }
+        ptx::cp_async_arrive_noinc(full);
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    ptx::cp_async_wait_all();  // leave no copy of this thread in flight
+  } else {
+    // =============================================================== consumers
+    ptx::setmaxnreg_inc<sm90::kConsumerRegs>();
+    const int64_t num_units = static_cast<int64_t>(s_prefix[p.num_experts]) * units_per_mtile;
+    const int consumer = warpgroup - 1;  // 0 .. kSm90Consumers - 1
+    const int ctid = tid - 128;          // 0 .. 128 * kSm90Consumers - 1
+    const int wtid = tid % 128;          // thread in the warpgroup
+    const int warp = wtid / 32;          // warp in the warpgroup
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int group = consumer * 4 + warp;  // this warp's 16-row fragment group in the tile
+    const int n_half = p.n / 2;
+    int stage = 0;
+    uint32_t phase = 0;
+    float acc[NACC];
+
+    for (int64_t unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
+      const detail::WorkUnit u = detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
+      const int e = u.expert;
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
+
+      // ---- mainloop
+      int prev_stage = -1;
+      for (int it = 0; it < u.num_k_tiles; ++it) {
+        ptx::mbarrier_wait(full_bar + 8 * stage, phase);
+        ptx::fence_proxy_async_shared();  // the cp.async rows are read by wgmma (async proxy)
+        const uint8_t* w_stage = s_weights + stage * L.weight_stage_bytes + group * (K_FRAGS * kFragBytes);
+        const uint8_t* sc_stage = s_scales + stage * L.scale_stage_bytes + group * (K_FRAGS * kFragScaleBytes);
+        const uint32_t a_stage = act_ring + stage * L.act_stage_bytes;
+#pragma unroll
+        for (int kf = 0; kf < K_FRAGS; ++kf) {
+          const uint4 codes = *reinterpret_cast<const uint4*>(w_stage + kf * kFragBytes + lane * 16);
+          const uint2 scales = *reinterpret_cast<const uint2*>(sc_stage + kf * kFragScaleBytes + g * 8);
+          uint32_t a[4][4];
+          detail::dequant_a_fragment(codes.x, detail::scale_pair(scales.x, 0), detail::scale_pair(scales.y, 0), a[0]);
+          detail::dequant_a_fragment(codes.y, detail::scale_pair(scales.x, 1), detail::scale_pair(scales.y, 1), a[1]);
+          detail::dequant_a_fragment(codes.z, detail::scale_pair(scales.x, 2), detail::scale_pair(scales.y, 2), a[2]);
+          detail::dequant_a_fragment(codes.w, detail::scale_pair(scales.x, 3), detail::scale_pair(scales.y, 3), a[3]);
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks) sm90::fence_registers(a[ks]);
+          sm90::fence_registers(acc);
+          ptx::wgmma_fence();
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks)
+            ptx::Wgmma<BLOCK_M>::mma(
+                acc, a[ks], ptx::smem_desc_k_major_sw128(a_stage + kf * (BLOCK_M * 128) + ks * 32));
+          ptx::wgmma_commit();
+          ptx::wgmma_wait<1>();  // the previous fragment's wgmmas are done
+          if (kf == 0 && prev_stage >= 0) {  // ... and with them every read of the previous stage
+            __syncwarp();
+            if (lane == 0) ptx::mbarrier_arrive(empty_bar + 8 * prev_stage);
+          }
+        }
+        prev_stage = stage;
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      ptx::wgmma_wait<0>();
+      sm90::fence_registers(acc);
+      if (prev_stage >= 0) {
+        __syncwarp();
+        if (lane == 0) ptx::mbarrier_arrive(empty_bar + 8 * prev_stage);
+      }
+
+      // ---- split-K: the last slice to land sums all slices in slice order.
+      // Accumulator element 4j + 2h + i sits at tile row row0 + 8h, token 8j + 2t + i.
+      const int row0 = consumer * kSm90WarpgroupRows + warp * 16 + g;
+      if (p.split_k > 1) {
+        const int64_t tile_idx = static_cast<int64_t>(s_prefix[e] + u.m_tile) * n_tiles + u.n_tile;
+        float* tile_partials = p.partials + tile_idx * p.split_k * (BLOCK_N * BLOCK_M);
+        float* mine = tile_partials + u.slice * (BLOCK_N * BLOCK_M);  // (BLOCK_N, BLOCK_M) fp32
+#pragma unroll
+        for (int j = 0; j < BLOCK_M / 8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            __stcg(reinterpret_cast<float2*>(mine + (row0 + 8 * h) * BLOCK_M + 8 * j + 2 * t),
+                   make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
+        __threadfence();
+        ptx::named_barrier_sync(sm90::kBarConsumers, 128 * kSm90Consumers);
+        if (ctid == 0) {
+          const int arrived = atomicAdd(p.tile_counters + tile_idx, 1);
+          const bool last = arrived == p.split_k - 1;
+          if (last) p.tile_counters[tile_idx] = 0;  // ready for the next launch
+          *s_flag = last;
+        }
+        ptx::named_barrier_sync(sm90::kBarConsumers, 128 * kSm90Consumers);
+        if (*s_flag == 0) continue;
+        __threadfence();
+#pragma unroll
+        for (int j = 0; j < BLOCK_M / 8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float2 sum = make_float2(0.0f, 0.0f);
+            for (int s = 0; s < p.split_k; ++s) {
+              const float2 v = __ldcg(reinterpret_cast<const float2*>(
+                  tile_partials + s * (BLOCK_N * BLOCK_M) + (row0 + 8 * h) * BLOCK_M + 8 * j + 2 * t));
+              sum.x += v.x;
+              sum.y += v.y;
+            }
+            acc[4 * j + 2 * h] = sum.x;
+            acc[4 * j + 2 * h + 1] = sum.y;
+          }
+      }
+
+      // ---- epilogue, CHUNK tokens at a time through this warpgroup's staging.
+      const float out_scale = __ldg(p.global_scales + e) * layout::kEpilogueScale;
+      uint8_t* stage_base = s_epilogue + consumer * (CHUNK * L.epi_row_elems * L.epi_elem_bytes);
+      auto* s_out = reinterpret_cast<__nv_bfloat16*>(stage_base);  // (CHUNK, epi_row_elems) bf16
+      auto* s_out_f32 = reinterpret_cast<float*>(stage_base);      // kFinalize: (CHUNK, epi_row_elems) fp32
+      const int wg_row0 = warp * 16 + g;                           // this thread's rows in the warpgroup's 64
+#pragma unroll
+      for (int c = 0; c < BLOCK_M / CHUNK; ++c) {
+        if (c * CHUNK < u.rows_valid) {  // uniform across the warpgroup
+#pragma unroll
+          for (int jj = 0; jj < CHUNK / 8; ++jj) {
+            const int j = c * (CHUNK / 8) + jj;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const int tok = jj * 8 + 2 * t + i;
+              if constexpr (EPI == Epilogue::kSwiglu) {
+                // Rows g (gate) and g + 8 (up) of the warp's 16-row group are one feature.
+                const int f = consumer * (kSm90WarpgroupRows / 2) + warp * 8 + g;  // in the tile's 64
+                float gate = acc[4 * j + i] * out_scale;
+                float up = acc[4 * j + 2 + i] * out_scale;
+                const int feature = u.n_tile * (BLOCK_N / 2) + f;
+                if (p.bias && feature < n_half) {
+                  gate += __ldg(p.bias + static_cast<size_t>(e) * p.n + feature);
+                  up += __ldg(p.bias + static_cast<size_t>(e) * p.n + n_half + feature);
+                }
+                s_out[tok * L.epi_row_elems + warp * 8 + g] =
+                    __float2bfloat16_rn(detail::activate(p.activation, gate, up));
+              } else {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                  const float v = acc[4 * j + 2 * h + i] * out_scale;
+                  if constexpr (EPI == Epilogue::kFinalize)
+                    s_out_f32[tok * L.epi_row_elems + wg_row0 + 8 * h] = v;
+                  else
+                    s_out[tok * L.epi_row_elems + wg_row0 + 8 * h] = __float2bfloat16_rn(v);
+                }
+              }
+            }
+          }
+          ptx::named_barrier_sync(sm90::kBarWarpgroup0 + consumer, 128);
+          const int rows = min(CHUNK, u.rows_valid - c * CHUNK);
+          const int row_first = u.row_begin + c * CHUNK;
+          if constexpr (EPI == Epilogue::kFinalize) {
+            // (rows, 64) fp32 -> (+ bias) x router weight -> the slot's (or
+            // token's) row, 16-byte stores or vector atomics.
+            constexpr int OUT_CHUNKS = kSm90WarpgroupRows / 4;
+            const int n0 = u.n_tile * BLOCK_N + consumer * kSm90WarpgroupRows;
+            for (int i = wtid; i < rows * OUT_CHUNKS; i += 128) {
+              const int r = i / OUT_CHUNKS;
+              const int col = n0 + (i % OUT_CHUNKS) * 4;
+              if (col >= p.n) continue;
+              const int slot = __ldg(p.scatter_rows + row_first + r);
+              if (slot < 0 || slot / p.out_row_divisor >= p.out_rows) {
+                atomicOr(p.error_flags, kErrorGatherRowOutOfRange);
+                continue;
+              }
+              float4 v = *reinterpret_cast<const float4*>(s_out_f32 + r * L.epi_row_elems + col - n0);
+              if (p.bias) {
+                const float4 b = __ldg(reinterpret_cast<const float4*>(p.bias + static_cast<size_t>(e) * p.n + col));
+                v.x += b.x;
+                v.y += b.y;
+                v.z += b.z;
+                v.w += b.w;
+              }
+              const float w = p.row_weights ? __ldg(p.row_weights + slot) : 1.0f;
+              v.x *= w;
+              v.y *= w;
+              v.z *= w;
+              v.w *= w;
+              float* dst = p.out_f32 + static_cast<size_t>(slot / p.out_row_divisor) * p.n + col;
+              if (p.atomic_out)
+                atomicAdd(reinterpret_cast<float4*>(dst), v);
+              else
+                *reinterpret_cast<float4*>(dst) = v;
+            }
+          } else {
+            // (rows, OUT_N) bf16 -> Y rows, 16-byte stores; the output width
+            // is a multiple of 8, so a chunk is wholly inside it or past it.
+            constexpr int OUT_N = EPI == Epilogue::kSwiglu ? kSm90WarpgroupRows / 2 : kSm90WarpgroupRows;
+            constexpr int OUT_CHUNKS = OUT_N / 8;
+            const int y_cols = EPI == Epilogue::kSwiglu ? n_half : p.n;
+            const int n0 = u.n_tile * (EPI == Epilogue::kSwiglu ? BLOCK_N / 2 : BLOCK_N) + consumer * OUT_N;
+            for (int i = wtid; i < rows * OUT_CHUNKS; i += 128) {
+              const int r = i / OUT_CHUNKS;
+              const int cc = i % OUT_CHUNKS;
+              if (n0 + cc * 8 >= y_cols) continue;
+              const uint4 v = *reinterpret_cast<const uint4*>(s_out + r * L.epi_row_elems + cc * 8);
+              *reinterpret_cast<uint4*>(p.y + static_cast<size_t>(row_first + r) * y_cols + n0 + cc * 8) = v;
+            }
+          }
+          ptx::named_barrier_sync(sm90::kBarWarpgroup0 + consumer, 128);  // staging free again
+        }
+      }
+    }
+  }
+#endif  // FP4MOE_SM90_DEVICE_CODE
+}
+
+}  // namespace fp4moe::kernels
