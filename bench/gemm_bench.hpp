@@ -48,7 +48,7 @@ struct DeviceArray {
   size_t bytes() const { return count * sizeof(T); }
 };
 
-// The two ceilings of the roofline (DESIGN.md §6), measured on the current
+// The two ceilings of the roofline (docs/design.md §6), measured on the current
 // device: a device-to-device copy rate (read + write bytes per second) and
 // the cuBLAS dense bf16 GEMM rate at 8192^3.
 struct Ceilings {
@@ -76,7 +76,7 @@ double time_median_us(const std::function<void()>& launch, int iterations, const
 Ceilings measure_ceilings(const L2Flusher& flusher);
 
 // Bytes and flops of one grouped GEMM with `rows` routed rows over
-// `active_experts` experts (DESIGN.md §6):
+// `active_experts` experts (docs/design.md §6):
 //   bytes = active * n*k*(1/2 + 1/16) + rows*k*2 + rows*n*2,  flops = 2*rows*n*k.
 struct GemmCost {
   double bytes = 0;

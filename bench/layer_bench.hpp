@@ -13,7 +13,7 @@
 // for finalize in {deterministic, atomic} x gather in {fused, separate}, and
 // the default with plain launches and made batch invariant.
 //
-// Layer roofline: DESIGN.md §6 applied to each grouped GEMM and summed,
+// Layer roofline: docs/design.md §6 applied to each grouped GEMM and summed,
 //   GEMM1: n = 2 * inter, k = hidden;   GEMM2: n = hidden, k = inter;
 //   t_roof = t_roof(GEMM1) + t_roof(GEMM2),
 // with the copy bandwidth and the cuBLAS bf16 rate measured at start-up

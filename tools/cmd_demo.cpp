@@ -360,8 +360,8 @@ void print_timing_table(const ModelShape& model, const DemoOptions& opts) {
   std::printf("  weights drawn and uploaded in %.1f s; measured: copy %.2f TB/s, cuBLAS bf16 %.0f TFLOP/s\n",
               build_timer.elapsed_ms() / 1e3, ceilings.copy_bytes_per_s / 1e12, ceilings.bf16_flops_per_s / 1e12);
   std::printf("  layer us: median of %d forwards, L2 flushed (512 MB read) before each; roofline = GEMM1 + GEMM2 "
-              "(DESIGN.md §6);\n  outside GEMMs: share of the forward spent in routing, sort, gather and "
-              "finalize (stage events)\n",
+              "(docs/design.md §6);\n  outside GEMMs: share of the forward spent in routing, sort, gather "
+              "and finalize (stage events)\n",
               opts.timing_iterations);
   std::printf("  %6s %7s %10s %11s %6s %14s\n", "T", "experts", "layer_us", "roofline_us", "eff", "outside_GEMMs");
   std::fflush(stdout);

@@ -10,7 +10,7 @@
 //      the call can be captured in a CUDA graph.
 //
 // Tested in tests/kernels/test_grouped_gemm.cpp (GPU) and
-// tests/kernels/test_prepare.cpp (host packing).
+// tests/kernels/test_grouped_gemm_args.cpp (argument validation, host packing).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,5 +1,5 @@
 // NVFP4 matrices and MoE expert weights in NVIDIA ModelOpt's checkpoint layout
-// (DESIGN.md §3): quantisation of float weights, dequantisation, and loading
+// (docs/design.md §3): quantisation of float weights, dequantisation, and loading
 // an MoE layer's experts from a safetensors file or a sharded checkpoint
 // directory. Tested in tests/format/test_modelopt.cpp.
 #pragma once

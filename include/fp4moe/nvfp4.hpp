@@ -1,6 +1,6 @@
 // NVFP4 scalar codecs shared by host and device code: e2m1 (fp4), float8
 // e4m3fn, bf16 and f16 bit conversions, and the ModelOpt NVFP4 block
-// quantisation rule (DESIGN.md §3).
+// quantisation rule (docs/design.md §3).
 //
 // Everything here is a pure function of bits, usable from C++ host code and
 // from CUDA kernels alike. Tested exhaustively over every code in

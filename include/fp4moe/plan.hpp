@@ -1,5 +1,5 @@
 // Tile configurations, their shared-memory model, architecture limits and
-// the planner that picks a configuration per problem (DESIGN.md §5).
+// the planner that picks a configuration per problem (docs/design.md §5).
 //
 // Every byte of shared memory a kernel uses is described by SmemLayout; the
 // kernels carve their shared memory from the same description (see
@@ -33,7 +33,7 @@ bool local_arch_limits(ArchLimits* limits, std::string* device_name = nullptr);
 
 // ---------------------------------------------------------------- configs
 
-// What the grouped GEMM does with a finished tile (DESIGN.md §4).
+// What the grouped GEMM does with a finished tile (docs/design.md §4.4).
 enum class Epilogue {
   kNone,      // bf16 rows in expert-sorted order
   kSwiglu,    // GEMM1: gate and up rows interleaved in one tile -> act(gate, up), bf16, half width

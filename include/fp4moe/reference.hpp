@@ -1,4 +1,4 @@
-// The CPU reference for every op of the MoE layer (DESIGN.md §3): routing,
+// The CPU reference for every op of the MoE layer (docs/design.md §3): routing,
 // the expert MLPs and the weighted combine. Accumulates in double; this is the
 // oracle GPU results are checked against, and a slow but complete backend.
 // Tested in tests/ref/test_reference.cpp against a naive independent path.

@@ -1,7 +1,7 @@
 // NVFP4 quantisation in ModelOpt's order of operations, and the MoE expert
 // tensors of a ModelOpt checkpoint: naming, loading from a .safetensors file
 // or a (sharded) checkpoint directory with validation of every tensor's dtype
-// and shape, and writing them back (DESIGN.md §3).
+// and shape, and writing them back (docs/design.md §3).
 //
 // Tested in tests/format/test_modelopt.cpp: quantise/dequantise error bounds
 // on random data, idempotence, hand-computed bytes, save/load round trips

@@ -30,8 +30,9 @@
 //
 // N is padded to a multiple of 128 and K to a multiple of 256 with zero
 // codes, so every compiled tile reads whole fragments.
-// Tested by tests/kernels/test_prepare.cpp (host packer round trip) and
-// tests/kernels/test_grouped_gemm.cpp (device dequantiser, every code).
+// Tested by tests/kernels/test_grouped_gemm_args.cpp (host packer round trip)
+// and tests/kernels/test_grouped_gemm.cpp (device dequantiser, every code and
+// scale: EveryCodeAndScaleDequantisesExactly).
 #pragma once
 
 #include <cstdint>

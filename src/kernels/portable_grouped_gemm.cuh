@@ -20,7 +20,7 @@
 //
 // Activation rows may be gathered (row r of the problem reads x row
 // gather_rows[r]), so GEMM1 reads hidden states in token order through the
-// permutation. Epilogues (template parameter, DESIGN.md §4):
+// permutation. Epilogues (template parameter, docs/design.md §4.4):
 //   kNone      y[row, n] = bf16(acc * global_scale)
 //   kSwiglu    the tile's 16-row groups hold 8 gate rows then the 8 up rows of
 //              the same features (interleave_gate_up()), so one thread holds

@@ -11,7 +11,7 @@
 //   EPILOGUE fp4moe::Epilogue: every tile shape is compiled with each epilogue
 //
 // Only configurations that earned their place in the sweeps of
-// docs/perf-notes.md (bench/results/*sweep*): one per token-tile size, each
+// docs/perf-notes.md (bench/results/archive/2026-12/*sweep*): one per token-tile size, each
 // <= 99 KB so the same list runs on SM120 and SM86 as on SM90.
 #pragma once
 

@@ -1,4 +1,4 @@
-// CPU reference MoE layer (DESIGN.md §3): for every (token, slot) the expert
+// CPU reference MoE layer (docs/design.md §3): for every (token, slot) the expert
 // MLP down(act(gate·x, up·x)) in double, weighted and summed per token in slot
 // order. Weights are dequantised exactly (e2m1 · e4m3 · global_scale) on the
 // fly, row by row, only for experts that received tokens. Work is spread over

@@ -1,4 +1,4 @@
-// CPU reference routing (DESIGN.md §3): softmax top-k, DeepSeek-V3/GLM
+// CPU reference routing (docs/design.md §3): softmax top-k, DeepSeek-V3/GLM
 // noaux_tc grouped selection and gpt-oss top-k-then-softmax, plus validation
 // of caller-given routing. Scores are computed in double and ranked with one
 // comparator, so the tie rule documented in reference.hpp holds everywhere.

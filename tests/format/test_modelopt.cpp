@@ -1,6 +1,6 @@
 // Tests of src/format/modelopt.cpp: NVFP4 quantisation of float matrices in
 // ModelOpt's order of operations, and saving/loading an MoE layer's experts in
-// ModelOpt's checkpoint layout (DESIGN.md §3).
+// ModelOpt's checkpoint layout (docs/design.md §3).
 //
 // Quantisation is checked by properties on random data of many shapes and
 // three distributions (per-element error bound, block-scale choice,
@@ -327,7 +327,7 @@ TEST(ModeloptQuantize, AmaxElementSaturatesToSixAtScale448) {
 }
 
 // A worked example, one row of two blocks, whose bytes follow only from
-// DESIGN §3's order of operations. Intermediate values were computed by hand
+// docs/design.md §3's order of operations. Intermediate values were computed by hand
 // (and with exact rational arithmetic rounded to fp32):
 //   amax A = 1, s2 = fl(1/2688) = 0x1.861862p-12, 6*s2 = 0x1.24924ap-9.
 //   Block 0, amax 1: b = 1 / (6*s2) = 447.99997 -> e4m3 448 (0x7E).

@@ -1,5 +1,5 @@
 // Tests of the scalar codecs in include/fp4moe/nvfp4.hpp: e2m1, float8 e4m3fn,
-// bf16, f16 and the ModelOpt NVFP4 block-scale rule (DESIGN.md §3).
+// bf16, f16 and the ModelOpt NVFP4 block-scale rule (docs/design.md §3).
 //
 // Expected values never come from the code under test: decodes are computed
 // from each format's definition with std::ldexp, encodes from a brute-force
@@ -503,7 +503,7 @@ TEST(Nvfp4Rule, BlockScaleRoundsToNearestEvenAndSaturates) {
   EXPECT_EQ(nvfp4_block_scale(10.0f, nvfp4_global_scale(1.0f)), 0x7E);
 }
 
-// DESIGN §3 fixes the order b = block_amax / (6 * s2). Look for inputs where
+// docs/design.md §3 fixes the order b = block_amax / (6 * s2). Look for inputs where
 // the other plausible orders, (block_amax / 6) / s2 and block_amax / s2 / 6,
 // land on a different e4m3 code, and check we give the specified one.
 TEST(Nvfp4Rule, BlockScaleUsesModelOptOrderOfOperations) {
@@ -581,7 +581,7 @@ TEST(Nvfp4Rule, QuantizeValueDividesByTheProductOfScales) {
   EXPECT_GT(found, 0);
 }
 
-// Dequantised values are e2m1 * e4m3 and exact in bf16 (DESIGN §3), which is
+// Dequantised values are e2m1 * e4m3 and exact in bf16 (docs/design.md §3), which is
 // what lets the kernels dequantise to bf16 before the fp32 global scale.
 TEST(Nvfp4Rule, Fp4TimesBlockScaleIsExactInBf16) {
   for (int code = 0; code < 16; ++code) {

@@ -2,6 +2,11 @@
 // GPU): runs the built fp4moe binary with its output captured, in a fresh
 // directory per test, and writes a small float checkpoint (4 experts, hidden
 // 64, inter 32) that `fp4moe quantize` turns into an NVFP4 one.
+//
+// The binary is the one CMake built (FP4MOE_CLI_PATH, an absolute path
+// compiled in), unless the environment variable FP4MOE_CLI names another:
+// binaries carried to a GPU machine find their CLI that way
+// (scripts/gpu-run sets it).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -133,9 +138,16 @@ class CliTest : public ::testing::Test {
     return ss.str();
   }
 
+  // The fp4moe binary under test: $FP4MOE_CLI if set and not empty, else the
+  // path compiled in.
+  static std::string cli_binary() {
+    const char* from_env = std::getenv("FP4MOE_CLI");
+    return from_env != nullptr && *from_env != '\0' ? std::string(from_env) : std::string(FP4MOE_CLI_PATH);
+  }
+
   // Runs `fp4moe <args>` with stdout and stderr captured.
   CliResult run(const std::string& args) const {
-    const std::string command = std::string("'") + FP4MOE_CLI_PATH + "' " + args + " >'" + path("stdout") +
+    const std::string command = "'" + cli_binary() + "' " + args + " >'" + path("stdout") +
                                 "' 2>'" + path("stderr") + "'";
     const int status = std::system(command.c_str());
     CliResult result;

@@ -25,7 +25,7 @@ namespace {
 using namespace cli_test;  // NOLINT: the shared fixture, constants and file helpers
 
 // The GPU computes in bf16 with fp32 accumulation, the CPU backend in double:
-// the project's contract for bf16 outputs (DESIGN.md §3).
+// the project's contract for bf16 outputs (docs/design.md §3).
 constexpr double kGpuTolerance = 1e-2;
 
 class CliGpuTest : public CliTest {
