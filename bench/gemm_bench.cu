@@ -69,10 +69,11 @@ __global__ void dequantize_prepared(const uint8_t* weights, const uint8_t* scale
                                     int64_t n_groups, int64_t k_frags) {
   const int64_t words = num_experts * n_groups * k_frags * 128;  // 32 lanes x 4 k-steps per fragment
   for (int64_t w = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; w < words; w += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t frag = w / 128;
+    const int64_t frag_seq = w / 128;  // (e, group, kf) in row-major order
     const int lane = static_cast<int>((w % 128) / 4), ks = static_cast<int>(w % 4);
-    const int64_t kf = frag % k_frags, group = (frag / k_frags) % n_groups, e = frag / (k_frags * n_groups);
-    const uint32_t word = reinterpret_cast<const uint32_t*>(weights)[w];
+    const int64_t kf = frag_seq % k_frags, group = (frag_seq / k_frags) % n_groups, e = frag_seq / (k_frags * n_groups);
+    const int64_t frag = layout::fragment_index(e, group, kf, n_groups, k_frags);
+    const uint32_t word = reinterpret_cast<const uint32_t*>(weights)[frag * 128 + lane * 4 + ks];
     const int g = lane / 4, t = lane % 4;
     for (int r : {g, g + 8}) {
       const int64_t row = group * 16 + r;

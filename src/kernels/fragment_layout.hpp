@@ -1,15 +1,19 @@
-// The prepared ("fragment-ordered") weight layout of the portable grouped
-// GEMM, shared by the host packer (prepare.cpp) and the device dequantiser.
+// The prepared ("fragment-ordered") weight layout of both grouped-GEMM
+// families, shared by the host packer (prepare.cpp) and the device kernels.
 //
 // ModelOpt stores W [N, K] as packed fp4 [N, K/2] plus e4m3 scales [N, K/16].
 // The kernel wants each lane of a warp to fetch, with one 16-byte load, the
 // fp4 codes of its A fragments for four m16n8k16 MMAs, and to turn each
 // 32-bit word into four bf16x2 registers with a handful of integer ops. So
-// the packer regroups W into 512-byte fragments of 16 rows x 64 K:
+// the packer regroups W into 512-byte fragments of 16 rows x 64 K, ordered
+// so that the eight fragments of a 128-row tile at one 64-wide K step are
+// adjacent (one pipeline stage of a tile is one contiguous block: a single
+// bulk copy in the SM90 family):
 //
-//   weights: [E][N_pad/16][K_pad/64][lane 0..31][kstep 0..3] uint32
-//   scales:  [E][N_pad/16][K_pad/64][g 0..7][row g: kstep 0..3, row g+8: kstep 0..3] uint8
+//   weights: [E][N_pad/128][K_pad/64][group 0..7][lane 0..31][kstep 0..3] uint32
+//   scales:  [E][N_pad/128][K_pad/64][group 0..7][g 0..7][row g: kstep 0..3, row g+8: kstep 0..3] uint8
 //
+// where group is the 16-row group within the 128-row tile (fragment_index()).
 // With g = lane / 4 and t = lane % 4, the word for (lane, kstep) holds the
 // eight codes the MMA's A fragment needs, at nibble positions:
 //   3: W[g][2t]     7: W[g][2t+1]        (a0: row g,   k 2t..2t+1)
@@ -41,8 +45,17 @@
 
 namespace fp4moe::layout {
 
-inline constexpr int kPadN = 128;  // N padding: the largest BLOCK_N
+inline constexpr int kPadN = 128;  // N padding: the largest BLOCK_N, and the row tile of the layout
 inline constexpr int kPadK = 256;  // K padding: the largest BLOCK_K
+inline constexpr int kTileGroups = kPadN / 16;  // 16-row fragment groups per 128-row tile
+
+// Index of fragment (expert e, 16-row group, 64-wide K step kf) in the
+// prepared arrays (times 512 B for weights, 64 B for scales), with
+// n_groups = N_pad / 16 and k_frags = K_pad / 64.
+FP4MOE_HD int64_t fragment_index(int64_t e, int64_t group, int64_t kf, int64_t n_groups, int64_t k_frags) {
+  const int64_t tile = e * (n_groups / kTileGroups) + group / kTileGroups;
+  return (tile * k_frags + kf) * kTileGroups + group % kTileGroups;
+}
 
 // bf16 bits = code * 16 + kScaleBf16Bias  <=>  exponent field = (code >> 3) + 236.
 inline constexpr uint32_t kScaleBf16Bias = 236u << 7;

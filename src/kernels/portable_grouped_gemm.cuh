@@ -49,8 +49,11 @@
 
 namespace fp4moe::kernels {
 
+// NOTE: the minimum of two resident blocks (what the shared memory allows)
+// only bounds registers at 255: without it ptxas picked 168 for the m64
+// finalize tile and spilled.
 template <int BLOCK_N, int BLOCK_M, int BLOCK_K, int STAGES, int WARPS, Epilogue EPI>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, 2)
     portable_grouped_gemm_kernel(const GroupedGemmParams p) {
   constexpr PortableSmemLayout L = portable_smem_layout(BLOCK_N, BLOCK_M, BLOCK_K, STAGES, EPI);
   static_assert(L.total_bytes <= kPortableSmemLimit, "config exceeds the 99 KB portable budget");
@@ -61,13 +64,13 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int K_FRAGS = BLOCK_K / kFragK;       // 64-wide K fragments per stage
   constexpr int N_GROUPS = BLOCK_N / kFragRows;   // 16-row groups per tile
   constexpr int X_CHUNKS = BLOCK_K / 8;           // 16-byte chunks per activation row
-  static_assert(WARP_ROWS % 16 == 0 && BLOCK_M % 8 == 0 && layout::kPadN % BLOCK_N == 0 &&
+  static_assert(WARP_ROWS % 16 == 0 && BLOCK_M % 8 == 0 && BLOCK_N == layout::kPadN &&
                     layout::kPadK % BLOCK_K == 0 && BLOCK_M <= THREADS,
                 "unsupported tile shape");
 
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* s_weights = smem + L.weight_offset;      // (STAGES, N_GROUPS, K_FRAGS, 512 B)
-  uint8_t* s_scales = smem + L.scale_offset;        // (STAGES, N_GROUPS, K_FRAGS, 64 B)
+  uint8_t* s_weights = smem + L.weight_offset;      // (STAGES, K_FRAGS, N_GROUPS, 512 B)
+  uint8_t* s_scales = smem + L.scale_offset;        // (STAGES, K_FRAGS, N_GROUPS, 64 B)
   uint8_t* s_act = smem + L.act_offset;             // (STAGES, BLOCK_M, BLOCK_K) bf16, swizzled
   __nv_bfloat16* s_out = reinterpret_cast<__nv_bfloat16*>(smem + L.epilogue_offset);  // (BLOCK_M, epi_row_elems) bf16
   float* s_out_f32 = reinterpret_cast<float*>(smem + L.epilogue_offset);  // kFinalize: (BLOCK_M, epi_row_elems) fp32
@@ -102,7 +105,6 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int units_per_mtile = n_tiles * p.split_k;
   const int64_t num_units = static_cast<int64_t>(s_prefix[p.num_experts]) * units_per_mtile;
   const int k_tiles_total = p.k_frags / K_FRAGS;
-  const size_t frag_row_stride = static_cast<size_t>(p.k_frags);  // fragments per 16-row group
 
   for (int64_t unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
     const detail::WorkUnit u = detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
@@ -140,9 +142,12 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
     __syncthreads();
 
-    const size_t group_base = static_cast<size_t>(e) * p.n_groups + n_tile * N_GROUPS;
-    const uint8_t* g_weights = p.weights + group_base * frag_row_stride * kFragBytes;
-    const uint8_t* g_scales = p.scales + group_base * frag_row_stride * kFragScaleBytes;
+    // The tile's fragments, (K_pad/64, N_GROUPS) in the prepared layout: a
+    // stage is one contiguous block.
+    const size_t tile_frag0 =
+        static_cast<size_t>(layout::fragment_index(e, n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
+    const uint8_t* g_weights = p.weights + tile_frag0 * kFragBytes;
+    const uint8_t* g_scales = p.scales + tile_frag0 * kFragScaleBytes;
 
     // ---- producer: one pipeline stage of weights, scales and activations.
     auto load_stage = [&](int stage, int kt) {
@@ -153,11 +158,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       for (int j = 0; j < (W_CHUNKS + THREADS - 1) / THREADS; ++j) {
         const int i = tid + j * THREADS;
         if (W_CHUNKS % THREADS != 0 && i >= W_CHUNKS) break;
-        const int group = i / (K_FRAGS * 32);
-        const int rem = i % (K_FRAGS * 32);
-        const uint8_t* src =
-            g_weights + (group * frag_row_stride + frag0) * kFragBytes + rem * 16;
-        ptx::cp_async_16(sw + i * 16, src, 16);
+        ptx::cp_async_16(sw + i * 16, g_weights + static_cast<size_t>(frag0) * N_GROUPS * kFragBytes + i * 16, 16);
       }
       const uint32_t ss = ptx::smem_u32(s_scales + stage * L.scale_stage_bytes);
       constexpr int S_CHUNKS = N_GROUPS * K_FRAGS * (kFragScaleBytes / 16);
@@ -165,11 +166,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       for (int j = 0; j < (S_CHUNKS + THREADS - 1) / THREADS; ++j) {
         const int i = tid + j * THREADS;
         if (S_CHUNKS % THREADS != 0 && i >= S_CHUNKS) break;
-        const int group = i / (K_FRAGS * 4);
-        const int rem = i % (K_FRAGS * 4);
-        const uint8_t* src =
-            g_scales + (group * frag_row_stride + frag0) * kFragScaleBytes + rem * 16;
-        ptx::cp_async_16(ss + i * 16, src, 16);
+        ptx::cp_async_16(ss + i * 16, g_scales + static_cast<size_t>(frag0) * N_GROUPS * kFragScaleBytes + i * 16, 16);
       }
       const uint32_t sa = ptx::smem_u32(s_act + stage * L.act_stage_bytes);
       constexpr int A_CHUNKS = BLOCK_M * X_CHUNKS;
@@ -225,9 +222,9 @@ __global__ void __launch_bounds__(WARPS * 32)
         for (int mt = 0; mt < M_TILES; ++mt) {
           const int group = warp * M_TILES + mt;
           codes[mt] = *reinterpret_cast<const uint4*>(
-              w_stage + (group * K_FRAGS + kf) * kFragBytes + lane * 16);
+              w_stage + (kf * N_GROUPS + group) * kFragBytes + lane * 16);
           scales[mt] = *reinterpret_cast<const uint2*>(
-              s_stage + (group * K_FRAGS + kf) * kFragScaleBytes + (lane / 4) * 8);
+              s_stage + (kf * N_GROUPS + group) * kFragScaleBytes + (lane / 4) * 8);
         }
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {

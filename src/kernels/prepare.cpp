@@ -1,4 +1,4 @@
-// Host packer: ModelOpt NVFP4 matrices -> the portable kernel's
+// Host packer: ModelOpt NVFP4 matrices -> the grouped GEMMs'
 // fragment-ordered layout (see fragment_layout.hpp for the layout and why).
 // Tested in tests/kernels/test_grouped_gemm_args.cpp (every element round-trips,
 // bad input refused) and, on the GPU, tests/kernels/test_grouped_gemm.cpp and
@@ -21,9 +21,9 @@ namespace fp4moe {
 namespace {
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-// Byte offsets of fragment (e, group, kf) in the packed arrays.
+// Index of fragment (e, group, kf) in the packed arrays.
 size_t fragment_index(const PreparedGemmWeights& p, int64_t e, int64_t group, int64_t kf) {
-  return static_cast<size_t>((e * (p.n_padded / kFragRows) + group) * (p.k_padded / kFragK) + kf);
+  return static_cast<size_t>(layout::fragment_index(e, group, kf, p.n_padded / kFragRows, p.k_padded / kFragK));
 }
 }  // namespace
 

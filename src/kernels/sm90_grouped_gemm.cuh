@@ -5,10 +5,10 @@
 // Y^T[n, rows] = W_e[n, k] . X^T[k, rows]. A block is one producer
 // warpgroup and kSm90Consumers consumer warpgroups (src/plan/smem_model.hpp):
 //
-//   producer   per k-tile of a unit: waits for a free stage, one lane sets the
-//              stage barrier's transaction count and 16 lanes issue bulk copies
-//              of the tile's prepared weight fragments and scale codes (16
-//              contiguous rows of K each); all 128 threads cp.async the
+//   producer   per k-tile of a unit: waits for a free stage, one thread sets
+//              the stage barrier's transaction count and issues two bulk
+//              copies, the stage's weight fragments and scale codes (each one
+//              contiguous block of the prepared layout); all 128 threads cp.async the
 //              gathered activation rows into 128-byte-swizzled atoms (zero
 //              past k and past the expert's rows) and arrive on the barrier
 //              when their copies land. It runs ahead across work units.
@@ -108,19 +108,19 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
                 "BLOCK_M must be a multiple of 8 up to 256 (wgmma N)");
   static_assert(BLOCK_K % kFragK == 0 && layout::kPadK % BLOCK_K == 0 && layout::kPadN % BLOCK_N == 0,
                 "unsupported tile shape");
-  static_assert(2 * N_GROUPS <= 32, "one producer warp issues the weight and scale copies");
+  static_assert(BLOCK_N == layout::kPadN, "a stage of the prepared layout is one 128-row tile");
 
   extern __shared__ __align__(1024) uint8_t smem[];
   const uint32_t smem_base = ptx::smem_u32(smem);
   const uint32_t act_ring = smem_base + L.act_offset;        // (STAGES, K_FRAGS, BLOCK_M, 128 B) swizzled bf16
-  const uint32_t weight_ring = smem_base + L.weight_offset;  // (STAGES, N_GROUPS, K_FRAGS, 512 B) fp4
-  const uint32_t scale_ring = smem_base + L.scale_offset;    // (STAGES, N_GROUPS, K_FRAGS, 64 B) scale codes
+  const uint32_t weight_ring = smem_base + L.weight_offset;  // (STAGES, K_FRAGS, N_GROUPS, 512 B) fp4
+  const uint32_t scale_ring = smem_base + L.scale_offset;    // (STAGES, K_FRAGS, N_GROUPS, 64 B) scale codes
   const uint32_t full_bar = smem_base + L.barrier_offset;    // (STAGES) mbarrier: stage loaded
   const uint32_t empty_bar = full_bar + 8 * STAGES;          // (STAGES) mbarrier: stage consumed
   const uint8_t* s_weights = smem + L.weight_offset;
   const uint8_t* s_scales = smem + L.scale_offset;
   uint8_t* s_epilogue = smem + L.epilogue_offset;  // (CONSUMERS, CHUNK, epi_row_elems)
-  int32_t* s_src_rows = reinterpret_cast<int32_t*>(smem + L.rows_offset);         // (BLOCK_M)
+  int64_t* s_src_rows = reinterpret_cast<int64_t*>(smem + L.rows_offset);         // (BLOCK_M) x offsets
   int32_t* s_prefix = reinterpret_cast<int32_t*>(smem + L.schedule_offset);       // (kMaxExperts + 1)
   int32_t* s_warp_sums = s_prefix + kMaxExperts + 1;                              // (32)
   int32_t* s_flag = reinterpret_cast<int32_t*>(smem + L.flag_offset);
@@ -153,19 +153,27 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
     // ================================================================ producer
     ptx::setmaxnreg_dec<sm90::kProducerRegs>();
     const int64_t num_units = static_cast<int64_t>(s_prefix[p.num_experts]) * units_per_mtile;
-    const size_t frag_row_stride = static_cast<size_t>(p.k_frags);  // fragments per 16-row group
     const int ptid = tid;
-    const int warp = tid / 32;
+    // Activation copies: this thread always moves 16-byte chunk `chunk` of
+    // rows row0, row0 + ROWS_PER_PASS, ...; within the swizzled tile those
+    // land a fixed stride apart (ROWS_PER_PASS is a multiple of the 8-row atom).
+    constexpr int ROWS_PER_PASS = 128 / X_CHUNKS;
+    constexpr int PASSES = (BLOCK_M + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
+    static_assert(128 % X_CHUNKS == 0 && ROWS_PER_PASS % 8 == 0, "unsupported BLOCK_K");
+    const int chunk = ptid % X_CHUNKS;
+    const int row0 = ptid / X_CHUNKS;
+    const uint32_t chunk_offset = sm90::act_chunk_offset<BLOCK_M>(row0, chunk);
     int stage = 0;
     uint32_t phase = 0;
     for (int64_t unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
       const detail::WorkUnit u = detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
-      // Source rows of the unit's tokens (-1: past the expert's rows, zero-filled).
+      // Element offsets in x of the unit's token rows (-1: past the expert's
+      // rows, zero-filled).
       ptx::named_barrier_sync(sm90::kBarProducer, 128);  // the previous unit's copies are issued
       for (int r = ptid; r < BLOCK_M; r += 128) {
-        int src = -1;
+        int64_t offset = -1;
         if (r < u.rows_valid) {
-          src = u.row_begin + r;
+          int src = u.row_begin + r;
           if (p.gather_rows) {
             src = __ldg(p.gather_rows + src);
             if (src < 0 || src >= p.x_rows) {
@@ -173,40 +181,37 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
               src = 0;
             }
           }
+          offset = static_cast<int64_t>(src) * p.k;
         }
-        s_src_rows[r] = src;
+        s_src_rows[r] = offset;
       }
       ptx::named_barrier_sync(sm90::kBarProducer, 128);
-      const size_t group_base = static_cast<size_t>(u.expert) * p.n_groups + u.n_tile * N_GROUPS;
-      const uint8_t* g_weights = p.weights + group_base * frag_row_stride * kFragBytes;
-      const uint8_t* g_scales = p.scales + group_base * frag_row_stride * kFragScaleBytes;
+      // The tile's fragments, (K_pad/64, N_GROUPS) in the prepared layout: a
+      // stage is one contiguous block of weights and one of scales.
+      const size_t tile_frag0 =
+          static_cast<size_t>(layout::fragment_index(u.expert, u.n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
       for (int it = 0; it < u.num_k_tiles; ++it) {
         const int kt = u.kt_begin + it;
         ptx::mbarrier_wait(empty_bar + 8 * stage, phase ^ 1);
         const uint32_t full = full_bar + 8 * stage;
-        if (warp == 0) {
-          if (lane == 0) ptx::mbarrier_expect_tx(full, static_cast<uint32_t>(L.weight_stage_bytes + L.scale_stage_bytes));
-          __syncwarp();
-          const size_t frag0 = static_cast<size_t>(kt) * K_FRAGS;
-          if (lane < N_GROUPS) {  // one 16-row group's K_FRAGS weight fragments
-            ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes + lane * (K_FRAGS * kFragBytes),
-                               g_weights + (lane * frag_row_stride + frag0) * kFragBytes, K_FRAGS * kFragBytes, full);
-          } else if (lane < 2 * N_GROUPS) {  // and its scale codes
-            const int group = lane - N_GROUPS;
-            ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes + group * (K_FRAGS * kFragScaleBytes),
-                               g_scales + (group * frag_row_stride + frag0) * kFragScaleBytes,
-                               K_FRAGS * kFragScaleBytes, full);
-          }
+        if (ptid == 0) {
+          const size_t frag0 = tile_frag0 + static_cast<size_t>(kt) * K_FRAGS * N_GROUPS;
+          ptx::mbarrier_expect_tx(full, static_cast<uint32_t>(L.weight_stage_bytes + L.scale_stage_bytes));
+          ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
+                             static_cast<uint32_t>(L.weight_stage_bytes), full);
+          ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
+                             static_cast<uint32_t>(L.scale_stage_bytes), full);
         }
-        const uint32_t a_stage = act_ring + stage * L.act_stage_bytes;
-        for (int i = ptid; i < BLOCK_M * X_CHUNKS; i += 128) {
-          const int r = i / X_CHUNKS;
-          const int c = i % X_CHUNKS;
-          const int kk = kt * BLOCK_K + c * 8;
-          const int src = s_src_rows[r];
-          const bool valid = src >= 0 && kk < p.k;
-          const __nv_bfloat16* gp = p.x + (valid ? static_cast<size_t>(src) * p.k + kk : 0);
-          ptx::cp_async_16(a_stage + sm90::act_chunk_offset<BLOCK_M>(r, c), gp, valid ? 16 : 0);
+        const int kk = kt * BLOCK_K + chunk * 8;
+        const bool in_k = kk < p.k;
+        const uint32_t a_dst = act_ring + stage * L.act_stage_bytes + chunk_offset;
+#pragma unroll
+        for (int pass = 0; pass < PASSES; ++pass) {
+          const int r = row0 + pass * ROWS_PER_PASS;
+          if (BLOCK_M % ROWS_PER_PASS != 0 && r >= BLOCK_M) break;
+          const int64_t offset = s_src_rows[r];
+          const bool valid = in_k && offset >= 0;
+          ptx::cp_async_16(a_dst + pass * ROWS_PER_PASS * 128, p.x + (valid ? offset + kk : 0), valid ? 16 : 0);
         }
         ptx::cp_async_arrive_noinc(full);
         if (++stage == STAGES) {
@@ -238,18 +243,22 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
 #pragma unroll
       for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
 
-      // ---- mainloop
+      // ---- mainloop. One stage: wait for it, then per 64-wide K fragment
+      // dequantise, fence, four wgmmas, commit, and wait for the previous
+      // fragment's group; the previous stage is released once the first
+      // group of this one has been issued and the older ones have completed.
       int prev_stage = -1;
-      for (int it = 0; it < u.num_k_tiles; ++it) {
+      auto consume_stage = [&]() {
         ptx::mbarrier_wait(full_bar + 8 * stage, phase);
         ptx::fence_proxy_async_shared();  // the cp.async rows are read by wgmma (async proxy)
-        const uint8_t* w_stage = s_weights + stage * L.weight_stage_bytes + group * (K_FRAGS * kFragBytes);
-        const uint8_t* sc_stage = s_scales + stage * L.scale_stage_bytes + group * (K_FRAGS * kFragScaleBytes);
+        const uint8_t* w_stage = s_weights + stage * L.weight_stage_bytes + group * kFragBytes;
+        const uint8_t* sc_stage = s_scales + stage * L.scale_stage_bytes + group * kFragScaleBytes;
         const uint32_t a_stage = act_ring + stage * L.act_stage_bytes;
 #pragma unroll
         for (int kf = 0; kf < K_FRAGS; ++kf) {
-          const uint4 codes = *reinterpret_cast<const uint4*>(w_stage + kf * kFragBytes + lane * 16);
-          const uint2 scales = *reinterpret_cast<const uint2*>(sc_stage + kf * kFragScaleBytes + g * 8);
+          const uint4 codes = *reinterpret_cast<const uint4*>(w_stage + kf * (N_GROUPS * kFragBytes) + lane * 16);
+          const uint2 scales =
+              *reinterpret_cast<const uint2*>(sc_stage + kf * (N_GROUPS * kFragScaleBytes) + g * 8);
           uint32_t a[4][4];
           detail::dequant_a_fragment(codes.x, detail::scale_pair(scales.x, 0), detail::scale_pair(scales.y, 0), a[0]);
           detail::dequant_a_fragment(codes.y, detail::scale_pair(scales.x, 1), detail::scale_pair(scales.y, 1), a[1]);
@@ -275,6 +284,21 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
           stage = 0;
           phase ^= 1;
         }
+      };
+      // NOTE: the loop body must hold an even number of wgmma groups. ptxas
+      // keeps a group's A registers apart from the next group's within the
+      // body, but reuses the body's registers across the back edge: with one
+      // group per iteration the next one would overwrite the A operand of the
+      // group still in flight (seen as wrong results with BLOCK_K = 64).
+      constexpr int STAGES_PER_ITER = K_FRAGS % 2 == 0 ? 1 : 2;
+      int it = 0;
+      for (; it + STAGES_PER_ITER <= u.num_k_tiles; it += STAGES_PER_ITER) {
+#pragma unroll
+        for (int s = 0; s < STAGES_PER_ITER; ++s) consume_stage();
+      }
+      if (it < u.num_k_tiles) {  // an odd last stage: no group may be in flight
+        ptx::wgmma_wait<0>();
+        consume_stage();
       }
       ptx::wgmma_wait<0>();
       sm90::fence_registers(acc);

@@ -203,7 +203,7 @@ SmemLayout sm90_layout(const TileConfig& c) {
                          std::to_string(l.epi_row_elems)}) +
                        (l.epi_elem_bytes == 4 ? " fp32 " : " bf16 ") + fp4moe::to_string(c.epilogue) + " staging",
        l.epilogue_offset, int64_t{kSm90Consumers} * l.chunk_tokens * epi_row_bytes, false},
-      {"row indices", dims({bm}) + " int32 producer's gathered rows", l.rows_offset, l.rows_bytes, false},
+      {"row indices", dims({bm}) + " int64 producer's gathered row offsets", l.rows_offset, l.rows_bytes, false},
       {"schedule", "(" + std::to_string(kMaxExperts + 1) + " + 32) int32 m-tile prefix per expert",
        l.schedule_offset, l.schedule_bytes, false},
       {"split-k flag", "(4) int32 + padding", l.flag_offset, l.total_bytes - l.flag_offset, false},

@@ -141,8 +141,8 @@ inline constexpr int64_t kSm90AtomAlign = 1024;
 struct Sm90SmemLayout {
   // Per pipeline stage.
   int64_t act_stage_bytes = 0;     // (BLOCK_K/64, BLOCK_M, 64) bf16, 128-B swizzled
-  int64_t weight_stage_bytes = 0;  // (BLOCK_N/16, BLOCK_K/64, 512 B) fp4 fragments
-  int64_t scale_stage_bytes = 0;   // (BLOCK_N/16, BLOCK_K/64, 64 B) scale codes
+  int64_t weight_stage_bytes = 0;  // (BLOCK_K/64, BLOCK_N/16, 512 B) fp4 fragments
+  int64_t scale_stage_bytes = 0;   // (BLOCK_K/64, BLOCK_N/16, 64 B) scale codes
 
   // Ring buffers, (STAGES, ...) each; activations first, 1024-B aligned.
   int64_t act_offset = 0, act_bytes = 0;
@@ -161,8 +161,8 @@ struct Sm90SmemLayout {
   int epi_elem_bytes = 0;
   int64_t epilogue_offset = 0, epilogue_bytes = 0;
 
-  // The producer's table of source (gathered) rows of the unit it loads,
-  // (BLOCK_M) int32.
+  // The producer's table of the unit's (gathered) token rows, as element
+  // offsets in x, (BLOCK_M) int64.
   int64_t rows_offset = 0, rows_bytes = 0;
   // Scheduler: m-tile prefix sums per expert (kMaxExperts + 1) + 32 int32.
   int64_t schedule_offset = 0, schedule_bytes = 0;
@@ -198,7 +198,7 @@ constexpr Sm90SmemLayout sm90_smem_layout(int block_m, int block_k, int stages, 
   l.epilogue_bytes = int64_t{kSm90Consumers} * l.chunk_tokens * l.epi_row_elems * l.epi_elem_bytes;
 
   l.rows_offset = align_up(l.epilogue_offset + l.epilogue_bytes, kSmemAlign);
-  l.rows_bytes = int64_t{block_m} * 4;
+  l.rows_bytes = int64_t{block_m} * 8;
   l.schedule_offset = align_up(l.rows_offset + l.rows_bytes, kSmemAlign);
   l.schedule_bytes = (kMaxExperts + 1 + 32) * 4;
   l.flag_offset = align_up(l.schedule_offset + l.schedule_bytes, 16);
