@@ -125,12 +125,12 @@ std::vector<int32_t> random_routing_counts(int64_t num_experts, int top_k, int64
 
 L2Flusher::L2Flusher(size_t bytes) : buffer_(bytes) {
   // Zeros: read_to_evict_l2's sink condition is then never true.
-  FP4MOE_CUDA_CHECK(cudaMemset(buffer_.ptr, 0, bytes));
+  buffer_.fill_bytes(0);
 }
 
 void L2Flusher::flush(cudaStream_t stream) const {
-  read_to_evict_l2<<<kFillGrid, kFillBlock, 0, stream>>>(reinterpret_cast<const uint4*>(buffer_.ptr),
-                                                         buffer_.count / 16, reinterpret_cast<uint32_t*>(buffer_.ptr));
+  read_to_evict_l2<<<kFillGrid, kFillBlock, 0, stream>>>(reinterpret_cast<const uint4*>(buffer_.get()),
+                                                         buffer_.size() / 16, reinterpret_cast<uint32_t*>(buffer_.get()));
   FP4MOE_CHECK_LAUNCH();
 }
 
@@ -163,26 +163,26 @@ double time_median_us(const std::function<void()>& launch, int iterations, const
 Ceilings measure_ceilings(const L2Flusher& flusher) {
   Ceilings c;
   const size_t copy_bytes = size_t{2} << 30;
-  DeviceArray<uint8_t> a(copy_bytes), b(copy_bytes);
-  fill_random_bytes(a.ptr, copy_bytes, 1);
+  DeviceBuffer<uint8_t> a(copy_bytes), b(copy_bytes);
+  fill_random_bytes(a.get(), copy_bytes, 1);
   const double copy_us = time_median_us(
-      [&] { FP4MOE_CUDA_CHECK(cudaMemcpyAsync(b.ptr, a.ptr, copy_bytes, cudaMemcpyDeviceToDevice)); }, 10,
+      [&] { FP4MOE_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), copy_bytes, cudaMemcpyDeviceToDevice)); }, 10,
       flusher);
   c.copy_bytes_per_s = 2.0 * copy_bytes / (copy_us * 1e-6);  // read + write
 
   cublasHandle_t cublas;
   BENCH_CUBLAS_CHECK(cublasCreate(&cublas));
   const int dim = 8192;
-  DeviceArray<__nv_bfloat16> ma(size_t{dim} * dim), mb(size_t{dim} * dim), mc(size_t{dim} * dim);
-  fill_random_bf16(ma.ptr, ma.count, 2);
-  fill_random_bf16(mb.ptr, mb.count, 3);
+  DeviceBuffer<__nv_bfloat16> ma(size_t{dim} * dim), mb(size_t{dim} * dim), mc(size_t{dim} * dim);
+  fill_random_bf16(ma.get(), ma.size(), 2);
+  fill_random_bf16(mb.get(), mb.size(), 3);
   const float alpha = 1.0f, beta = 0.0f;
   double gemm_us = 0;
   try {
     gemm_us = time_median_us(
         [&] {
-          BENCH_CUBLAS_CHECK(cublasGemmEx(cublas, CUBLAS_OP_N, CUBLAS_OP_N, dim, dim, dim, &alpha, ma.ptr,
-                                          CUDA_R_16BF, dim, mb.ptr, CUDA_R_16BF, dim, &beta, mc.ptr, CUDA_R_16BF,
+          BENCH_CUBLAS_CHECK(cublasGemmEx(cublas, CUBLAS_OP_N, CUBLAS_OP_N, dim, dim, dim, &alpha, ma.get(),
+                                          CUDA_R_16BF, dim, mb.get(), CUDA_R_16BF, dim, &beta, mc.get(), CUDA_R_16BF,
                                           dim, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         },
         10, flusher);
@@ -265,19 +265,16 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
       const int64_t k_pad = (k + layout::kPadK - 1) / layout::kPadK * layout::kPadK;
       const size_t w_bytes = static_cast<size_t>(E * n_pad * k_pad / 2);
       const size_t s_bytes = static_cast<size_t>(E * n_pad * k_pad / 16);
-      DeviceArray<uint8_t> weights(w_bytes), scales(s_bytes);
-      DeviceArray<float> global(static_cast<size_t>(E));
-      fill_random_bytes(weights.ptr, w_bytes, 11 + gemm);
-      fill_random_scales<<<kFillGrid, kFillBlock>>>(scales.ptr, s_bytes, 13 + gemm);
+      DeviceBuffer<uint8_t> weights(w_bytes), scales(s_bytes);
+      DeviceBuffer<float> global(static_cast<size_t>(E));
+      fill_random_bytes(weights.get(), w_bytes, 11 + gemm);
+      fill_random_scales<<<kFillGrid, kFillBlock>>>(scales.get(), s_bytes, 13 + gemm);
       FP4MOE_CHECK_LAUNCH();
-      {
-        std::vector<float> gs(static_cast<size_t>(E), 1.0f / 64.0f);
-        FP4MOE_CUDA_CHECK(cudaMemcpy(global.ptr, gs.data(), gs.size() * 4, cudaMemcpyHostToDevice));
-      }
-      std::optional<DeviceArray<__nv_bfloat16>> w_bf16;
+      global.upload(std::vector<float>(static_cast<size_t>(E), 1.0f / 64.0f));
+      std::optional<DeviceBuffer<__nv_bfloat16>> w_bf16;
       if (opt.with_cublas) {
         w_bf16.emplace(static_cast<size_t>(E * n * k));
-        dequantize_prepared<<<4096, 256>>>(weights.ptr, scales.ptr, global.ptr, w_bf16->ptr, E, n, k, n_pad / 16,
+        dequantize_prepared<<<4096, 256>>>(weights.get(), scales.get(), global.get(), w_bf16->get(), E, n, k, n_pad / 16,
                                            k_pad / 64);
         FP4MOE_CHECK_LAUNCH();
       }
@@ -290,31 +287,30 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
           active += c > 0;
         }
         const int64_t rows = offsets.back();
-        DeviceArray<__nv_bfloat16> x(static_cast<size_t>(rows * k)), y(static_cast<size_t>(rows * n));
-        DeviceArray<int32_t> d_offsets(offsets.size());
-        fill_random_bf16(x.ptr, x.count, 17 + tokens);
-        FP4MOE_CUDA_CHECK(cudaMemcpy(d_offsets.ptr, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice));
+        DeviceBuffer<__nv_bfloat16> x(static_cast<size_t>(rows * k)), y(static_cast<size_t>(rows * n));
+        const DeviceBuffer<int32_t> d_offsets(offsets);
+        fill_random_bf16(x.get(), x.size(), 17 + tokens);
 
         GroupedGemmArgs args;
-        args.weights = weights.ptr;
-        args.scales = scales.ptr;
-        args.global_scales = global.ptr;
+        args.weights = weights.get();
+        args.scales = scales.get();
+        args.global_scales = global.get();
         args.num_experts = E;
         args.n = n;
         args.k = k;
-        args.x = x.ptr;
-        args.expert_offsets = d_offsets.ptr;
+        args.x = x.get();
+        args.expert_offsets = d_offsets.get();
         args.num_rows = rows;
-        args.y = y.ptr;
+        args.y = y.get();
         args.host_expert_offsets = offsets.data();
         const GemmPlan plan = plan_grouped_gemm(args, opt.config);
-        DeviceArray<uint8_t> workspace(grouped_gemm_workspace_bytes(plan));
-        FP4MOE_CUDA_CHECK(cudaMemset(workspace.ptr, 0, workspace.count));
-        args.workspace = workspace.ptr;
-        args.workspace_bytes = workspace.count;
+        DeviceBuffer<uint8_t> workspace(grouped_gemm_workspace_bytes(plan));
+        workspace.fill_bytes(0);
+        args.workspace = workspace.get();
+        args.workspace_bytes = workspace.size();
         const int iters = std::max(3, tokens >= 4096 ? opt.iterations / 4 : opt.iterations);
         const double t_us = time_median_us([&] { grouped_gemm(args, plan, nullptr); }, iters, flusher);
-        const std::string device_errors = grouped_gemm_device_errors(workspace.ptr, nullptr);
+        const std::string device_errors = grouped_gemm_device_errors(workspace.get(), nullptr);
         FP4MOE_CHECK(device_errors.empty(), "device reported: ", device_errors);
 
         const GemmCost cost = grouped_gemm_cost(active, rows, n, k);
@@ -323,7 +319,7 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
 
         double cublas_us = 0, rel_err = -1;
         if (opt.with_cublas) {
-          DeviceArray<__nv_bfloat16> y_ref(static_cast<size_t>(rows * n));
+          DeviceBuffer<__nv_bfloat16> y_ref(static_cast<size_t>(rows * n));
           std::vector<cublasOperation_t> ta, tb;
           std::vector<int> m_arr, n_arr, k_arr, lda, ldb, ldc, group_size;
           std::vector<float> alpha, beta;
@@ -342,31 +338,26 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
             alpha.push_back(1.0f);
             beta.push_back(0.0f);
             group_size.push_back(1);
-            a_ptrs.push_back(w_bf16->ptr + e * n * k);
-            b_ptrs.push_back(x.ptr + static_cast<int64_t>(offsets[static_cast<size_t>(e)]) * k);
-            c_ptrs.push_back(y_ref.ptr + static_cast<int64_t>(offsets[static_cast<size_t>(e)]) * n);
+            a_ptrs.push_back(w_bf16->get() + e * n * k);
+            b_ptrs.push_back(x.get() + static_cast<int64_t>(offsets[static_cast<size_t>(e)]) * k);
+            c_ptrs.push_back(y_ref.get() + static_cast<int64_t>(offsets[static_cast<size_t>(e)]) * n);
           }
           const int groups = static_cast<int>(ta.size());
-          DeviceArray<const void*> d_a(groups), d_b(groups);
-          DeviceArray<void*> d_c(groups);
-          FP4MOE_CUDA_CHECK(cudaMemcpy(d_a.ptr, a_ptrs.data(), groups * sizeof(void*), cudaMemcpyHostToDevice));
-          FP4MOE_CUDA_CHECK(cudaMemcpy(d_b.ptr, b_ptrs.data(), groups * sizeof(void*), cudaMemcpyHostToDevice));
-          FP4MOE_CUDA_CHECK(cudaMemcpy(d_c.ptr, c_ptrs.data(), groups * sizeof(void*), cudaMemcpyHostToDevice));
+          const DeviceBuffer<const void*> d_a(a_ptrs), d_b(b_ptrs);
+          const DeviceBuffer<void*> d_c(c_ptrs);
           cublas_us = time_median_us(
               [&] {
                 BENCH_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
-                    cublas, ta.data(), tb.data(), m_arr.data(), n_arr.data(), k_arr.data(), alpha.data(), d_a.ptr,
-                    CUDA_R_16BF, lda.data(), d_b.ptr, CUDA_R_16BF, ldb.data(), beta.data(), d_c.ptr, CUDA_R_16BF,
+                    cublas, ta.data(), tb.data(), m_arr.data(), n_arr.data(), k_arr.data(), alpha.data(), d_a.get(),
+                    CUDA_R_16BF, lda.data(), d_b.get(), CUDA_R_16BF, ldb.data(), beta.data(), d_c.get(), CUDA_R_16BF,
                     ldc.data(), groups, group_size.data(), CUBLAS_COMPUTE_32F));
               },
               iters, flusher);
           // Cross-check: both compute X . W^T from the same weights.
-          std::vector<uint16_t> ours(static_cast<size_t>(rows * n)), theirs(static_cast<size_t>(rows * n));
-          FP4MOE_CUDA_CHECK(cudaMemcpy(ours.data(), y.ptr, ours.size() * 2, cudaMemcpyDeviceToHost));
-          FP4MOE_CUDA_CHECK(cudaMemcpy(theirs.data(), y_ref.ptr, theirs.size() * 2, cudaMemcpyDeviceToHost));
+          const std::vector<__nv_bfloat16> ours = y.download(), theirs = y_ref.download();
           double num = 0, den = 0;
           for (size_t i = 0; i < ours.size(); ++i) {
-            const double a = bf16_to_float(ours[i]), b = bf16_to_float(theirs[i]);
+            const double a = __bfloat162float(ours[i]), b = __bfloat162float(theirs[i]);
             num += (a - b) * (a - b);
             den += b * b;
           }

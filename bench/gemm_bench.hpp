@@ -27,26 +27,11 @@
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/plan.hpp"
+#include "util/device_buffer.hpp"
 
 namespace fp4moe::bench {
 
 // ------------------------------------------------------ shared measurement
-
-// Owning device array (cudaMalloc/cudaFree); count elements of T.
-template <typename T>
-struct DeviceArray {
-  T* ptr = nullptr;
-  size_t count = 0;
-  explicit DeviceArray(size_t n) : count(n) {
-    if (n) FP4MOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), n * sizeof(T)));
-  }
-  ~DeviceArray() {
-    if (ptr) cudaFree(ptr);
-  }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  size_t bytes() const { return count * sizeof(T); }
-};
 
 // The two ceilings of the roofline (DESIGN.md §6), measured on the current
 // device: a device-to-device copy rate (read + write bytes per second) and
@@ -65,7 +50,7 @@ class L2Flusher {
   void flush(cudaStream_t stream) const;
 
  private:
-  DeviceArray<uint8_t> buffer_;
+  DeviceBuffer<uint8_t> buffer_;
 };
 
 // Median, in us, of `iterations` CUDA-event-timed calls of `launch` on

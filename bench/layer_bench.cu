@@ -161,11 +161,11 @@ LayerRoofline layer_roofline(int64_t hidden, int64_t inter, int64_t rows, int64_
 // ----------------------------------------------------------------- timer
 
 struct LayerTimer::Buffers {
-  DeviceArray<uint16_t> hidden_states;  // bf16 [max_tokens, hidden]
-  DeviceArray<float> router_logits;     // [max_tokens, num_experts]
-  DeviceArray<float> correction_bias;   // [num_experts]
-  DeviceArray<uint16_t> output;         // bf16 [max_tokens, hidden]
-  DeviceArray<uint8_t> workspace;
+  DeviceBuffer<uint16_t> hidden_states;  // bf16 [max_tokens, hidden]
+  DeviceBuffer<float> router_logits;     // [max_tokens, num_experts]
+  DeviceBuffer<float> correction_bias;   // [num_experts]
+  DeviceBuffer<uint16_t> output;         // bf16 [max_tokens, hidden]
+  DeviceBuffer<uint8_t> workspace;
   Buffers(int64_t max_tokens, int64_t hidden, int64_t num_experts, size_t workspace_bytes)
       : hidden_states(static_cast<size_t>(max_tokens * hidden)),
         router_logits(static_cast<size_t>(max_tokens * num_experts)),
@@ -195,13 +195,10 @@ LayerTimer::LayerTimer(const MoeLayer& layer, int64_t max_tokens, uint64_t seed)
 
   buffers_ = std::make_unique<Buffers>(max_tokens, layer.hidden(), num_experts, layer.workspace_bytes(max_tokens));
   FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  fill_random_bf16(buffers_->hidden_states.ptr, buffers_->hidden_states.count, seed + kHiddenSeedOffset, stream_);
-  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(buffers_->router_logits.ptr, host_logits_.data(), host_logits_.size() * 4,
-                                    cudaMemcpyHostToDevice, stream_));
-  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(buffers_->correction_bias.ptr, host_bias_.data(), host_bias_.size() * 4,
-                                    cudaMemcpyHostToDevice, stream_));
-  if (buffers_->workspace.count)
-    FP4MOE_CUDA_CHECK(cudaMemsetAsync(buffers_->workspace.ptr, 0, buffers_->workspace.count, stream_));
+  fill_random_bf16(buffers_->hidden_states.get(), buffers_->hidden_states.size(), seed + kHiddenSeedOffset, stream_);
+  buffers_->router_logits.upload(host_logits_, stream_);
+  buffers_->correction_bias.upload(host_bias_, stream_);
+  buffers_->workspace.fill_bytes(0, stream_);
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
@@ -224,15 +221,15 @@ MoeForwardArgs LayerTimer::args(int64_t tokens) const {
   FP4MOE_CHECK(tokens >= 1 && tokens <= max_tokens_, "LayerTimer: ", tokens, " tokens; expected 1 .. ",
                max_tokens_);
   MoeForwardArgs a;
-  a.hidden_states = buffers_->hidden_states.ptr;
+  a.hidden_states = buffers_->hidden_states.get();
   a.num_tokens = tokens;
-  a.router_logits = buffers_->router_logits.ptr;
-  a.correction_bias = buffers_->correction_bias.ptr;
+  a.router_logits = buffers_->router_logits.get();
+  a.correction_bias = buffers_->correction_bias.get();
   return a;
 }
 
 void LayerTimer::forward(int64_t tokens, const MoeStageEvents* events) const {
-  layer_.forward(args(tokens), buffers_->output.ptr, buffers_->workspace.ptr, buffers_->workspace.count, stream_,
+  layer_.forward(args(tokens), buffers_->output.get(), buffers_->workspace.get(), buffers_->workspace.size(), stream_,
                  events);
 }
 
@@ -310,12 +307,12 @@ double LayerTimer::time_graph_us(int64_t tokens, int iterations, const L2Flusher
 
 int64_t LayerTimer::count_nonfinite_outputs(int64_t tokens) const {
   std::vector<uint16_t> out(static_cast<size_t>(tokens * layer_.hidden()));
-  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), buffers_->output.ptr, out.size() * 2, cudaMemcpyDeviceToHost, stream_));
+  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), buffers_->output.get(), out.size() * 2, cudaMemcpyDeviceToHost, stream_));
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return std::count_if(out.begin(), out.end(), [](uint16_t v) { return !std::isfinite(bf16_to_float(v)); });
 }
 
-std::string LayerTimer::device_errors() const { return layer_.device_errors(buffers_->workspace.ptr, stream_); }
+std::string LayerTimer::device_errors() const { return layer_.device_errors(buffers_->workspace.get(), stream_); }
 
 LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t tokens, int iterations,
                                bool with_graph, const Ceilings& ceilings, const L2Flusher& flusher) {

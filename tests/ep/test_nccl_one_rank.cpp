@@ -24,8 +24,6 @@
 namespace fp4moe {
 namespace {
 
-using testing::DeviceBuffer;
-
 void expect_error(const std::function<void()>& fn, const std::vector<std::string>& snippets) {
   try {
     fn();

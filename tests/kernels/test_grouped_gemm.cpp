@@ -20,8 +20,6 @@
 namespace fp4moe {
 namespace {
 
-using testing::DeviceBuffer;
-
 struct GemmCase {
   int64_t n = 0;
   int64_t k = 0;

@@ -56,7 +56,6 @@ static void PrintTo(GatherMode mode, std::ostream* os) { *os << to_string(mode);
 
 namespace {
 
-using testing::DeviceBuffer;
 using ::testing::HasSubstr;
 
 // ---------------------------------------------------------------- shapes
@@ -423,20 +422,6 @@ DeviceBuffer<uint8_t> make_workspace(const MoeLayer& layer, int64_t max_tokens) 
   return ws;
 }
 
-void poison_async(DeviceBuffer<uint16_t>& buffer, cudaStream_t stream) {
-  FP4MOE_CUDA_CHECK(cudaMemsetAsync(buffer.get(), 0xFF, buffer.bytes(), stream));
-}
-
-// Copies the whole of a device buffer back after the stream's work.
-template <typename T>
-std::vector<T> download_after(const DeviceBuffer<T>& buffer, cudaStream_t stream) {
-  std::vector<T> host(buffer.size());
-  FP4MOE_CUDA_CHECK(
-      cudaMemcpyAsync(host.data(), buffer.get(), buffer.bytes(), cudaMemcpyDeviceToHost, stream));
-  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return host;
-}
-
 // The first `count` elements of a downloaded output; checks that the rest of
 // the (poisoned) buffer was left alone.
 std::vector<uint16_t> output_rows(std::vector<uint16_t> all, size_t count) {
@@ -452,9 +437,9 @@ std::vector<uint16_t> output_rows(std::vector<uint16_t> all, size_t count) {
 std::vector<uint16_t> forward_bits(const MoeLayer& layer, const MoeForwardArgs& args,
                                    DeviceBuffer<uint16_t>& output,
                                    const DeviceBuffer<uint8_t>& workspace, cudaStream_t stream) {
-  poison_async(output, stream);
+  output.fill_bytes(0xFF, stream);
   layer.forward(args, output.get(), workspace.get(), workspace.bytes(), stream);
-  return output_rows(download_after(output, stream),
+  return output_rows(output.download(stream),
                      static_cast<size_t>(args.num_tokens * layer.hidden()));
 }
 
@@ -807,7 +792,7 @@ TEST(MoeLayerDeterminism, PlainLaunchesGiveTheSameBits) {
     EXPECT_EQ(first_difference(with_pdl, without), -1) << "plain launches differ";
 
     // The same forward captured in a graph (programmatic edges) and replayed.
-    poison_async(output, stream.get());
+    output.fill_bytes(0xFF, stream.get());
     cudaGraph_t graph = nullptr;
     FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
     layer.forward(inputs.device_routing(), output.get(), workspace.get(), workspace.bytes(),
@@ -819,7 +804,7 @@ TEST(MoeLayerDeterminism, PlainLaunchesGiveTheSameBits) {
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     const std::vector<uint16_t> replayed =
-        output_rows(download_after(output, stream.get()), with_pdl.size());
+        output_rows(output.download(stream.get()), with_pdl.size());
     EXPECT_EQ(first_difference(with_pdl, replayed), -1) << "graph replay differs";
   }
 }
@@ -928,7 +913,7 @@ TEST(MoeLayerPairRows, SlotOrderSumOfThePairRowsIsTheForwardOutput) {
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
   layer.forward_pair_rows(inputs.caller_routing(), pair_rows.get(), workspace.get(), workspace.bytes(),
                           stream.get());
-  const std::vector<float> rows = download_after(pair_rows, stream.get());
+  const std::vector<float> rows = pair_rows.download(stream.get());
   int64_t bad = 0;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t c = 0; c < H; ++c) {
@@ -1033,9 +1018,9 @@ TEST(MoeLayerGraph, ReplaysWithNewInputsEqualEagerForwards) {
     FP4MOE_CUDA_CHECK(cudaMemcpyAsync(live.router_logits.get(), logits.data(),
                                       logits.size() * sizeof(float), cudaMemcpyHostToDevice,
                                       stream.get()));
-    poison_async(output, stream.get());
+    output.fill_bytes(0xFF, stream.get());
     FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
-    const std::vector<uint16_t> replayed = download_after(output, stream.get());
+    const std::vector<uint16_t> replayed = output.download(stream.get());
     EXPECT_EQ(first_difference(replayed, eager[i]), -1)
         << "the replay differs from the eager forward";
   }
@@ -1149,7 +1134,7 @@ TEST(MoeLayerWorkspace, TooSmallWorkspaceThrowsBeforeLaunch) {
     const TokenBatch& batch = data.batch(c.num_tokens);
     const DeviceInputs inputs(batch, data.correction_bias);
     const DeviceBuffer<uint8_t> workspace = make_workspace(layer, c.num_tokens);
-    poison_async(output, stream.get());
+    output.fill_bytes(0xFF, stream.get());
     try {
       layer.forward(inputs.device_routing(), output.get(), workspace.get(), c.given_bytes,
                     stream.get());
@@ -1158,7 +1143,7 @@ TEST(MoeLayerWorkspace, TooSmallWorkspaceThrowsBeforeLaunch) {
       EXPECT_THAT(e.what(), HasSubstr("workspace"));
       if (c.quotes_need) EXPECT_THAT(e.what(), HasSubstr(std::to_string(needed)));
     }
-    const std::vector<uint16_t> after = download_after(output, stream.get());
+    const std::vector<uint16_t> after = output.download(stream.get());
     EXPECT_EQ(std::count(after.begin(), after.end(), uint16_t{0xFFFF}),
               static_cast<std::ptrdiff_t>(after.size()))
         << "the output was written although forward threw";
