@@ -3,20 +3,17 @@
 #include "layer_bench.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <exception>
 #include <iomanip>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <thread>
 #include <utility>
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/nvfp4.hpp"
+#include "util/parallel.hpp"
 
 namespace fp4moe::bench {
 
@@ -72,32 +69,6 @@ std::vector<float> random_bias(int64_t n, SplitMix64& rng) {
   std::vector<float> bias(static_cast<size_t>(n));
   for (float& b : bias) b = static_cast<float>((static_cast<double>(rng.next() >> 11) * 0x1.0p-53 - 0.5) * 0.2);
   return bias;
-}
-
-// Runs fn(i) for i in [0, count) on all host cores; rethrows the first error.
-template <typename Fn>
-void parallel_for(int64_t count, const Fn& fn) {
-  const int64_t num_threads =
-      std::max<int64_t>(1, std::min<int64_t>(count, std::max(1u, std::thread::hardware_concurrency())));
-  std::atomic<int64_t> next{0};
-  std::exception_ptr error;
-  std::mutex mutex;
-  const auto work = [&] {
-    for (int64_t i = next++; i < count; i = next++) {
-      try {
-        fn(i);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!error) error = std::current_exception();
-        next = count;
-      }
-    }
-  };
-  std::vector<std::thread> threads;
-  for (int64_t t = 1; t < num_threads; ++t) threads.emplace_back(work);
-  work();
-  for (std::thread& thread : threads) thread.join();
-  if (error) std::rethrow_exception(error);
 }
 
 double median(std::vector<float> values) {

@@ -10,7 +10,6 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <thread>
 
 #ifdef FP4MOE_WITH_NCCL
 #include <mutex>
@@ -22,6 +21,7 @@
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
 #include "util/device_buffer.hpp"
+#include "util/parallel.hpp"
 
 namespace fp4moe::cli {
 
@@ -353,7 +353,7 @@ MoeRunStats run_moe_layer(Device device, const MoeWeights& weights, const float*
   const Activation activation = layer_options.activation;
   MoeRunStats stats;
   stats.backend = "cpu (reference, double accumulation)";
-  stats.num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  stats.num_threads = hardware_threads();
   const int64_t num_tokens = routing.num_tokens;
   const int top_k = routing.top_k;
   const int64_t hidden = weights.hidden;

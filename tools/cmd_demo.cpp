@@ -28,7 +28,6 @@
 // names) and tests/tools/test_cli_gpu.cpp (GPU: check and timing table).
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstring>
 #include <cmath>
 #include <cstdio>
@@ -36,7 +35,6 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "cli_util.hpp"
@@ -47,6 +45,7 @@
 #include "fp4moe/reference.hpp"
 #include "layer_bench.hpp"
 #include "models.hpp"
+#include "util/parallel.hpp"
 
 namespace fp4moe::cli {
 namespace {
@@ -152,31 +151,6 @@ ExpertWeights synthesize_expert(const ModelShape& model, uint64_t seed, int64_t 
     ex.down_bias = bias(model.hidden);
   }
   return ex;
-}
-
-// Runs fn(i) for i in [0, count) on all cores.
-template <typename Fn>
-void parallel_for(int64_t count, const Fn& fn) {
-  const int64_t num_threads = std::min<int64_t>(count, std::max(1u, std::thread::hardware_concurrency()));
-  std::atomic<int64_t> next{0};
-  std::exception_ptr error;
-  std::mutex mutex;
-  const auto work = [&] {
-    for (int64_t i = next++; i < count; i = next++) {
-      try {
-        fn(i);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!error) error = std::current_exception();
-        next = count;
-      }
-    }
-  };
-  std::vector<std::thread> threads;
-  for (int64_t t = 1; t < num_threads; ++t) threads.emplace_back(work);
-  work();
-  for (std::thread& thread : threads) thread.join();
-  if (error) std::rethrow_exception(error);
 }
 
 // One (token, slot) contribution, the slow and obvious way: every weight

@@ -4,15 +4,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <exception>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/grouped_gemm.hpp"
 #include "kernels/fragment_layout.hpp"
 #include "plan/smem_model.hpp"
+#include "util/parallel.hpp"
 
 namespace fp4moe {
 
@@ -103,23 +101,8 @@ PreparedGemmWeights prepare_gemm_weights(std::span<const Nvfp4Matrix* const> exp
       }
     }
   };
-  const int64_t num_threads = std::min<int64_t>(
-      p.num_experts, std::max(1u, std::thread::hardware_concurrency()));
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(p.num_experts));
-  std::vector<std::thread> threads;
-  for (int64_t w = 0; w < num_threads; ++w)
-    threads.emplace_back([&, w] {
-      for (int64_t e = w; e < p.num_experts; e += num_threads) {
-        try {
-          pack_expert(e);
-        } catch (...) {
-          errors[static_cast<size_t>(e)] = std::current_exception();
-        }
-      }
-    });
-  for (auto& thread : threads) thread.join();
-  for (const auto& error : errors)  // the lowest expert's error, as a serial loop would report
-    if (error) std::rethrow_exception(error);
+  // An error is the lowest failing expert's, as a serial loop would report it.
+  parallel_for(p.num_experts, pack_expert);
   return p;
 }
 

@@ -17,7 +17,6 @@
 #include <map>
 #include <mutex>
 #include <sstream>
-#include <thread>
 #include <utility>
 
 #include "fp4moe/cuda_check.hpp"
@@ -26,6 +25,7 @@
 #include "kernels/moe_ops.hpp"
 #include "plan/smem_model.hpp"
 #include "util/device_buffer.hpp"
+#include "util/parallel.hpp"
 
 namespace fp4moe {
 
@@ -133,18 +133,6 @@ void validate_weights(const MoeWeights& w, const MoeLayerOptions& o) {
                    bias ? "" : " (expert 0 has no biases)");
     }
   }
-}
-
-template <typename F>
-void parallel_for(int64_t count, F&& body) {
-  const int64_t num_threads =
-      std::min<int64_t>(count, std::max(1u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> threads;
-  for (int64_t w = 0; w < num_threads; ++w)
-    threads.emplace_back([&, w] {
-      for (int64_t i = w; i < count; i += num_threads) body(i);
-    });
-  for (auto& t : threads) t.join();
 }
 
 // Byte offsets of one forward's scratch, after the header.

@@ -24,7 +24,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cctype>
 #include <cmath>
 #include <chrono>
@@ -47,6 +46,7 @@
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/safetensors.hpp"
 #include "gpu_test_util.hpp"
+#include "util/parallel.hpp"
 
 namespace fp4moe {
 
@@ -649,19 +649,6 @@ TEST(MoeLayerConfigs, EveryCompiledConfigForcedInBothGemms) {
 }
 
 // ------------------------------------------------------ full-size GLM-5 layer
-
-// Runs fn(i) for i in [0, count) on all hardware threads.
-template <typename Fn>
-void parallel_for(int64_t count, const Fn& fn) {
-  std::atomic<int64_t> next{0};
-  std::vector<std::thread> threads;
-  const unsigned num_threads = std::max(1u, std::thread::hardware_concurrency());
-  for (unsigned w = 0; w < num_threads; ++w)
-    threads.emplace_back([&] {
-      for (int64_t i = next++; i < count; i = next++) fn(i);
-    });
-  for (std::thread& t : threads) t.join();
-}
 
 // Full-size weights from the fast generator (block scales 0.125 .. 2).
 MoeWeights fast_random_weights(const ModelShape& shape) {
