@@ -14,22 +14,11 @@
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/nvfp4.hpp"
 #include "util/parallel.hpp"
+#include "util/splitmix64.hpp"
 
 namespace fp4moe::bench {
 
 namespace {
-
-// splitmix64: fast and seedable per expert, so experts can be drawn in
-// parallel and the same seed gives the same layer.
-struct SplitMix64 {
-  uint64_t state;
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-};
 
 // e4m3 codes 0x28..0x48: 0.125 .. 2.0, the sane middle of the format.
 constexpr uint8_t kFirstScaleCode = 0x28;
@@ -67,7 +56,7 @@ Nvfp4Matrix random_matrix(int64_t rows, int64_t cols, float global_scale, SplitM
 
 std::vector<float> random_bias(int64_t n, SplitMix64& rng) {
   std::vector<float> bias(static_cast<size_t>(n));
-  for (float& b : bias) b = static_cast<float>((static_cast<double>(rng.next() >> 11) * 0x1.0p-53 - 0.5) * 0.2);
+  for (float& b : bias) b = static_cast<float>((rng.uniform() - 0.5) * 0.2);
   return bias;
 }
 
@@ -100,7 +89,8 @@ MoeWeights random_moe_weights(const LayerShape& shape, uint64_t seed) {
   const float gate_up_scale = unit_gain_global_scale(shape.hidden);  // shared, as ModelOpt does
   const float down_scale = unit_gain_global_scale(shape.inter);
   parallel_for(shape.num_experts, [&](int64_t e) {
-    SplitMix64 rng{seed * 0x2545F4914F6CDD1Dull + static_cast<uint64_t>(e) + 1};
+    // Seeded per expert: experts are drawn in parallel, and a seed gives one layer.
+    SplitMix64 rng(seed * 0x2545F4914F6CDD1Dull + static_cast<uint64_t>(e) + 1);
     ExpertWeights& ex = weights.experts[static_cast<size_t>(e)];
     ex.gate = random_matrix(shape.inter, shape.hidden, gate_up_scale, rng);
     ex.up = random_matrix(shape.inter, shape.hidden, gate_up_scale, rng);

@@ -19,6 +19,7 @@
 #include "fp4moe/modelopt.hpp"
 #include "fp4moe/nvfp4.hpp"
 #include "util/device_buffer.hpp"
+#include "util/splitmix64.hpp"
 
 namespace fp4moe::testing {
 
@@ -56,26 +57,18 @@ inline Nvfp4Matrix random_nvfp4(int64_t rows, int64_t cols, float global_scale, 
   return m;
 }
 
-// splitmix64 (Steele, Lea & Flood 2014): one add and two multiply-xorshift
-// rounds per 8 random bytes; fast enough to fill gigabytes of test weights,
-// where mt19937 per byte takes minutes.
-inline uint64_t splitmix64(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// Fills data[0, count) with random bytes from a splitmix64 stream seeded by `seed`.
+// Fills data[0, count) with random bytes from a SplitMix64 stream seeded by
+// `seed` (src/util/splitmix64.hpp): fast enough for gigabytes of test
+// weights, where mt19937 per byte takes minutes.
 inline void fill_random_bytes(uint8_t* data, size_t count, uint64_t seed) {
-  uint64_t state = seed;
+  SplitMix64 rng(seed);
   size_t i = 0;
   for (; i + 8 <= count; i += 8) {
-    const uint64_t word = splitmix64(state);
+    const uint64_t word = rng.next();
     std::memcpy(data + i, &word, 8);
   }
   if (i < count) {
-    const uint64_t word = splitmix64(state);
+    const uint64_t word = rng.next();
     std::memcpy(data + i, &word, count - i);
   }
 }

@@ -46,6 +46,7 @@
 #include "layer_bench.hpp"
 #include "models.hpp"
 #include "util/parallel.hpp"
+#include "util/splitmix64.hpp"
 
 namespace fp4moe::cli {
 namespace {
@@ -71,28 +72,6 @@ constexpr int kDefaultCheckTokensGpu = 8;
 // (‖out − ref‖/‖ref‖). The CPU backend lands near 1e-7, the GPU near 3e-3.
 constexpr double kCheckTolerance = 1e-2;
 
-// splitmix64: fast, and the same stream on every platform (std::
-// distributions are not), so a seed names the same layer everywhere.
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : state_(seed) {}
-  uint64_t next() {
-    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
-  double normal() {                                                          // Box-Muller
-    const double u1 = 1.0 - uniform();                                       // (0, 1]
-    const double u2 = uniform();
-    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
-  }
-
- private:
-  uint64_t state_;
-};
-
 // Block scales are drawn uniformly from the e4m3 codes 0x68..0x77, values
 // 64..240: ModelOpt's scale is 448 · block_amax / tensor_amax, which for
 // Gaussian-like weights sits mostly in that range.
@@ -111,7 +90,7 @@ float unit_gain_global_scale(int64_t cols) {
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(cols) * code_ms * scale_ms));
 }
 
-Nvfp4Matrix synthesize_matrix(int64_t rows, int64_t cols, float global_scale, Rng& rng) {
+Nvfp4Matrix synthesize_matrix(int64_t rows, int64_t cols, float global_scale, SplitMix64& rng) {
   Nvfp4Matrix m;
   m.rows = rows;
   m.cols = cols;
@@ -134,7 +113,7 @@ Nvfp4Matrix synthesize_matrix(int64_t rows, int64_t cols, float global_scale, Rn
 // Expert `expert_idx` of the model; its weights depend only on the seed and
 // its index, not on which other experts are active.
 ExpertWeights synthesize_expert(const ModelShape& model, uint64_t seed, int64_t expert_idx) {
-  Rng rng(seed * 0x2545F4914F6CDD1Dull + static_cast<uint64_t>(expert_idx) + 1);
+  SplitMix64 rng(seed * 0x2545F4914F6CDD1Dull + static_cast<uint64_t>(expert_idx) + 1);
   ExpertWeights ex;
   const float gate_up_scale = unit_gain_global_scale(model.hidden);  // shared, as ModelOpt does
   ex.gate = synthesize_matrix(model.inter, model.hidden, gate_up_scale, rng);
@@ -379,7 +358,7 @@ void run_demo(const DemoOptions& opts) {
   std::fflush(stdout);
 
   // 1. Inputs and routing over all experts.
-  Rng rng(opts.seed);
+  SplitMix64 rng(opts.seed);
   std::vector<float> hidden_states(static_cast<size_t>(num_tokens * hidden));
   for (float& v : hidden_states) v = bf16_to_float(float_to_bf16(static_cast<float>(rng.normal())));
   std::vector<float> router_logits(static_cast<size_t>(num_tokens * model.num_experts));
