@@ -38,8 +38,8 @@ double measure_all_to_all_gbps(int num_ranks, size_t bytes_per_peer) {
   if (num_ranks < 2) return 0.0;
   std::vector<double> rate(static_cast<size_t>(num_ranks));
   run_ranks_in_threads(num_ranks, [&](int r, ncclComm_t comm) {
-    DeviceArray<uint8_t> send(bytes_per_peer * num_ranks), recv(bytes_per_peer * num_ranks);
-    FP4MOE_CUDA_CHECK(cudaMemset(send.ptr, r, send.bytes()));
+    DeviceBuffer<uint8_t> send(bytes_per_peer * num_ranks), recv(bytes_per_peer * num_ranks);
+    send.fill_bytes(r);
     cudaStream_t stream = nullptr;
     FP4MOE_CUDA_CHECK(cudaStreamCreate(&stream));
     cudaEvent_t start = nullptr, stop = nullptr;
@@ -51,8 +51,8 @@ double measure_all_to_all_gbps(int num_ranks, size_t bytes_per_peer) {
       FP4MOE_NCCL_CHECK(ncclGroupStart());
       for (int peer = 0; peer < num_ranks; ++peer) {
         if (peer == r) continue;
-        FP4MOE_NCCL_CHECK(ncclSend(send.ptr + peer * bytes_per_peer, bytes_per_peer, ncclUint8, peer, comm, stream));
-        FP4MOE_NCCL_CHECK(ncclRecv(recv.ptr + peer * bytes_per_peer, bytes_per_peer, ncclUint8, peer, comm, stream));
+        FP4MOE_NCCL_CHECK(ncclSend(send.get() + peer * bytes_per_peer, bytes_per_peer, ncclUint8, peer, comm, stream));
+        FP4MOE_NCCL_CHECK(ncclRecv(recv.get() + peer * bytes_per_peer, bytes_per_peer, ncclUint8, peer, comm, stream));
       }
       FP4MOE_NCCL_CHECK(ncclGroupEnd());
       FP4MOE_CUDA_CHECK(cudaEventRecord(stop, stream));
@@ -150,30 +150,29 @@ void run_ep_bench(const EpBenchOptions& opt, std::ostream& table, std::ostream* 
       cudaStream_t stream = nullptr;
       FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
       // Every rank holds all max_tokens tokens; a forward reads its share.
-      DeviceArray<uint16_t> hidden(static_cast<size_t>(max_tokens * shape.hidden));
-      DeviceArray<uint16_t> output(static_cast<size_t>(max_tokens * shape.hidden));
-      DeviceArray<float> logits(router.logits.size()), bias(router.bias.size());
-      fill_random_bf16(hidden.ptr, hidden.count, opt.seed + kHiddenSeedOffset, stream);
-      FP4MOE_CUDA_CHECK(cudaMemcpyAsync(logits.ptr, router.logits.data(), logits.bytes(), cudaMemcpyHostToDevice,
-                                        stream));
-      FP4MOE_CUDA_CHECK(cudaMemcpyAsync(bias.ptr, router.bias.data(), bias.bytes(), cudaMemcpyHostToDevice, stream));
+      DeviceBuffer<uint16_t> hidden(static_cast<size_t>(max_tokens * shape.hidden));
+      DeviceBuffer<uint16_t> output(static_cast<size_t>(max_tokens * shape.hidden));
+      DeviceBuffer<float> logits(router.logits.size()), bias(router.bias.size());
+      fill_random_bf16(hidden.get(), hidden.size(), opt.seed + kHiddenSeedOffset, stream);
+      logits.upload(router.logits, stream);
+      bias.upload(router.bias, stream);
       for (int64_t t : opt.tokens) {
         const int64_t first = t * r / P, count = t * (r + 1) / P - first;
         MoeForwardArgs args;
         args.num_tokens = count;
-        args.hidden_states = hidden.ptr + first * shape.hidden;
+        args.hidden_states = hidden.get() + first * shape.hidden;
         if (count > 0) {
-          args.router_logits = logits.ptr + first * shape.num_experts;
-          args.correction_bias = bias.ptr;
+          args.router_logits = logits.get() + first * shape.num_experts;
+          args.correction_bias = bias.get();
         }
         RankResult result;
         result.tokens = count;
-        layer.forward(args, output.ptr, stream);  // warm-up: module loading, buffer growth
+        layer.forward(args, output.get(), stream);  // warm-up: module loading, buffer growth
         std::vector<double> phases[5];
         for (int i = 0; i < opt.iterations; ++i) {
           rank_flusher.flush(stream);
           ExpertParallelTimes times;
-          result.stats = layer.forward(args, output.ptr, stream, &times);
+          result.stats = layer.forward(args, output.get(), stream, &times);
           const double values[5] = {times.route_ms, times.dispatch_ms, times.experts_ms, times.return_ms,
                                     times.combine_ms};
           for (int p = 0; p < 5; ++p) phases[p].push_back(values[p]);
@@ -182,7 +181,7 @@ void run_ep_bench(const EpBenchOptions& opt, std::ostream& table, std::ostream* 
                          median_of(phases[4])};
         std::vector<uint16_t> out(static_cast<size_t>(count * shape.hidden));
         if (count > 0)
-          FP4MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), output.ptr, out.size() * 2, cudaMemcpyDeviceToHost, stream));
+          FP4MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), output.get(), out.size() * 2, cudaMemcpyDeviceToHost, stream));
         FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
         result.nonfinite_outputs = std::count_if(out.begin(), out.end(), [](uint16_t b) {
           return (b & 0x7F80u) == 0x7F80u;  // bf16 exponent all ones: inf or NaN

@@ -27,26 +27,11 @@
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/plan.hpp"
+#include "util/device_buffer.hpp"
 
 namespace fp4moe::bench {
 
 // ------------------------------------------------------ shared measurement
-
-// Owning device array (cudaMalloc/cudaFree); count elements of T.
-template <typename T>
-struct DeviceArray {
-  T* ptr = nullptr;
-  size_t count = 0;
-  explicit DeviceArray(size_t n) : count(n) {
-    if (n) FP4MOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), n * sizeof(T)));
-  }
-  ~DeviceArray() {
-    if (ptr) cudaFree(ptr);
-  }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  size_t bytes() const { return count * sizeof(T); }
-};
 
 // The two ceilings of the roofline (docs/design.md §6), measured on the current
 // device: a device-to-device copy rate (read + write bytes per second) and
@@ -65,7 +50,7 @@ class L2Flusher {
   void flush(cudaStream_t stream) const;
 
  private:
-  DeviceArray<uint8_t> buffer_;
+  DeviceBuffer<uint8_t> buffer_;
 };
 
 // Median, in us, of `iterations` CUDA-event-timed calls of `launch` on
@@ -110,7 +95,7 @@ struct Options {
   std::vector<int> gemms = {1, 2};
   int iterations = 20;
   bool with_cublas = true;
-  bool with_portable = true;  // also time the portable family's choice where the plan is SM90's
+  bool with_other_family = true;  // also time the other kernel family's own choice (where it runs)
   std::optional<TileConfig> config;  // force a config instead of the planner's
   uint64_t seed = 1;
 };

@@ -3,36 +3,22 @@
 #include "layer_bench.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <exception>
 #include <iomanip>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <thread>
 #include <utility>
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/nvfp4.hpp"
+#include "util/parallel.hpp"
+#include "util/splitmix64.hpp"
 
 namespace fp4moe::bench {
 
 namespace {
-
-// splitmix64: fast and seedable per expert, so experts can be drawn in
-// parallel and the same seed gives the same layer.
-struct SplitMix64 {
-  uint64_t state;
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-};
 
 // e4m3 codes 0x28..0x48: 0.125 .. 2.0, the sane middle of the format.
 constexpr uint8_t kFirstScaleCode = 0x28;
@@ -70,34 +56,8 @@ Nvfp4Matrix random_matrix(int64_t rows, int64_t cols, float global_scale, SplitM
 
 std::vector<float> random_bias(int64_t n, SplitMix64& rng) {
   std::vector<float> bias(static_cast<size_t>(n));
-  for (float& b : bias) b = static_cast<float>((static_cast<double>(rng.next() >> 11) * 0x1.0p-53 - 0.5) * 0.2);
+  for (float& b : bias) b = static_cast<float>((rng.uniform() - 0.5) * 0.2);
   return bias;
-}
-
-// Runs fn(i) for i in [0, count) on all host cores; rethrows the first error.
-template <typename Fn>
-void parallel_for(int64_t count, const Fn& fn) {
-  const int64_t num_threads =
-      std::max<int64_t>(1, std::min<int64_t>(count, std::max(1u, std::thread::hardware_concurrency())));
-  std::atomic<int64_t> next{0};
-  std::exception_ptr error;
-  std::mutex mutex;
-  const auto work = [&] {
-    for (int64_t i = next++; i < count; i = next++) {
-      try {
-        fn(i);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!error) error = std::current_exception();
-        next = count;
-      }
-    }
-  };
-  std::vector<std::thread> threads;
-  for (int64_t t = 1; t < num_threads; ++t) threads.emplace_back(work);
-  work();
-  for (std::thread& thread : threads) thread.join();
-  if (error) std::rethrow_exception(error);
 }
 
 double median(std::vector<float> values) {
@@ -129,7 +89,8 @@ MoeWeights random_moe_weights(const LayerShape& shape, uint64_t seed) {
   const float gate_up_scale = unit_gain_global_scale(shape.hidden);  // shared, as ModelOpt does
   const float down_scale = unit_gain_global_scale(shape.inter);
   parallel_for(shape.num_experts, [&](int64_t e) {
-    SplitMix64 rng{seed * 0x2545F4914F6CDD1Dull + static_cast<uint64_t>(e) + 1};
+    // Seeded per expert: experts are drawn in parallel, and a seed gives one layer.
+    SplitMix64 rng(seed * 0x2545F4914F6CDD1Dull + static_cast<uint64_t>(e) + 1);
     ExpertWeights& ex = weights.experts[static_cast<size_t>(e)];
     ex.gate = random_matrix(shape.inter, shape.hidden, gate_up_scale, rng);
     ex.up = random_matrix(shape.inter, shape.hidden, gate_up_scale, rng);
@@ -161,11 +122,11 @@ LayerRoofline layer_roofline(int64_t hidden, int64_t inter, int64_t rows, int64_
 // ----------------------------------------------------------------- timer
 
 struct LayerTimer::Buffers {
-  DeviceArray<uint16_t> hidden_states;  // bf16 [max_tokens, hidden]
-  DeviceArray<float> router_logits;     // [max_tokens, num_experts]
-  DeviceArray<float> correction_bias;   // [num_experts]
-  DeviceArray<uint16_t> output;         // bf16 [max_tokens, hidden]
-  DeviceArray<uint8_t> workspace;
+  DeviceBuffer<uint16_t> hidden_states;  // bf16 [max_tokens, hidden]
+  DeviceBuffer<float> router_logits;     // [max_tokens, num_experts]
+  DeviceBuffer<float> correction_bias;   // [num_experts]
+  DeviceBuffer<uint16_t> output;         // bf16 [max_tokens, hidden]
+  DeviceBuffer<uint8_t> workspace;
   Buffers(int64_t max_tokens, int64_t hidden, int64_t num_experts, size_t workspace_bytes)
       : hidden_states(static_cast<size_t>(max_tokens * hidden)),
         router_logits(static_cast<size_t>(max_tokens * num_experts)),
@@ -195,13 +156,10 @@ LayerTimer::LayerTimer(const MoeLayer& layer, int64_t max_tokens, uint64_t seed)
 
   buffers_ = std::make_unique<Buffers>(max_tokens, layer.hidden(), num_experts, layer.workspace_bytes(max_tokens));
   FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  fill_random_bf16(buffers_->hidden_states.ptr, buffers_->hidden_states.count, seed + kHiddenSeedOffset, stream_);
-  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(buffers_->router_logits.ptr, host_logits_.data(), host_logits_.size() * 4,
-                                    cudaMemcpyHostToDevice, stream_));
-  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(buffers_->correction_bias.ptr, host_bias_.data(), host_bias_.size() * 4,
-                                    cudaMemcpyHostToDevice, stream_));
-  if (buffers_->workspace.count)
-    FP4MOE_CUDA_CHECK(cudaMemsetAsync(buffers_->workspace.ptr, 0, buffers_->workspace.count, stream_));
+  fill_random_bf16(buffers_->hidden_states.get(), buffers_->hidden_states.size(), seed + kHiddenSeedOffset, stream_);
+  buffers_->router_logits.upload(host_logits_, stream_);
+  buffers_->correction_bias.upload(host_bias_, stream_);
+  buffers_->workspace.fill_bytes(0, stream_);
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
@@ -224,15 +182,15 @@ MoeForwardArgs LayerTimer::args(int64_t tokens) const {
   FP4MOE_CHECK(tokens >= 1 && tokens <= max_tokens_, "LayerTimer: ", tokens, " tokens; expected 1 .. ",
                max_tokens_);
   MoeForwardArgs a;
-  a.hidden_states = buffers_->hidden_states.ptr;
+  a.hidden_states = buffers_->hidden_states.get();
   a.num_tokens = tokens;
-  a.router_logits = buffers_->router_logits.ptr;
-  a.correction_bias = buffers_->correction_bias.ptr;
+  a.router_logits = buffers_->router_logits.get();
+  a.correction_bias = buffers_->correction_bias.get();
   return a;
 }
 
 void LayerTimer::forward(int64_t tokens, const MoeStageEvents* events) const {
-  layer_.forward(args(tokens), buffers_->output.ptr, buffers_->workspace.ptr, buffers_->workspace.count, stream_,
+  layer_.forward(args(tokens), buffers_->output.get(), buffers_->workspace.get(), buffers_->workspace.size(), stream_,
                  events);
 }
 
@@ -310,12 +268,12 @@ double LayerTimer::time_graph_us(int64_t tokens, int iterations, const L2Flusher
 
 int64_t LayerTimer::count_nonfinite_outputs(int64_t tokens) const {
   std::vector<uint16_t> out(static_cast<size_t>(tokens * layer_.hidden()));
-  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), buffers_->output.ptr, out.size() * 2, cudaMemcpyDeviceToHost, stream_));
+  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), buffers_->output.get(), out.size() * 2, cudaMemcpyDeviceToHost, stream_));
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return std::count_if(out.begin(), out.end(), [](uint16_t v) { return !std::isfinite(bf16_to_float(v)); });
 }
 
-std::string LayerTimer::device_errors() const { return layer_.device_errors(buffers_->workspace.ptr, stream_); }
+std::string LayerTimer::device_errors() const { return layer_.device_errors(buffers_->workspace.get(), stream_); }
 
 LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t tokens, int iterations,
                                bool with_graph, const Ceilings& ceilings, const L2Flusher& flusher) {

@@ -1,6 +1,7 @@
 // Helpers shared by the GPU tests: device detection with a visible skip,
-// RAII device buffers, random NVFP4 data (also a fast generator for
-// gigabytes of weights) and result comparison.
+// random NVFP4 data (also a fast generator for gigabytes of weights) and
+// result comparison. Device memory is fp4moe::DeviceBuffer
+// (src/util/device_buffer.hpp), included here for every GPU test.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -12,12 +13,13 @@
 #include <cstring>
 #include <random>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/modelopt.hpp"
 #include "fp4moe/nvfp4.hpp"
+#include "util/device_buffer.hpp"
+#include "util/splitmix64.hpp"
 
 namespace fp4moe::testing {
 
@@ -37,55 +39,6 @@ inline bool has_cuda_device() {
       GTEST_SKIP() << "no CUDA device on this machine: GPU test skipped";           \
   } while (0)
 
-template <typename T>
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t count) { resize(count); }
-  explicit DeviceBuffer(const std::vector<T>& host) {
-    resize(host.size());
-    upload(host);
-  }
-  ~DeviceBuffer() {
-    if (ptr_) cudaFree(ptr_);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
-    std::swap(ptr_, other.ptr_);
-    std::swap(count_, other.count_);
-    return *this;
-  }
-
-  void resize(size_t count) {
-    if (ptr_) cudaFree(ptr_);
-    ptr_ = nullptr;
-    count_ = count;
-    if (count) FP4MOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr_), count * sizeof(T)));
-  }
-  void upload(const std::vector<T>& host) {
-    if (!host.empty())
-      FP4MOE_CUDA_CHECK(cudaMemcpy(ptr_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> host(count_);
-    if (count_)
-      FP4MOE_CUDA_CHECK(cudaMemcpy(host.data(), ptr_, count_ * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-  void fill_bytes(int byte) {
-    if (count_) FP4MOE_CUDA_CHECK(cudaMemset(ptr_, byte, count_ * sizeof(T)));
-  }
-  T* get() const { return ptr_; }
-  size_t size() const { return count_; }
-  size_t bytes() const { return count_ * sizeof(T); }
-
- private:
-  T* ptr_ = nullptr;
-  size_t count_ = 0;
-};
-
 // A random NVFP4 matrix drawn in the quantised domain: every fp4 code, block
 // scales spread over [2^-9 .. 448] with extra weight on the sane middle, and a
 // given global scale.
@@ -104,26 +57,18 @@ inline Nvfp4Matrix random_nvfp4(int64_t rows, int64_t cols, float global_scale, 
   return m;
 }
 
-// splitmix64 (Steele, Lea & Flood 2014): one add and two multiply-xorshift
-// rounds per 8 random bytes; fast enough to fill gigabytes of test weights,
-// where mt19937 per byte takes minutes.
-inline uint64_t splitmix64(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// Fills data[0, count) with random bytes from a splitmix64 stream seeded by `seed`.
+// Fills data[0, count) with random bytes from a SplitMix64 stream seeded by
+// `seed` (src/util/splitmix64.hpp): fast enough for gigabytes of test
+// weights, where mt19937 per byte takes minutes.
 inline void fill_random_bytes(uint8_t* data, size_t count, uint64_t seed) {
-  uint64_t state = seed;
+  SplitMix64 rng(seed);
   size_t i = 0;
   for (; i + 8 <= count; i += 8) {
-    const uint64_t word = splitmix64(state);
+    const uint64_t word = rng.next();
     std::memcpy(data + i, &word, 8);
   }
   if (i < count) {
-    const uint64_t word = splitmix64(state);
+    const uint64_t word = rng.next();
     std::memcpy(data + i, &word, count - i);
   }
 }

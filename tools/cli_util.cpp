@@ -10,7 +10,6 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <thread>
 
 #ifdef FP4MOE_WITH_NCCL
 #include <mutex>
@@ -21,6 +20,8 @@
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
+#include "util/device_buffer.hpp"
+#include "util/parallel.hpp"
 
 namespace fp4moe::cli {
 
@@ -240,32 +241,6 @@ Device resolve_device(Device requested) {
 
 namespace {
 
-// An owning device allocation of `bytes` bytes on the current device.
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    if (bytes) FP4MOE_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
-  }
-  ~DeviceBuffer() {
-    if (ptr_) cudaFree(ptr_);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-
-  void* get() const { return ptr_; }
-  size_t bytes() const { return bytes_; }
-  template <typename T>
-  void upload(const std::vector<T>& host, cudaStream_t stream) {
-    FP4MOE_CHECK(host.size() * sizeof(T) == bytes_, "upload of ", host.size() * sizeof(T), " bytes into a buffer of ",
-                 bytes_);
-    if (bytes_) FP4MOE_CUDA_CHECK(cudaMemcpyAsync(ptr_, host.data(), bytes_, cudaMemcpyHostToDevice, stream));
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
-
 // A CUDA stream and two events, released on every exit path.
 struct CudaStreamAndEvents {
   cudaStream_t stream = nullptr;
@@ -328,21 +303,21 @@ MoeRunStats run_moe_layer_cuda(const MoeWeights& weights, const float* hidden_st
   const std::vector<uint16_t> hidden_bf16 = to_bf16(hidden_states, static_cast<size_t>(num_tokens * hidden));
 
   CudaStreamAndEvents cuda;
-  DeviceBuffer d_hidden(hidden_bf16.size() * sizeof(uint16_t));
-  DeviceBuffer d_ids(routing.topk_ids.size() * sizeof(int32_t));
-  DeviceBuffer d_weights(routing.topk_weights.size() * sizeof(float));
-  DeviceBuffer d_output(static_cast<size_t>(num_tokens * hidden) * sizeof(uint16_t));
-  DeviceBuffer workspace(layer.workspace_bytes(num_tokens));
+  DeviceBuffer<uint16_t> d_hidden(hidden_bf16.size());
+  DeviceBuffer<int32_t> d_ids(routing.topk_ids.size());
+  DeviceBuffer<float> d_weights(routing.topk_weights.size());
+  DeviceBuffer<uint16_t> d_output(static_cast<size_t>(num_tokens * hidden));
+  DeviceBuffer<uint8_t> workspace(layer.workspace_bytes(num_tokens));
   d_hidden.upload(hidden_bf16, cuda.stream);
   d_ids.upload(routing.topk_ids, cuda.stream);
   d_weights.upload(routing.topk_weights, cuda.stream);
-  if (workspace.bytes()) FP4MOE_CUDA_CHECK(cudaMemsetAsync(workspace.get(), 0, workspace.bytes(), cuda.stream));
+  workspace.fill_bytes(0, cuda.stream);
 
   MoeForwardArgs args;
   args.hidden_states = d_hidden.get();
   args.num_tokens = num_tokens;
-  args.topk_ids = static_cast<const int32_t*>(d_ids.get());
-  args.topk_weights = static_cast<const float*>(d_weights.get());
+  args.topk_ids = d_ids.get();
+  args.topk_weights = d_weights.get();
   // One untimed forward first: the first launches of a process load the
   // kernels' modules (lazy loading), which is not the layer's time.
   layer.forward(args, d_output.get(), workspace.get(), workspace.bytes(), cuda.stream);
@@ -350,10 +325,7 @@ MoeRunStats run_moe_layer_cuda(const MoeWeights& weights, const float* hidden_st
   layer.forward(args, d_output.get(), workspace.get(), workspace.bytes(), cuda.stream);
   FP4MOE_CUDA_CHECK(cudaEventRecord(cuda.stop, cuda.stream));
 
-  std::vector<uint16_t> output_bf16(static_cast<size_t>(num_tokens * hidden));
-  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(output_bf16.data(), d_output.get(), d_output.bytes(), cudaMemcpyDeviceToHost,
-                                    cuda.stream));
-  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(cuda.stream));
+  const std::vector<uint16_t> output_bf16 = d_output.download(cuda.stream);
   const std::string device_errors = layer.device_errors(workspace.get(), cuda.stream);
   FP4MOE_CHECK(device_errors.empty(), "the CUDA MoE layer reported: ", device_errors);
   float elapsed_ms = 0.0f;
@@ -381,7 +353,7 @@ MoeRunStats run_moe_layer(Device device, const MoeWeights& weights, const float*
   const Activation activation = layer_options.activation;
   MoeRunStats stats;
   stats.backend = "cpu (reference, double accumulation)";
-  stats.num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  stats.num_threads = hardware_threads();
   const int64_t num_tokens = routing.num_tokens;
   const int top_k = routing.top_k;
   const int64_t hidden = weights.hidden;
@@ -443,8 +415,9 @@ MoeRunStats run_moe_layer_expert_parallel(const MoeWeights& weights, const float
     const int64_t first = T * r / num_ranks, last = T * (r + 1) / num_ranks, count = last - first;
     ExpertParallelMoeLayer layer = ExpertParallelMoeLayer::prepare(weights, placement, comm, options);
     CudaStreamAndEvents cuda;
-    DeviceBuffer d_hidden(static_cast<size_t>(count * H) * 2), d_output(static_cast<size_t>(count * H) * 2);
-    DeviceBuffer d_ids(static_cast<size_t>(count * k) * 4), d_weights(static_cast<size_t>(count * k) * 4);
+    DeviceBuffer<uint16_t> d_hidden(static_cast<size_t>(count * H)), d_output(static_cast<size_t>(count * H));
+    DeviceBuffer<int32_t> d_ids(static_cast<size_t>(count * k));
+    DeviceBuffer<float> d_weights(static_cast<size_t>(count * k));
     d_hidden.upload(std::vector<uint16_t>(hidden_bf16.begin() + first * H, hidden_bf16.begin() + last * H),
                     cuda.stream);
     d_ids.upload(std::vector<int32_t>(routing.topk_ids.begin() + first * k, routing.topk_ids.begin() + last * k),
@@ -456,16 +429,14 @@ MoeRunStats run_moe_layer_expert_parallel(const MoeWeights& weights, const float
     args.hidden_states = d_hidden.get();
     args.num_tokens = count;
     if (count > 0) {
-      args.topk_ids = static_cast<const int32_t*>(d_ids.get());
-      args.topk_weights = static_cast<const float*>(d_weights.get());
+      args.topk_ids = d_ids.get();
+      args.topk_weights = d_weights.get();
     }
     layer.forward(args, d_output.get(), cuda.stream);  // untimed: module loading, buffers
     ExpertParallelTimes times;
     const ExpertParallelStats stats = layer.forward(args, d_output.get(), cuda.stream, &times);
-    if (count > 0)
-      FP4MOE_CUDA_CHECK(cudaMemcpyAsync(output_bf16.data() + first * H, d_output.get(), d_output.bytes(),
-                                        cudaMemcpyDeviceToHost, cuda.stream));
-    FP4MOE_CUDA_CHECK(cudaStreamSynchronize(cuda.stream));
+    const std::vector<uint16_t> rank_output = d_output.download(cuda.stream);
+    std::copy(rank_output.begin(), rank_output.end(), output_bf16.begin() + first * H);
     char line[320];
     std::snprintf(line, sizeof line,
                   "  rank %d: %lld tokens, %lld experts; sent %lld rows, computed %lld rows / %lld pairs; "

@@ -116,6 +116,7 @@ void add_bench_command(CLI::App& app) {
     for (int g : opts.gemms) FP4MOE_CHECK(g == 1 || g == 2, "--gemms takes 1 and/or 2, not ", g);
     if (!o->config.empty()) opts.config = TileConfig::parse(o->config);
     opts.with_cublas = !o->no_cublas;
+    opts.with_other_family = !opts.config;  // a forced config is being compared already
     open_json();
     bench::run_gemm_bench(opts, std::cout, json.is_open() ? &json : nullptr);
   });

@@ -28,7 +28,6 @@
 // names) and tests/tools/test_cli_gpu.cpp (GPU: check and timing table).
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstring>
 #include <cmath>
 #include <cstdio>
@@ -36,7 +35,6 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "cli_util.hpp"
@@ -47,6 +45,8 @@
 #include "fp4moe/reference.hpp"
 #include "layer_bench.hpp"
 #include "models.hpp"
+#include "util/parallel.hpp"
+#include "util/splitmix64.hpp"
 
 namespace fp4moe::cli {
 namespace {
@@ -72,28 +72,6 @@ constexpr int kDefaultCheckTokensGpu = 8;
 // (‖out − ref‖/‖ref‖). The CPU backend lands near 1e-7, the GPU near 3e-3.
 constexpr double kCheckTolerance = 1e-2;
 
-// splitmix64: fast, and the same stream on every platform (std::
-// distributions are not), so a seed names the same layer everywhere.
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : state_(seed) {}
-  uint64_t next() {
-    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
-  double normal() {                                                          // Box-Muller
-    const double u1 = 1.0 - uniform();                                       // (0, 1]
-    const double u2 = uniform();
-    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
-  }
-
- private:
-  uint64_t state_;
-};
-
 // Block scales are drawn uniformly from the e4m3 codes 0x68..0x77, values
 // 64..240: ModelOpt's scale is 448 · block_amax / tensor_amax, which for
 // Gaussian-like weights sits mostly in that range.
@@ -112,7 +90,7 @@ float unit_gain_global_scale(int64_t cols) {
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(cols) * code_ms * scale_ms));
 }
 
-Nvfp4Matrix synthesize_matrix(int64_t rows, int64_t cols, float global_scale, Rng& rng) {
+Nvfp4Matrix synthesize_matrix(int64_t rows, int64_t cols, float global_scale, SplitMix64& rng) {
   Nvfp4Matrix m;
   m.rows = rows;
   m.cols = cols;
@@ -135,7 +113,7 @@ Nvfp4Matrix synthesize_matrix(int64_t rows, int64_t cols, float global_scale, Rn
 // Expert `expert_idx` of the model; its weights depend only on the seed and
 // its index, not on which other experts are active.
 ExpertWeights synthesize_expert(const ModelShape& model, uint64_t seed, int64_t expert_idx) {
-  Rng rng(seed * 0x2545F4914F6CDD1Dull + static_cast<uint64_t>(expert_idx) + 1);
+  SplitMix64 rng(seed * 0x2545F4914F6CDD1Dull + static_cast<uint64_t>(expert_idx) + 1);
   ExpertWeights ex;
   const float gate_up_scale = unit_gain_global_scale(model.hidden);  // shared, as ModelOpt does
   ex.gate = synthesize_matrix(model.inter, model.hidden, gate_up_scale, rng);
@@ -152,31 +130,6 @@ ExpertWeights synthesize_expert(const ModelShape& model, uint64_t seed, int64_t 
     ex.down_bias = bias(model.hidden);
   }
   return ex;
-}
-
-// Runs fn(i) for i in [0, count) on all cores.
-template <typename Fn>
-void parallel_for(int64_t count, const Fn& fn) {
-  const int64_t num_threads = std::min<int64_t>(count, std::max(1u, std::thread::hardware_concurrency()));
-  std::atomic<int64_t> next{0};
-  std::exception_ptr error;
-  std::mutex mutex;
-  const auto work = [&] {
-    for (int64_t i = next++; i < count; i = next++) {
-      try {
-        fn(i);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!error) error = std::current_exception();
-        next = count;
-      }
-    }
-  };
-  std::vector<std::thread> threads;
-  for (int64_t t = 1; t < num_threads; ++t) threads.emplace_back(work);
-  work();
-  for (std::thread& thread : threads) thread.join();
-  if (error) std::rethrow_exception(error);
 }
 
 // One (token, slot) contribution, the slow and obvious way: every weight
@@ -405,7 +358,7 @@ void run_demo(const DemoOptions& opts) {
   std::fflush(stdout);
 
   // 1. Inputs and routing over all experts.
-  Rng rng(opts.seed);
+  SplitMix64 rng(opts.seed);
   std::vector<float> hidden_states(static_cast<size_t>(num_tokens * hidden));
   for (float& v : hidden_states) v = bf16_to_float(float_to_bf16(static_cast<float>(rng.normal())));
   std::vector<float> router_logits(static_cast<size_t>(num_tokens * model.num_experts));

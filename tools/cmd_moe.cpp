@@ -18,17 +18,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <memory>
 #include <optional>
 #include <regex>
 #include <set>
 
-#include <nlohmann/json.hpp>
-
 #include "cli_util.hpp"
 #include "commands.hpp"
+#include "format/checkpoint.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/modelopt.hpp"
 #include "fp4moe/nvfp4.hpp"
@@ -54,33 +51,6 @@ struct MoeOptions {
   std::string finalize = "deterministic";
   int ep = 0;  // 0: one GPU, no NCCL
 };
-
-// Tensor names of a checkpoint file, or of every shard of a directory.
-std::vector<std::string> checkpoint_tensor_names(const std::string& path) {
-  namespace fs = std::filesystem;
-  std::vector<std::string> names;
-  if (!fs::is_directory(path)) return SafetensorsFile::open(path).names();
-  const fs::path index = fs::path(path) / "model.safetensors.index.json";
-  if (fs::exists(index)) {
-    std::ifstream stream(index);
-    nlohmann::json json;
-    try {
-      json = nlohmann::json::parse(stream);
-    } catch (const nlohmann::json::exception& e) {
-      FP4MOE_THROW(index.string(), ": not valid JSON (", e.what(), ")");
-    }
-    FP4MOE_CHECK(json.contains("weight_map") && json["weight_map"].is_object(), index.string(),
-                 ": no \"weight_map\" object");
-    for (const auto& item : json["weight_map"].items()) names.push_back(item.key());
-    return names;
-  }
-  for (const fs::directory_entry& entry : fs::directory_iterator(path)) {
-    if (entry.path().extension() != ".safetensors") continue;
-    const std::vector<std::string> file_names = SafetensorsFile::open(entry.path().string()).names();
-    names.insert(names.end(), file_names.begin(), file_names.end());
-  }
-  return names;
-}
 
 // The one layer prefix ("model.layers.3.mlp.") whose experts the checkpoint
 // holds; with several layers the user must choose.

@@ -22,7 +22,6 @@
 #include <memory>
 #include <regex>
 #include <set>
-#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -32,6 +31,7 @@
 #include "fp4moe/modelopt.hpp"
 #include "fp4moe/nvfp4.hpp"
 #include "fp4moe/safetensors.hpp"
+#include "util/parallel.hpp"
 
 namespace fp4moe::cli {
 namespace {
@@ -78,29 +78,18 @@ struct TensorPlan {
 // independently given the global scale, so the result equals one call.
 Nvfp4Matrix quantize_rows_parallel(const float* weights, int64_t rows, int64_t cols,
                                    float global_scale) {
-  const int64_t min_rows_per_thread = std::max<int64_t>(1, (int64_t{1} << 18) / cols);
-  const int64_t num_threads = std::clamp<int64_t>(rows / min_rows_per_thread, 1,
-                                                  std::max(1u, std::thread::hardware_concurrency()));
-  if (num_threads == 1) return quantize_nvfp4(weights, rows, cols, global_scale);
+  // Parts of at least 2^18 values, at most one per hardware thread.
+  const int64_t min_rows_per_part = std::max<int64_t>(1, (int64_t{1} << 18) / cols);
+  const int64_t num_parts = std::clamp<int64_t>(rows / min_rows_per_part, 1, hardware_threads());
+  if (num_parts == 1) return quantize_nvfp4(weights, rows, cols, global_scale);
 
-  const int64_t rows_per_thread = (rows + num_threads - 1) / num_threads;
-  std::vector<Nvfp4Matrix> parts(static_cast<size_t>(num_threads));
-  std::vector<std::exception_ptr> errors(parts.size());
-  std::vector<std::thread> threads;
-  for (int64_t t = 0; t < num_threads; ++t) {
-    threads.emplace_back([&, t] {
-      try {
-        const int64_t r0 = t * rows_per_thread;
-        const int64_t n = std::min(rows_per_thread, rows - r0);
-        if (n > 0) parts[static_cast<size_t>(t)] = quantize_nvfp4(weights + r0 * cols, n, cols, global_scale);
-      } catch (...) {
-        errors[static_cast<size_t>(t)] = std::current_exception();
-      }
-    });
-  }
-  for (std::thread& thread : threads) thread.join();
-  for (const std::exception_ptr& error : errors)
-    if (error) std::rethrow_exception(error);
+  const int64_t rows_per_part = (rows + num_parts - 1) / num_parts;
+  std::vector<Nvfp4Matrix> parts(static_cast<size_t>(num_parts));
+  parallel_for(num_parts, [&](int64_t part) {
+    const int64_t r0 = part * rows_per_part;
+    const int64_t n = std::min(rows_per_part, rows - r0);
+    if (n > 0) parts[static_cast<size_t>(part)] = quantize_nvfp4(weights + r0 * cols, n, cols, global_scale);
+  });
 
   Nvfp4Matrix out;
   out.rows = rows;

@@ -115,6 +115,9 @@ struct GemmProblem {
   int64_t num_rows = 0;  // routed rows over all experts (tokens * top_k)
   int64_t expected_active_experts = 0;  // 0: estimate from uniform routing
   Epilogue epilogue = Epilogue::kNone;   // the planner only picks configs with this epilogue
+  // Keep to one kernel family at every row count where it runs (the two
+  // families may round differently; batch-invariant layers need one).
+  bool single_family = false;
 };
 
 struct GemmPlan {
@@ -127,10 +130,14 @@ struct GemmPlan {
 // Whether a family's kernels run on a GPU of compute capability `cc`
 // (e.g. 90): the portable family from 80 on, the SM90 family on 90 only.
 bool family_runs_on(KernelFamily family, int compute_capability);
+inline constexpr double kSm90MinRowsPerExpert = 32;
 
 // Picks a config for `problem` among those with its epilogue fitting
 // `smem_budget_bytes` whose family runs on `compute_capability` (0: the
-// portable family only).
+// portable family only). On SM90 the SM90 family takes problems with more
+// than kSm90MinRowsPerExpert rows per active expert (or every problem with
+// single_family), the portable family the rest: below that the portable
+// kernel's mma.sync tiles measured faster (docs/perf-notes.md, SM90 v2).
 // num_sms and blocks_per_sm size the split-K choice (waves of work); the SM90
 // family always runs one block per SM.
 GemmPlan plan_gemm(const GemmProblem& problem, int64_t smem_budget_bytes, int num_sms,

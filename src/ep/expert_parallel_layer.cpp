@@ -16,51 +16,13 @@
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
 #include "kernels/moe_ops.hpp"
+#include "util/device_buffer.hpp"
 
 namespace fp4moe {
 namespace {
 
 static_assert(kSlotServedElsewhere == kernels::kAbsentSlot,
               "the wire format's absent slot is the layer's skipped id");
-
-// Device memory that grows to the largest size asked for and keeps it.
-class GrowingBuffer {
- public:
-  GrowingBuffer() = default;
-  GrowingBuffer(const GrowingBuffer&) = delete;
-  GrowingBuffer& operator=(const GrowingBuffer&) = delete;
-  GrowingBuffer(GrowingBuffer&& o) noexcept
-      : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
-  GrowingBuffer& operator=(GrowingBuffer&& o) noexcept {
-    std::swap(ptr_, o.ptr_);
-    std::swap(bytes_, o.bytes_);
-    return *this;
-  }
-  ~GrowingBuffer() {
-    if (ptr_) cudaFree(ptr_);
-  }
-
-  // At least `bytes` (16-byte aligned: cudaMalloc's 256). Returns whether
-  // the memory is new (its contents undefined). cudaFree waits for the
-  // device, so work still reading the old memory is finished first.
-  bool reserve(size_t bytes) {
-    if (bytes <= bytes_) return false;
-    if (ptr_) FP4MOE_CUDA_CHECK(cudaFree(ptr_));
-    ptr_ = nullptr;
-    bytes_ = 0;
-    FP4MOE_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
-    bytes_ = bytes;
-    return true;
-  }
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
 
 // CUDA events between the phases of a forward, created on first use.
 class PhaseEvents {
@@ -89,13 +51,12 @@ class PhaseEvents {
   cudaEvent_t events_[kCount] = {};
 };
 
+// Grows `buffer` to hold `host` and copies it there on `stream` (the call
+// returns once the pageable bytes are staged).
 template <typename T>
-void upload_async(GrowingBuffer& buffer, const std::vector<T>& host, cudaStream_t stream) {
-  if (host.empty()) return;
-  buffer.reserve(host.size() * sizeof(T));
-  // Pageable source: the call returns once the bytes are staged.
-  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(buffer.as<void>(), host.data(), host.size() * sizeof(T),
-                                    cudaMemcpyHostToDevice, stream));
+void upload_async(DeviceBuffer<T>& buffer, const std::vector<T>& host, cudaStream_t stream) {
+  buffer.grow(host.size());
+  buffer.upload(host, stream);
 }
 
 template <typename T>
@@ -118,14 +79,25 @@ struct ExpertParallelMoeLayer::Impl {
   RoutingParams routing;
   MoeLayer local;
 
-  // Per-forward buffers, grown on demand.
-  GrowingBuffer ids, weights;             // home routing [T, k] (router-logits forwards)
-  GrowingBuffer row_count;                // {0, n}: the rows of the current gather
-  GrowingBuffer send_token_idx, send_hidden, send_meta;
-  GrowingBuffer counts_send, counts_recv;
-  GrowingBuffer recv_hidden, recv_meta, local_ids, local_weights;
-  GrowingBuffer workspace, pair_rows, return_idx, return_rows;
-  GrowingBuffer returned, combine_idx, home_pair_rows;
+  // Per-forward buffers, grown on demand (DeviceBuffer::grow) and kept.
+  DeviceBuffer<int32_t> ids;                    // home routing [T, k] (router-logits forwards)
+  DeviceBuffer<float> weights;                  //   and its weights [T, k]
+  DeviceBuffer<int32_t> row_count;              // {0, n}: the rows of the current gather
+  DeviceBuffer<int32_t> send_token_idx;         // [S] home token of each sent row
+  DeviceBuffer<uint16_t> send_hidden;           // bf16 [S, H]
+  DeviceBuffer<int32_t> send_meta;              // [S, W]
+  DeviceBuffer<int64_t> counts_send, counts_recv;  // [P, kCountsMessageWords]
+  DeviceBuffer<uint16_t> recv_hidden;           // bf16 [R, H]
+  DeviceBuffer<int32_t> recv_meta;              // [R, W]
+  DeviceBuffer<int32_t> local_ids;              // [R, k]
+  DeviceBuffer<float> local_weights;            // [R, k]
+  DeviceBuffer<uint8_t> workspace;              // the local layer's
+  DeviceBuffer<float> pair_rows;                // [R * k, H]
+  DeviceBuffer<int32_t> return_idx;             // [Rp]
+  DeviceBuffer<float> return_rows;              // [Rp, H]
+  DeviceBuffer<float> returned;                 // [T * k, H] in rank order
+  DeviceBuffer<int32_t> combine_idx;            // [T * k]
+  DeviceBuffer<float> home_pair_rows;           // [T * k, H] in (token, slot) order
   PhaseEvents phases;
 
   Impl(ExpertPlacement p, ncclComm_t c, int r, MoeLayer layer)
@@ -134,13 +106,13 @@ struct ExpertParallelMoeLayer::Impl {
   // dst[i, :] = src[index[i], :] for rows of `row_bytes` (a multiple of 16),
   // the host-given index uploaded into index_buffer. Stream-ordered, so one
   // row-count buffer serves every gather.
-  void gather(const void* src, const std::vector<int32_t>& index, GrowingBuffer& index_buffer,
+  void gather(const void* src, const std::vector<int32_t>& index, DeviceBuffer<int32_t>& index_buffer,
               int64_t row_bytes, void* dst, cudaStream_t stream) {
     if (index.empty()) return;
     const auto n = static_cast<int64_t>(index.size());
     upload_async(index_buffer, index, stream);
     upload_async(row_count, std::vector<int32_t>{0, static_cast<int32_t>(n)}, stream);
-    kernels::launch_gather_rows(src, index_buffer.as<int32_t>(), row_count.as<int32_t>(), 1, n,
+    kernels::launch_gather_rows(src, index_buffer.get(), row_count.get(), 1, n,
                                 row_bytes / 2, dst, stream);
   }
 };
@@ -217,12 +189,12 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
   const int32_t* home_ids = args.topk_ids;
   const float* home_weights = args.topk_weights;
   if (device_routing && T > 0) {
-    m.ids.reserve(static_cast<size_t>(T * k) * 4);
-    m.weights.reserve(static_cast<size_t>(T * k) * 4);
+    m.ids.grow(static_cast<size_t>(T * k));
+    m.weights.grow(static_cast<size_t>(T * k));
     kernels::launch_route(args.router_logits, args.correction_bias, T, m.num_experts, m.routing,
-                          m.ids.as<int32_t>(), m.weights.as<float>(), stream);
-    home_ids = m.ids.as<int32_t>();
-    home_weights = m.weights.as<float>();
+                          m.ids.get(), m.weights.get(), stream);
+    home_ids = m.ids.get();
+    home_weights = m.weights.get();
   }
   std::vector<int32_t> host_ids;
   std::vector<float> host_weights;
@@ -240,65 +212,64 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
 
   // 2. Send buffers: the rows in plan order and their metadata.
   upload_async(m.send_meta, plan.send_meta, stream);
-  m.send_hidden.reserve(static_cast<size_t>(S * H) * 2);
+  m.send_hidden.grow(static_cast<size_t>(S * H));
   // 3. Counts, to and from every rank.
   upload_async(m.counts_send, plan.counts_messages(), stream);
-  m.counts_recv.reserve(static_cast<size_t>(P * kCountsMessageWords) * 8);
-  m.gather(args.hidden_states, plan.send_token_idx, m.send_token_idx, H * 2, m.send_hidden.as<void>(),
+  m.counts_recv.grow(static_cast<size_t>(P * kCountsMessageWords));
+  m.gather(args.hidden_states, plan.send_token_idx, m.send_token_idx, H * 2, m.send_hidden.get(),
            stream);
-  nccl_exchange_counts(m.counts_send.as<int64_t>(), m.counts_recv.as<int64_t>(), static_cast<int>(P),
+  nccl_exchange_counts(m.counts_send.get(), m.counts_recv.get(), static_cast<int>(P),
                        m.comm, stream);
   std::vector<int64_t> recv_counts;
-  download(recv_counts, m.counts_recv.as<int64_t>(), static_cast<size_t>(P * kCountsMessageWords), stream);
+  download(recv_counts, m.counts_recv.get(), static_cast<size_t>(P * kCountsMessageWords), stream);
   int64_t R = 0;
   for (int64_t s = 0; s < P; ++s) R += recv_counts[static_cast<size_t>(s * kCountsMessageWords)];
 
   // 4. Dispatch: rows and metadata from every rank, in rank order.
-  m.recv_hidden.reserve(static_cast<size_t>(R * H) * 2);
-  m.recv_meta.reserve(static_cast<size_t>(R * W) * 4);
-  nccl_dispatch(plan, recv_counts.data(), H, m.send_hidden.as<void>(), m.send_meta.as<int32_t>(),
-                m.recv_hidden.as<void>(), m.recv_meta.as<int32_t>(), m.comm, stream);
+  m.recv_hidden.grow(static_cast<size_t>(R * H));
+  m.recv_meta.grow(static_cast<size_t>(R * W));
+  nccl_dispatch(plan, recv_counts.data(), H, m.send_hidden.get(), m.send_meta.get(),
+                m.recv_hidden.get(), m.recv_meta.get(), m.comm, stream);
   phase_done(2);
   std::vector<int32_t> recv_meta;
-  download(recv_meta, m.recv_meta.as<int32_t>(), static_cast<size_t>(R * W), stream);
+  download(recv_meta, m.recv_meta.get(), static_cast<size_t>(R * W), stream);
   const ReceivePlan recv = plan_receive(recv_counts.data(), recv_meta.data(), k, m.placement, m.rank);
   const int64_t Rp = recv.num_recv_pairs();
 
   // 5. This rank's experts on what it received: one fp32 row per served
   // (row, slot), then those rows in return order.
-  m.return_rows.reserve(static_cast<size_t>(Rp * H) * 4);
+  m.return_rows.grow(static_cast<size_t>(Rp * H));
   if (R > 0) {
-    m.local_ids.reserve(static_cast<size_t>(R * k) * 4);
-    m.local_weights.reserve(static_cast<size_t>(R * k) * 4);
-    const auto* meta = m.recv_meta.as<int32_t>();
-    FP4MOE_CUDA_CHECK(cudaMemcpy2DAsync(m.local_ids.as<void>(), k * 4, meta + 1, W * 4, k * 4, R,
+    m.local_ids.grow(static_cast<size_t>(R * k));
+    m.local_weights.grow(static_cast<size_t>(R * k));
+    const auto* meta = m.recv_meta.get();
+    FP4MOE_CUDA_CHECK(cudaMemcpy2DAsync(m.local_ids.get(), k * 4, meta + 1, W * 4, k * 4, R,
                                         cudaMemcpyDeviceToDevice, stream));
-    FP4MOE_CUDA_CHECK(cudaMemcpy2DAsync(m.local_weights.as<void>(), k * 4, meta + 1 + k, W * 4, k * 4,
+    FP4MOE_CUDA_CHECK(cudaMemcpy2DAsync(m.local_weights.get(), k * 4, meta + 1 + k, W * 4, k * 4,
                                         R, cudaMemcpyDeviceToDevice, stream));
     const size_t workspace_bytes = m.local.workspace_bytes(R);
-    if (m.workspace.reserve(workspace_bytes))
-      FP4MOE_CUDA_CHECK(cudaMemsetAsync(m.workspace.as<void>(), 0, workspace_bytes, stream));
-    m.pair_rows.reserve(static_cast<size_t>(R * k * H) * 4);
+    if (m.workspace.grow(workspace_bytes)) m.workspace.fill_bytes(0, stream);
+    m.pair_rows.grow(static_cast<size_t>(R * k * H));
     MoeForwardArgs local_args;
-    local_args.hidden_states = m.recv_hidden.as<void>();
+    local_args.hidden_states = m.recv_hidden.get();
     local_args.num_tokens = R;
-    local_args.topk_ids = m.local_ids.as<int32_t>();
-    local_args.topk_weights = m.local_weights.as<float>();
-    m.local.forward_pair_rows(local_args, m.pair_rows.as<float>(), m.workspace.as<void>(),
+    local_args.topk_ids = m.local_ids.get();
+    local_args.topk_weights = m.local_weights.get();
+    m.local.forward_pair_rows(local_args, m.pair_rows.get(), m.workspace.get(),
                               workspace_bytes, stream);
     std::vector<int32_t> return_idx(static_cast<size_t>(Rp));
     for (int64_t p = 0; p < Rp; ++p) {
       const RecvPair& pair = recv.pairs[static_cast<size_t>(p)];
       return_idx[static_cast<size_t>(p)] = static_cast<int32_t>(pair.recv_row * k + pair.slot);
     }
-    m.gather(m.pair_rows.as<void>(), return_idx, m.return_idx, H * 4, m.return_rows.as<void>(), stream);
+    m.gather(m.pair_rows.get(), return_idx, m.return_idx, H * 4, m.return_rows.get(), stream);
   }
 
   phase_done(3);
 
   // 6. Return: each rank's rows back to it; ours arrive in rank order.
-  m.returned.reserve(static_cast<size_t>(T * k * H) * 4);
-  nccl_return_rows(recv, plan, H, m.return_rows.as<float>(), m.returned.as<float>(), m.comm, stream);
+  m.returned.grow(static_cast<size_t>(T * k * H));
+  nccl_return_rows(recv, plan, H, m.return_rows.get(), m.returned.get(), m.comm, stream);
   phase_done(4);
 
   // 7. Combine: the rows in (token, slot) order, summed in slot order.
@@ -306,9 +277,9 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
     std::vector<int32_t> combine_idx(static_cast<size_t>(T * k));
     for (size_t i = 0; i < combine_idx.size(); ++i)
       combine_idx[i] = static_cast<int32_t>(plan.combine.return_row_idx[i]);
-    m.home_pair_rows.reserve(static_cast<size_t>(T * k * H) * 4);
-    m.gather(m.returned.as<void>(), combine_idx, m.combine_idx, H * 4, m.home_pair_rows.as<void>(), stream);
-    kernels::launch_finalize_pairs(m.home_pair_rows.as<float>(), home_ids, T, k, m.num_experts, H,
+    m.home_pair_rows.grow(static_cast<size_t>(T * k * H));
+    m.gather(m.returned.get(), combine_idx, m.combine_idx, H * 4, m.home_pair_rows.get(), stream);
+    kernels::launch_finalize_pairs(m.home_pair_rows.get(), home_ids, T, k, m.num_experts, H,
                                    output, stream);
   }
   phase_done(5);

@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "format/checkpoint.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
 
@@ -132,6 +133,24 @@ json read_json_file(const fs::path& path) {
   }
 }
 
+// The weight_map of a sharded checkpoint's model.safetensors.index.json:
+// tensor name -> shard path (the index's directory joined with the file name
+// it gives). The one reader of the index: the CLI lists a checkpoint's
+// tensors through checkpoint_tensor_names (format/checkpoint.hpp).
+std::map<std::string, std::string> read_safetensors_index(const fs::path& index_path) {
+  const json index = read_json_file(index_path);
+  const std::string where = index_path.string();
+  FP4MOE_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(),
+               where, ": expected an object with a \"weight_map\" object (tensor name -> shard file)");
+  std::map<std::string, std::string> shard_of;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    FP4MOE_CHECK(file.is_string(), where, ": weight_map[\"", name, "\"] is ", file.dump(),
+                 "; expected a shard file name");
+    shard_of.emplace(name, (index_path.parent_path() / file.get<std::string>()).string());
+  }
+  return shard_of;
+}
+
 // hf_quant_config.json as ModelOpt writes it:
 //   {"quantization": {"quant_algo": "NVFP4", "group_size": 16, ...}, ...}
 void check_quant_config(const fs::path& path) {
@@ -196,15 +215,8 @@ class TensorSource {
     if (fs::exists(dir / "hf_quant_config.json")) check_quant_config(dir / "hf_quant_config.json");
     const fs::path index_path = dir / "model.safetensors.index.json";
     if (fs::exists(index_path)) {
-      const json index = read_json_file(index_path);
-      const std::string where = index_path.string();
-      FP4MOE_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(),
-                   where, ": expected an object with a \"weight_map\" object (tensor name -> shard file)");
       std::map<std::string, size_t> shard_idx;
-      for (const auto& [name, file] : index["weight_map"].items()) {
-        FP4MOE_CHECK(file.is_string(), where, ": weight_map[\"", name, "\"] is ", file.dump(),
-                     "; expected a shard file name");
-        const std::string shard_path = (dir / file.get<std::string>()).string();
+      for (const auto& [name, shard_path] : read_safetensors_index(index_path)) {
         auto [it, inserted] = shard_idx.emplace(shard_path, shards_.size());
         if (inserted) shards_.push_back(Shard{shard_path, nullptr});
         shard_of_.emplace(name, it->second);
@@ -282,6 +294,10 @@ class Problems {
 };
 
 }  // namespace
+
+std::vector<std::string> checkpoint_tensor_names(const std::string& path) {
+  return TensorSource(path).names();
+}
 
 // ------------------------------------------------------------------ loading
 

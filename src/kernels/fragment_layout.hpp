@@ -11,7 +11,7 @@
 // bulk copy in the SM90 family):
 //
 //   weights: [E][N_pad/128][K_pad/64][group 0..7][lane 0..31][kstep 0..3] uint32
-//   scales:  [E][N_pad/128][K_pad/64][group 0..7][g 0..7][row g: kstep 0..3, row g+8: kstep 0..3] uint8
+//   scales:  [E][N_pad/128][K_pad/64][group 0..7][g 0..7][kstep 0..3][row g, row g+8] uint8
 //
 // where group is the 16-row group within the 128-row tile (fragment_index()).
 // With g = lane / 4 and t = lane % 4, the word for (lane, kstep) holds the
@@ -23,6 +23,10 @@
 // (k relative to the k-step's 16). Nibbles 3 and 7 sit at bits 12..15 and
 // 28..31, exactly where a bf16x2's two halves need sign and exponent bits
 // after a shift by 6; shifting the word left by 4 brings the next pair there.
+//
+// A lane reads its eight scale codes with one 8-byte load; per k-step the
+// codes of its two rows sit side by side, so one byte permute and one
+// multiply-add make the bf16x2 pair {scale row g, scale row g+8}.
 //
 // Scales are re-encoded losslessly from e4m3 into an unsigned 8-bit
 // "exponent 5, mantissa 3" code (scales are positive; e4m3 subnormals become
@@ -73,6 +77,10 @@ FP4MOE_HD int nibble_position(int r, int k) {
   const int pair = (high_k ? 2 : 0) + (high_row ? 1 : 0);
   return (3 - pair) + (odd ? 4 : 0);
 }
+
+// Byte, within a fragment's 64 scale codes, of the code of row g + 8 * half
+// (g = 0..7) at k-step ks.
+FP4MOE_HD int scale_byte(int g, int ks, int half) { return g * 8 + ks * 2 + half; }
 
 // e4m3 (positive, finite) -> scale code; 0 for a zero scale.
 FP4MOE_HD uint8_t scale_code_from_e4m3(uint8_t e4m3) {

@@ -152,22 +152,27 @@ __device__ __forceinline__ WorkUnit decode_unit(const GroupedGemmParams& p, cons
   return u;
 }
 
-// Eight fp4 codes (fragment order) and the two rows' bf16x2 scales -> the
-// four A registers of one m16n8k16 MMA.
-__device__ __forceinline__ void dequant_a_fragment(uint32_t codes, uint32_t scale_row_g,
-                                                   uint32_t scale_row_g8, uint32_t (&a)[4]) {
+// Eight fp4 codes (fragment order) and the two rows' block scales as one
+// bf16x2 {row g, row g + 8} -> the four A registers of one m16n8k16 MMA.
+// NOTE: ptxas folds the half-broadcasts into the multiplies' operands
+// (HMUL2 ... R.H0_H0 / R.H1_H1), so the pair costs nothing to split.
+__device__ __forceinline__ void dequant_a_fragment(uint32_t codes, uint32_t scales, uint32_t (&a)[4]) {
   // Sign to bit 15/31, exponent+mantissa (3 bits) to bits 6..8 / 22..24.
   auto place = [](uint32_t v) { return (v & 0x80008000u) | ((v >> 6) & 0x01C001C0u); };
-  a[0] = ptx::mul_bf16x2(place(codes), scale_row_g);
-  a[1] = ptx::mul_bf16x2(place(codes << 4), scale_row_g8);
-  a[2] = ptx::mul_bf16x2(place(codes << 8), scale_row_g);
-  a[3] = ptx::mul_bf16x2(place(codes << 12), scale_row_g8);
+  const uint32_t row_g = ptx::broadcast_low_bf16(scales);
+  const uint32_t row_g8 = ptx::broadcast_high_bf16(scales);
+  a[0] = ptx::mul_bf16x2(place(codes), row_g);
+  a[1] = ptx::mul_bf16x2(place(codes << 4), row_g8);
+  a[2] = ptx::mul_bf16x2(place(codes << 8), row_g);
+  a[3] = ptx::mul_bf16x2(place(codes << 12), row_g8);
 }
 
-// Scale byte `ks` of a word of four scale codes -> bf16x2 {scale, scale}.
-__device__ __forceinline__ uint32_t scale_pair(uint32_t codes4, int ks) {
-  const uint32_t dup = ptx::prmt(codes4, 0u, 0x4040u | (ks * 0x0101u));  // 0x00cc00cc
-  return dup * 16u + (layout::kScaleBf16Bias | (layout::kScaleBf16Bias << 16));
+// k-step `ks` of a lane's eight scale codes (fragment_layout.hpp: per k-step
+// the codes of rows g and g + 8 side by side) -> bf16x2 {row g, row g + 8}.
+__device__ __forceinline__ uint32_t scale_pair(uint2 codes, int ks) {
+  const uint32_t word = ks < 2 ? codes.x : codes.y;
+  const uint32_t spread = ptx::prmt(word, 0u, (ks % 2) ? 0x4342u : 0x4140u);  // 0x00hh00gg
+  return spread * 16u + (layout::kScaleBf16Bias | (layout::kScaleBf16Bias << 16));
 }
 
 // The kSwiglu epilogue's activation of one (gate, up) pair, in fp32.

@@ -21,12 +21,14 @@
 #include "kernels/launch.cuh"
 #include "kernels/moe_ops.hpp"
 #include "kernels/ptx/grid_dependency.cuh"
+#include "plan/smem_model.hpp"
 
 namespace fp4moe::kernels {
 namespace {
 
 constexpr unsigned kFullWarp = 0xFFFFFFFFu;
-constexpr int kMaxExperts = 512;                    // routing scores held in registers, sort histogram in smem
+// kMaxExperts (plan/smem_model.hpp, the grouped GEMM's bound) also sizes the
+// routing keys and the sort histogram held in shared memory here.
 constexpr int kRouteThreads = 256;                  // routing: one block per token
 constexpr int kSortThreads = 1024;                  // the sort is one block
 constexpr int64_t kFusedSortMaxPairs = 1024;        // route_and_sort: up to here the routing kernel sorts

@@ -40,7 +40,7 @@ inline constexpr int kMaxTopK = 32;
 // selection order. Scores are computed in fp32. correction_bias fp32
 // [num_experts] is read for kNoauxTc only and may be null (zeros).
 // Throws (before launch) on the parameter errors route() throws on, and when
-// num_experts > 512 or top_k > kMaxTopK.
+// num_experts > kMaxExperts (512, plan/smem_model.hpp) or top_k > kMaxTopK.
 void launch_route(const float* router_logits, const float* correction_bias, int64_t num_tokens,
                   int64_t num_experts, const RoutingParams& params, int32_t* topk_ids,
                   float* topk_weights, cudaStream_t stream, bool programmatic = false);
@@ -54,7 +54,7 @@ void launch_route(const float* router_logits, const float* correction_bias, int6
 // Entries past offsets[E] are left unwritten. The order of rows within one
 // expert is unspecified (results computed per row do not depend on it). Ids
 // outside [0, num_experts) are not placed; all but kAbsentSlot set
-// kErrorExpertIdOutOfRange in *error_flags (atomicOr). num_experts <= 512.
+// kErrorExpertIdOutOfRange in *error_flags (atomicOr). num_experts <= kMaxExperts.
 void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_k,
                            int64_t num_experts, int32_t* expert_offsets, int32_t* token_of_row,
                            int32_t* pair_of_row, int32_t* error_flags, cudaStream_t stream, bool programmatic = false);

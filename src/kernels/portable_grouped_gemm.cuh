@@ -256,8 +256,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
                                   : ks == 2 ? codes[mt].z
                                             : codes[mt].w;
             uint32_t a[4];
-            detail::dequant_a_fragment(word, detail::scale_pair(scales[mt].x, ks),
-                                       detail::scale_pair(scales[mt].y, ks), a);
+            detail::dequant_a_fragment(word, detail::scale_pair(scales[mt], ks), a);
 #pragma unroll
             for (int nt = 0; nt < N8_TILES; ++nt)
               ptx::mma_m16n8k16_bf16(acc[mt][nt], a, b[nt][0], b[nt][1]);

@@ -6,15 +6,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <exception>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/grouped_gemm.hpp"
 #include "kernels/fragment_layout.hpp"
 #include "plan/smem_model.hpp"
+#include "util/parallel.hpp"
 
 namespace fp4moe {
 
@@ -97,7 +95,7 @@ PreparedGemmWeights prepare_gemm_weights(std::span<const Nvfp4Matrix* const> exp
             for (int half = 0; half < 2; ++half) {
               const int64_t row = group * kFragRows + g + half * 8;
               const int64_t col = kf * kFragK + ks * 16;
-              sdst[g * 8 + half * 4 + ks] =
+              sdst[layout::scale_byte(g, ks, half)] =
                   (row < p.n && col < p.k) ? layout::scale_code_from_e4m3(m.scale(row, col)) : 0;
             }
           }
@@ -105,23 +103,8 @@ PreparedGemmWeights prepare_gemm_weights(std::span<const Nvfp4Matrix* const> exp
       }
     }
   };
-  const int64_t num_threads = std::min<int64_t>(
-      p.num_experts, std::max(1u, std::thread::hardware_concurrency()));
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(p.num_experts));
-  std::vector<std::thread> threads;
-  for (int64_t w = 0; w < num_threads; ++w)
-    threads.emplace_back([&, w] {
-      for (int64_t e = w; e < p.num_experts; e += num_threads) {
-        try {
-          pack_expert(e);
-        } catch (...) {
-          errors[static_cast<size_t>(e)] = std::current_exception();
-        }
-      }
-    });
-  for (auto& thread : threads) thread.join();
-  for (const auto& error : errors)  // the lowest expert's error, as a serial loop would report
-    if (error) std::rethrow_exception(error);
+  // An error is the lowest failing expert's, as a serial loop would report it.
+  parallel_for(p.num_experts, pack_expert);
   return p;
 }
 
@@ -170,7 +153,7 @@ float PreparedGemmWeights::value(int64_t e, int64_t r, int64_t c) const {
   const uint32_t word = word_bytes[0] | (word_bytes[1] << 8) | (word_bytes[2] << 16) |
                         (static_cast<uint32_t>(word_bytes[3]) << 24);
   const uint8_t code = (word >> (4 * layout::nibble_position(rr, kk))) & 0xF;
-  const uint8_t scode = scales[frag * kFragScaleBytes + g * 8 + (rr >= 8 ? 4 : 0) + ks];
+  const uint8_t scode = scales[frag * kFragScaleBytes + layout::scale_byte(g, ks, rr >= 8 ? 1 : 0)];
   // scale code -> bf16 bits carry the block scale times 2^119.
   const float scale = bf16_to_float(layout::scale_code_to_bf16_bits(scode)) * 0x1p-119f;
   return e2m1_to_float(code) * scale * global_scales[static_cast<size_t>(e)];

@@ -254,16 +254,24 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
         const uint8_t* w_stage = s_weights + stage * L.weight_stage_bytes + group * kFragBytes;
         const uint8_t* sc_stage = s_scales + stage * L.scale_stage_bytes + group * kFragScaleBytes;
         const uint32_t a_stage = act_ring + stage * L.act_stage_bytes;
+        // Every fragment's codes and scales of the stage are loaded up front,
+        // so the later fragments' loads overlap the first one's dequantisation.
+        uint4 stage_codes[K_FRAGS];
+        uint2 stage_scales[K_FRAGS];
 #pragma unroll
         for (int kf = 0; kf < K_FRAGS; ++kf) {
-          const uint4 codes = *reinterpret_cast<const uint4*>(w_stage + kf * (N_GROUPS * kFragBytes) + lane * 16);
-          const uint2 scales =
-              *reinterpret_cast<const uint2*>(sc_stage + kf * (N_GROUPS * kFragScaleBytes) + g * 8);
+          stage_codes[kf] = *reinterpret_cast<const uint4*>(w_stage + kf * (N_GROUPS * kFragBytes) + lane * 16);
+          stage_scales[kf] = *reinterpret_cast<const uint2*>(sc_stage + kf * (N_GROUPS * kFragScaleBytes) + g * 8);
+        }
+#pragma unroll
+        for (int kf = 0; kf < K_FRAGS; ++kf) {
+          const uint4 codes = stage_codes[kf];
+          const uint2 scales = stage_scales[kf];
           uint32_t a[4][4];
-          detail::dequant_a_fragment(codes.x, detail::scale_pair(scales.x, 0), detail::scale_pair(scales.y, 0), a[0]);
-          detail::dequant_a_fragment(codes.y, detail::scale_pair(scales.x, 1), detail::scale_pair(scales.y, 1), a[1]);
-          detail::dequant_a_fragment(codes.z, detail::scale_pair(scales.x, 2), detail::scale_pair(scales.y, 2), a[2]);
-          detail::dequant_a_fragment(codes.w, detail::scale_pair(scales.x, 3), detail::scale_pair(scales.y, 3), a[3]);
+          detail::dequant_a_fragment(codes.x, detail::scale_pair(scales, 0), a[0]);
+          detail::dequant_a_fragment(codes.y, detail::scale_pair(scales, 1), a[1]);
+          detail::dequant_a_fragment(codes.z, detail::scale_pair(scales, 2), a[2]);
+          detail::dequant_a_fragment(codes.w, detail::scale_pair(scales, 3), a[3]);
 #pragma unroll
           for (int ks = 0; ks < 4; ++ks) sm90::fence_registers(a[ks]);
           sm90::fence_registers(acc);

@@ -17,7 +17,6 @@
 #include <map>
 #include <mutex>
 #include <sstream>
-#include <thread>
 #include <utility>
 
 #include "fp4moe/cuda_check.hpp"
@@ -25,6 +24,8 @@
 #include "fp4moe/grouped_gemm.hpp"
 #include "kernels/moe_ops.hpp"
 #include "plan/smem_model.hpp"
+#include "util/device_buffer.hpp"
+#include "util/parallel.hpp"
 
 namespace fp4moe {
 
@@ -70,50 +71,18 @@ constexpr size_t kErrorWordsBytes = 48;
 constexpr size_t kHeaderBytes =
     (kErrorWordsBytes + 2 * kSplitCounterCapacity * 4 + kAlign - 1) / kAlign * kAlign;
 
-template <typename T>
-class DeviceArray {
- public:
-  DeviceArray() = default;
-  explicit DeviceArray(const std::vector<T>& host) {
-    if (host.empty()) return;
-    FP4MOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr_), host.size() * sizeof(T)));
-    bytes_ = host.size() * sizeof(T);
-    const cudaError_t status = cudaMemcpy(ptr_, host.data(), bytes_, cudaMemcpyHostToDevice);
-    if (status != cudaSuccess) {
-      cudaFree(ptr_);
-      ptr_ = nullptr;
-      FP4MOE_CUDA_CHECK(status);
-    }
-  }
-  ~DeviceArray() {
-    if (ptr_) cudaFree(ptr_);
-  }
-  DeviceArray(DeviceArray&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(o.bytes_) {}
-  DeviceArray& operator=(DeviceArray&& o) noexcept {
-    std::swap(ptr_, o.ptr_);
-    std::swap(bytes_, o.bytes_);
-    return *this;
-  }
-  T* get() const { return ptr_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  T* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
-
 struct DeviceGemmWeights {
-  DeviceArray<uint8_t> weights;
-  DeviceArray<uint8_t> scales;
-  DeviceArray<float> global_scales;
+  DeviceBuffer<uint8_t> weights;
+  DeviceBuffer<uint8_t> scales;
+  DeviceBuffer<float> global_scales;
   size_t bytes() const { return weights.bytes() + scales.bytes() + global_scales.bytes(); }
 };
 
 DeviceGemmWeights upload(const PreparedGemmWeights& p) {
   DeviceGemmWeights d;
-  d.weights = DeviceArray<uint8_t>(p.weights);
-  d.scales = DeviceArray<uint8_t>(p.scales);
-  d.global_scales = DeviceArray<float>(p.global_scales);
+  d.weights = DeviceBuffer<uint8_t>(p.weights);
+  d.scales = DeviceBuffer<uint8_t>(p.scales);
+  d.global_scales = DeviceBuffer<float>(p.global_scales);
   return d;
 }
 
@@ -166,18 +135,6 @@ void validate_weights(const MoeWeights& w, const MoeLayerOptions& o) {
   }
 }
 
-template <typename F>
-void parallel_for(int64_t count, F&& body) {
-  const int64_t num_threads =
-      std::min<int64_t>(count, std::max(1u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> threads;
-  for (int64_t w = 0; w < num_threads; ++w)
-    threads.emplace_back([&, w] {
-      for (int64_t i = w; i < count; i += num_threads) body(i);
-    });
-  for (auto& t : threads) t.join();
-}
-
 // Byte offsets of one forward's scratch, after the header.
 struct ScratchLayout {
   size_t topk_ids = 0, topk_weights = 0, offsets = 0, token_of_row = 0, pair_of_row = 0;
@@ -195,8 +152,8 @@ struct MoeLayer::Impl {
   MoeLayerOptions options;
   DeviceGemmWeights w13;  // interleaved gate/up, [E][2 inter, hidden]
   DeviceGemmWeights w2;   // down, [E][hidden, inter]
-  DeviceArray<float> bias13;  // [E][2 inter]: gate biases then up biases
-  DeviceArray<float> bias2;   // [E][hidden]
+  DeviceBuffer<float> bias13;  // [E][2 inter]: gate biases then up biases
+  DeviceBuffer<float> bias2;   // [E][hidden]
 
   mutable std::mutex mutex;
   mutable std::map<int64_t, MoeLayerPlan> plans;          // by token count
@@ -211,6 +168,7 @@ struct MoeLayer::Impl {
     p.expected_active_experts = static_cast<int64_t>(
         std::ceil(expected_active_experts(num_experts, top_k, num_tokens)));
     p.epilogue = gemm == 1 ? Epilogue::kSwiglu : Epilogue::kFinalize;
+    p.single_family = options.batch_invariant;
     return p;
   }
 
@@ -333,8 +291,8 @@ MoeLayer MoeLayer::prepare(const MoeWeights& weights, const MoeLayerOptions& opt
       b13.insert(b13.end(), x.up_bias.begin(), x.up_bias.end());
       b2.insert(b2.end(), x.down_bias.begin(), x.down_bias.end());
     }
-    impl->bias13 = DeviceArray<float>(b13);
-    impl->bias2 = DeviceArray<float>(b2);
+    impl->bias13 = DeviceBuffer<float>(b13);
+    impl->bias2 = DeviceBuffer<float>(b2);
   }
   return MoeLayer(std::move(impl));
 }

@@ -364,8 +364,14 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
         out.push_back(c);
     return out;
   };
+  const double active = p.expected_active_experts > 0
+                            ? static_cast<double>(p.expected_active_experts)
+                            : std::min<double>(p.num_experts, std::max<int64_t>(p.num_rows, 1));
+  const double rows_per_expert = static_cast<double>(std::max<int64_t>(p.num_rows, 1)) / active;
   std::vector<TileConfig> fitting;
-  if (family_runs_on(KernelFamily::kSm90, compute_capability)) fitting = candidates(KernelFamily::kSm90);
+  if (family_runs_on(KernelFamily::kSm90, compute_capability) &&
+      (p.single_family || rows_per_expert > kSm90MinRowsPerExpert))
+    fitting = candidates(KernelFamily::kSm90);
   if (fitting.empty()) fitting = candidates(KernelFamily::kPortable);
   if (fitting.empty()) {
     std::ostringstream os;
@@ -376,10 +382,6 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
         os << "\n  " << c.to_string() << ": " << check_fit(c, smem_budget_bytes).advice;
     FP4MOE_THROW(os.str());
   }
-  const double active = p.expected_active_experts > 0
-                            ? static_cast<double>(p.expected_active_experts)
-                            : std::min<double>(p.num_experts, std::max<int64_t>(p.num_rows, 1));
-  const double rows_per_expert = static_cast<double>(std::max<int64_t>(p.num_rows, 1)) / active;
   // The smallest token tile that holds the expected rows of an expert; the
   // largest one when experts get more rows than any tile holds.
   const TileConfig* pick = &fitting.back();

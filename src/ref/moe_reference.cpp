@@ -8,15 +8,12 @@
 // Tested in tests/ref/test_reference.cpp against a naive independent path.
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cmath>
-#include <exception>
-#include <mutex>
-#include <thread>
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
 #include "fp4moe/reference.hpp"
+#include "util/parallel.hpp"
 
 namespace fp4moe {
 namespace {
@@ -88,35 +85,6 @@ double activate(Activation activation, double gate, double up) {
     }
   }
   return 0.0;  // unreachable: the activation is validated up front
-}
-
-// Runs fn(item) for item in [0, num_items) on up to num_threads threads,
-// handing out items dynamically. Rethrows the first exception of any worker.
-template <typename Fn>
-void parallel_for(int64_t num_items, int num_threads, const Fn& fn) {
-  const int workers = static_cast<int>(std::min<int64_t>(num_threads, num_items));
-  if (workers <= 1) {
-    for (int64_t i = 0; i < num_items; ++i) fn(i);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  std::exception_ptr error;
-  std::mutex error_mutex;
-  auto work = [&] {
-    try {
-      for (int64_t i = next++; i < num_items; i = next++) fn(i);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(error_mutex);
-      if (!error) error = std::current_exception();
-      next = num_items;  // stop the others early
-    }
-  };
-  std::vector<std::thread> threads;
-  threads.reserve(static_cast<size_t>(workers - 1));
-  for (int w = 1; w < workers; ++w) threads.emplace_back(work);
-  work();
-  for (std::thread& t : threads) t.join();
-  if (error) std::rethrow_exception(error);
 }
 
 void check_matrix(const Nvfp4Matrix& m, int64_t expert_idx, const char* name, int64_t rows,
@@ -195,7 +163,6 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
   if (routing.num_tokens == 0) return;
   FP4MOE_CHECK(hidden_states != nullptr, "moe_reference: hidden_states is null");
   FP4MOE_CHECK(output != nullptr, "moe_reference: output is null");
-  if (num_threads <= 0) num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 
   const int64_t hidden = weights.hidden;
   const int64_t inter = weights.inter;
@@ -224,7 +191,7 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
 
     // act[p, i] = act(gate_e[i]·x_t + gate_bias, up_e[i]·x_t + up_bias).
     const std::vector<WorkUnit> gate_up_units = split_rows(active_experts, inter);
-    parallel_for(static_cast<int64_t>(gate_up_units.size()), num_threads, [&](int64_t u) {
+    parallel_for(static_cast<int64_t>(gate_up_units.size()), [&](int64_t u) {
       const WorkUnit& unit = gate_up_units[static_cast<size_t>(u)];
       const ExpertWeights& ex = weights.experts[static_cast<size_t>(unit.expert_idx)];
       for (int64_t i = unit.row_begin; i < unit.row_end; ++i) {
@@ -241,11 +208,11 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
                   : a;
         }
       }
-    });
+    }, num_threads);
 
     // y[p, n] = down_e[n]·act[p] + down_bias.
     const std::vector<WorkUnit> down_units = split_rows(active_experts, hidden);
-    parallel_for(static_cast<int64_t>(down_units.size()), num_threads, [&](int64_t u) {
+    parallel_for(static_cast<int64_t>(down_units.size()), [&](int64_t u) {
       const WorkUnit& unit = down_units[static_cast<size_t>(u)];
       const ExpertWeights& ex = weights.experts[static_cast<size_t>(unit.expert_idx)];
       for (int64_t n = unit.row_begin; n < unit.row_end; ++n) {
@@ -253,10 +220,10 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
         for (int64_t p : pairs_of[static_cast<size_t>(unit.expert_idx)])
           y[static_cast<size_t>(p * hidden + n)] = row_dot(ex.down, n, act.data() + p * inter) + down_bias;
       }
-    });
+    }, num_threads);
 
     // output[t] = sum over slots j, in slot order, of w_j * y[(t, j)].
-    parallel_for(num_tokens, num_threads, [&](int64_t t) {
+    parallel_for(num_tokens, [&](int64_t t) {
       float* out = output + (t0 + t) * hidden;
       for (int64_t n = 0; n < hidden; ++n) {
         double sum = 0.0;
@@ -267,7 +234,7 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
         }
         out[n] = static_cast<float>(sum);
       }
-    });
+    }, num_threads);
   }
 }
 

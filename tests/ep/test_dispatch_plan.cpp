@@ -22,13 +22,13 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <map>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "expect_error.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/expert_parallel.hpp"
 #include "fp4moe/nvfp4.hpp"
@@ -41,18 +41,6 @@ constexpr int64_t kHidden = 32;  // small: the plans, not the MLP, are under tes
 constexpr int64_t kInter = 16;
 
 // ------------------------------------------------------------------ helpers
-
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& snippets) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    for (const std::string& s : snippets)
-      EXPECT_NE(e.message().find(s), std::string::npos)
-          << "message '" << e.message() << "' lacks '" << s << "'";
-    return;
-  }
-  ADD_FAILURE() << "expected fp4moe::Error mentioning '" << (snippets.empty() ? "" : snippets[0]) << "'";
-}
 
 Nvfp4Matrix random_matrix(int64_t rows, int64_t cols, std::mt19937_64& rng) {
   Nvfp4Matrix m;

@@ -29,8 +29,6 @@
 namespace fp4moe {
 namespace {
 
-using testing::DeviceBuffer;
-
 struct Shape {
   std::string name;
   int64_t num_experts, hidden, inter;

@@ -11,32 +11,18 @@
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "ep/nccl_util.hpp"
+#include "expect_error.hpp"
 #include "fp4moe/expert_parallel.hpp"
 #include "gpu_test_util.hpp"
 
 namespace fp4moe {
 namespace {
-
-using testing::DeviceBuffer;
-
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& snippets) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    for (const std::string& s : snippets)
-      EXPECT_NE(e.message().find(s), std::string::npos)
-          << "message '" << e.message() << "' lacks '" << s << "'";
-    return;
-  }
-  ADD_FAILURE() << "expected fp4moe::Error mentioning '" << (snippets.empty() ? "" : snippets[0]) << "'";
-}
 
 ncclUniqueId patterned_id() {
   ncclUniqueId id;

@@ -8,7 +8,8 @@
 // sharing a global scale) and by one hand-computed example whose bytes pin
 // the order of operations. Loading is checked by round trips through
 // add_moe_weights + SafetensorsWriter (one file, a sharded directory with an
-// index, a directory of loose shards) and by one test per error, each
+// index, a directory of loose shards), by the tensor listing the CLI uses
+// (format/checkpoint.hpp) and by one test per error, each
 // checking that the message names the offending tensor or file. Files go to a
 // fresh temporary directory that is removed afterwards.
 #include <gtest/gtest.h>
@@ -26,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "format/checkpoint.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/modelopt.hpp"
 #include "fp4moe/nvfp4.hpp"
@@ -640,6 +642,24 @@ TEST_F(ModeloptCheckpoint, RoundTripDirectoryWithoutIndex) {
   EXPECT_CONTAINS(msg, "experts.");
 }
 
+// checkpoint_tensor_names (format/checkpoint.hpp, for the CLI) lists what
+// the loader sees: the same names from one file, from indexed shards (a stray
+// file the index does not name is not listed) and from loose shards.
+TEST_F(ModeloptCheckpoint, TensorNamesAreTheLoadersView) {
+  const std::string file = write_checkpoint("whole.safetensors", weights_);
+  std::vector<std::string> expected = SafetensorsFile::open(file).names();
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(checkpoint_tensor_names(file), expected);
+
+  TempDir indexed, loose;
+  write_text(indexed / "model.safetensors.index.json",
+             index_json(split_into_shards(file, indexed, "a.safetensors", "b.safetensors")));
+  fs::copy_file(file, indexed / "stray.safetensors");
+  EXPECT_EQ(checkpoint_tensor_names(indexed.path().string()), expected);
+  split_into_shards(file, loose, "a.safetensors", "b.safetensors");
+  EXPECT_EQ(checkpoint_tensor_names(loose.path().string()), expected);
+}
+
 // ------------------------------------------------------------ load errors
 
 TEST_F(ModeloptCheckpoint, MissingTensorIsNamed) {
@@ -810,6 +830,24 @@ TEST_F(ModeloptCheckpoint, MissingPathsAreNamed) {
   write_text(empty / "model.safetensors.index.json", index_json(weight_map));
   EXPECT_CONTAINS(error_message([&] { load_moe_weights(empty.path().string(), kPrefix); }),
                   "gone.safetensors");
+}
+
+// A broken index is named, with what is wrong, by the loader and by the
+// listing alike (one reader).
+TEST_F(ModeloptCheckpoint, IndexErrorsNameTheIndex) {
+  TempDir ckpt;
+  const std::string dir = ckpt.path().string();
+  const auto expect_both = [&](const std::string& index_text, const std::string& fragment) {
+    write_text(ckpt / "model.safetensors.index.json", index_text);
+    for (const std::string& msg : {error_message([&] { load_moe_weights(dir, kPrefix); }),
+                                   error_message([&] { checkpoint_tensor_names(dir); })}) {
+      EXPECT_CONTAINS(msg, "model.safetensors.index.json");
+      EXPECT_CONTAINS(msg, fragment);
+    }
+  };
+  expect_both("{not json", "not valid JSON");
+  expect_both(R"({"metadata": {}})", "expected an object with a \"weight_map\" object");
+  expect_both(R"({"weight_map": {"a.weight": 3}})", "weight_map[\"a.weight\"] is 3; expected a shard file name");
 }
 
 TEST_F(ModeloptCheckpoint, AddRejectsInconsistentWeights) {

@@ -20,8 +20,6 @@
 namespace fp4moe {
 namespace {
 
-using testing::DeviceBuffer;
-
 // Whether `config`'s kernel family runs on this machine's GPU.
 bool runs_here(const TileConfig& config) {
   ArchLimits arch;

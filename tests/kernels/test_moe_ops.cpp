@@ -30,8 +30,6 @@
 namespace fp4moe {
 namespace {
 
-using testing::DeviceBuffer;
-
 constexpr int32_t kPoisonId = -1;  // what fill_bytes(0xFF) leaves in an int32
 constexpr uint16_t kPoisonBf16 = 0xFFFF;
 

@@ -24,7 +24,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cctype>
 #include <cmath>
 #include <chrono>
@@ -47,6 +46,7 @@
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/safetensors.hpp"
 #include "gpu_test_util.hpp"
+#include "util/parallel.hpp"
 
 namespace fp4moe {
 
@@ -56,7 +56,6 @@ static void PrintTo(GatherMode mode, std::ostream* os) { *os << to_string(mode);
 
 namespace {
 
-using testing::DeviceBuffer;
 using ::testing::HasSubstr;
 
 // ---------------------------------------------------------------- shapes
@@ -423,20 +422,6 @@ DeviceBuffer<uint8_t> make_workspace(const MoeLayer& layer, int64_t max_tokens) 
   return ws;
 }
 
-void poison_async(DeviceBuffer<uint16_t>& buffer, cudaStream_t stream) {
-  FP4MOE_CUDA_CHECK(cudaMemsetAsync(buffer.get(), 0xFF, buffer.bytes(), stream));
-}
-
-// Copies the whole of a device buffer back after the stream's work.
-template <typename T>
-std::vector<T> download_after(const DeviceBuffer<T>& buffer, cudaStream_t stream) {
-  std::vector<T> host(buffer.size());
-  FP4MOE_CUDA_CHECK(
-      cudaMemcpyAsync(host.data(), buffer.get(), buffer.bytes(), cudaMemcpyDeviceToHost, stream));
-  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return host;
-}
-
 // The first `count` elements of a downloaded output; checks that the rest of
 // the (poisoned) buffer was left alone.
 std::vector<uint16_t> output_rows(std::vector<uint16_t> all, size_t count) {
@@ -452,9 +437,9 @@ std::vector<uint16_t> output_rows(std::vector<uint16_t> all, size_t count) {
 std::vector<uint16_t> forward_bits(const MoeLayer& layer, const MoeForwardArgs& args,
                                    DeviceBuffer<uint16_t>& output,
                                    const DeviceBuffer<uint8_t>& workspace, cudaStream_t stream) {
-  poison_async(output, stream);
+  output.fill_bytes(0xFF, stream);
   layer.forward(args, output.get(), workspace.get(), workspace.bytes(), stream);
-  return output_rows(download_after(output, stream),
+  return output_rows(output.download(stream),
                      static_cast<size_t>(args.num_tokens * layer.hidden()));
 }
 
@@ -672,19 +657,6 @@ TEST(MoeLayerConfigs, EveryCompiledConfigForcedInBothGemms) {
 
 // ------------------------------------------------------ full-size GLM-5 layer
 
-// Runs fn(i) for i in [0, count) on all hardware threads.
-template <typename Fn>
-void parallel_for(int64_t count, const Fn& fn) {
-  std::atomic<int64_t> next{0};
-  std::vector<std::thread> threads;
-  const unsigned num_threads = std::max(1u, std::thread::hardware_concurrency());
-  for (unsigned w = 0; w < num_threads; ++w)
-    threads.emplace_back([&] {
-      for (int64_t i = next++; i < count; i = next++) fn(i);
-    });
-  for (std::thread& t : threads) t.join();
-}
-
 // Full-size weights from the fast generator (block scales 0.125 .. 2).
 MoeWeights fast_random_weights(const ModelShape& shape) {
   MoeWeights w;
@@ -814,7 +786,7 @@ TEST(MoeLayerDeterminism, PlainLaunchesGiveTheSameBits) {
     EXPECT_EQ(first_difference(with_pdl, without), -1) << "plain launches differ";
 
     // The same forward captured in a graph (programmatic edges) and replayed.
-    poison_async(output, stream.get());
+    output.fill_bytes(0xFF, stream.get());
     cudaGraph_t graph = nullptr;
     FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
     layer.forward(inputs.device_routing(), output.get(), workspace.get(), workspace.bytes(),
@@ -826,7 +798,7 @@ TEST(MoeLayerDeterminism, PlainLaunchesGiveTheSameBits) {
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     const std::vector<uint16_t> replayed =
-        output_rows(download_after(output, stream.get()), with_pdl.size());
+        output_rows(output.download(stream.get()), with_pdl.size());
     EXPECT_EQ(first_difference(with_pdl, replayed), -1) << "graph replay differs";
   }
 }
@@ -936,7 +908,7 @@ TEST(MoeLayerPairRows, SlotOrderSumOfThePairRowsIsTheForwardOutput) {
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
   layer.forward_pair_rows(inputs.caller_routing(), pair_rows.get(), workspace.get(), workspace.bytes(),
                           stream.get());
-  const std::vector<float> rows = download_after(pair_rows, stream.get());
+  const std::vector<float> rows = pair_rows.download(stream.get());
   int64_t bad = 0;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t c = 0; c < H; ++c) {
@@ -1041,9 +1013,9 @@ TEST(MoeLayerGraph, ReplaysWithNewInputsEqualEagerForwards) {
     FP4MOE_CUDA_CHECK(cudaMemcpyAsync(live.router_logits.get(), logits.data(),
                                       logits.size() * sizeof(float), cudaMemcpyHostToDevice,
                                       stream.get()));
-    poison_async(output, stream.get());
+    output.fill_bytes(0xFF, stream.get());
     FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
-    const std::vector<uint16_t> replayed = download_after(output, stream.get());
+    const std::vector<uint16_t> replayed = output.download(stream.get());
     EXPECT_EQ(first_difference(replayed, eager[i]), -1)
         << "the replay differs from the eager forward";
   }
@@ -1157,7 +1129,7 @@ TEST(MoeLayerWorkspace, TooSmallWorkspaceThrowsBeforeLaunch) {
     const TokenBatch& batch = data.batch(c.num_tokens);
     const DeviceInputs inputs(batch, data.correction_bias);
     const DeviceBuffer<uint8_t> workspace = make_workspace(layer, c.num_tokens);
-    poison_async(output, stream.get());
+    output.fill_bytes(0xFF, stream.get());
     try {
       layer.forward(inputs.device_routing(), output.get(), workspace.get(), c.given_bytes,
                     stream.get());
@@ -1166,7 +1138,7 @@ TEST(MoeLayerWorkspace, TooSmallWorkspaceThrowsBeforeLaunch) {
       EXPECT_THAT(e.what(), HasSubstr("workspace"));
       if (c.quotes_need) EXPECT_THAT(e.what(), HasSubstr(std::to_string(needed)));
     }
-    const std::vector<uint16_t> after = download_after(output, stream.get());
+    const std::vector<uint16_t> after = output.download(stream.get());
     EXPECT_EQ(std::count(after.begin(), after.end(), uint16_t{0xFFFF}),
               static_cast<std::ptrdiff_t>(after.size()))
         << "the output was written although forward threw";

@@ -165,16 +165,31 @@ TEST(Planner, PicksTokenTileByRowsPerExpert) {
   EXPECT_GE(plan.max_tiles, 2 * (4096 / 128));
 }
 
-TEST(Planner, PicksTheSm90FamilyOnSm90Only) {
-  const GemmProblem p{256, 4096, 7168, 8, 0, Epilogue::kSwiglu};
-  EXPECT_EQ(plan_gemm(p, 232448, 132, 90).config.family, KernelFamily::kSm90);
-  EXPECT_EQ(plan_gemm(p, 232448, 132, 90).config.block_m, 8);
-  EXPECT_EQ(plan_gemm(p, 232448, 132, 90).config.epilogue, Epilogue::kSwiglu);
-  for (int cc : {0, 80, 89, 100, 120}) EXPECT_EQ(plan_gemm(p, 232448, 132, cc).config.family, KernelFamily::kPortable) << cc;
-  // Prefill: the widest token tile.
-  GemmProblem prefill = p;
-  prefill.num_rows = 16384 * 8;
+TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
+  GemmProblem decode{256, 4096, 7168, 8, 0, Epilogue::kSwiglu};  // one token: 1 row per active expert
+  GemmProblem prefill = decode;
+  prefill.num_rows = 16384 * 8;  // 512 rows per expert
+  // Decode stays with the portable family, also on SM90 (measured faster there) ...
+  EXPECT_EQ(plan_gemm(decode, 232448, 132, 90).config.family, KernelFamily::kPortable);
+  EXPECT_EQ(plan_gemm(decode, 232448, 132, 90).config.block_m, 8);
+  // ... unless one family is asked for (batch invariance).
+  decode.single_family = true;
+  EXPECT_EQ(plan_gemm(decode, 232448, 132, 90).config.family, KernelFamily::kSm90);
+  EXPECT_EQ(plan_gemm(decode, 232448, 132, 90).config.block_m, 8);
+  EXPECT_EQ(plan_gemm(decode, 232448, 132, 90).config.epilogue, Epilogue::kSwiglu);
+  // Prefill: the widest SM90 token tile, on SM90 only.
+  EXPECT_EQ(plan_gemm(prefill, 232448, 132, 90).config.family, KernelFamily::kSm90);
   EXPECT_EQ(plan_gemm(prefill, 232448, 132, 90).config.block_m, 256);
+  for (int cc : {0, 80, 89, 100, 120})
+    EXPECT_EQ(plan_gemm(prefill, 232448, 132, cc).config.family, KernelFamily::kPortable) << cc;
+  // The boundary: more than kSm90MinRowsPerExpert rows per active expert.
+  GemmProblem edge = decode;
+  edge.single_family = false;
+  edge.expected_active_experts = 256;
+  edge.num_rows = static_cast<int64_t>(kSm90MinRowsPerExpert) * 256;
+  EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kPortable);
+  edge.num_rows += 256;
+  EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kSm90);
   // With SM120's budget only the small SM90 config fits; it is still chosen on SM90.
   const GemmPlan small = plan_gemm(prefill, 101376, 132, 90);
   EXPECT_EQ(small.config.family, KernelFamily::kSm90);

@@ -13,13 +13,13 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
-#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "expect_error.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
 #include "fp4moe/reference.hpp"
@@ -28,20 +28,6 @@ namespace fp4moe {
 namespace {
 
 // ------------------------------------------------------------------ helpers
-
-// Runs fn and expects an fp4moe::Error whose message contains every snippet.
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& snippets) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    for (const std::string& s : snippets)
-      EXPECT_NE(e.message().find(s), std::string::npos)
-          << "message '" << e.message() << "' lacks '" << s << "'";
-    return;
-  }
-  ADD_FAILURE() << "expected fp4moe::Error mentioning '" << (snippets.empty() ? "" : snippets[0])
-                << "'";
-}
 
 // e4m3fn codes of a few exact block scales.
 constexpr uint8_t kScaleOne = 0x38;  // 1.0

@@ -43,6 +43,18 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   return d;
 }
 
+// {lo, lo} and {hi, hi} of a bf16x2 word.
+__device__ __forceinline__ uint32_t broadcast_low_bf16(uint32_t v) {
+  uint32_t d;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\nmov.b32 %0, {lo, lo};\n}\n" : "=r"(d) : "r"(v));
+  return d;
+}
+__device__ __forceinline__ uint32_t broadcast_high_bf16(uint32_t v) {
+  uint32_t d;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\nmov.b32 %0, {hi, hi};\n}\n" : "=r"(d) : "r"(v));
+  return d;
+}
+
 // Byte permute: result byte i = byte selector[4i..4i+3] of {b:a}.
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
   uint32_t d;
