@@ -3,6 +3,7 @@
 #include "layer_bench.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -266,6 +267,20 @@ double LayerTimer::time_graph_us(int64_t tokens, int iterations, const L2Flusher
   return us;
 }
 
+double LayerTimer::host_us_per_forward(int64_t tokens, int calls) {
+  FP4MOE_CHECK(calls >= 1, "host_us_per_forward: calls must be >= 1, not ", calls);
+  forward(tokens, nullptr);  // warm: plans cached, kernels loaded
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::vector<float> us(static_cast<size_t>(calls));
+  for (float& u : us) {
+    const auto start = std::chrono::steady_clock::now();
+    forward(tokens, nullptr);
+    u = std::chrono::duration<float, std::micro>(std::chrono::steady_clock::now() - start).count();
+  }
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return median(us);
+}
+
 int64_t LayerTimer::count_nonfinite_outputs(int64_t tokens) const {
   std::vector<uint16_t> out(static_cast<size_t>(tokens * layer_.hidden()));
   FP4MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), buffers_->output.get(), out.size() * 2, cudaMemcpyDeviceToHost, stream_));
@@ -283,7 +298,10 @@ LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t
                               ceilings);
   m.time_us = timer.time_forward_us(tokens, iterations, flusher);
   m.stages = timer.time_stages(tokens, iterations, flusher);
-  if (with_graph) m.graph_us = timer.time_graph_us(tokens, iterations, flusher);
+  if (with_graph) {
+    m.graph_us = timer.time_graph_us(tokens, iterations, flusher);
+    m.host_us = timer.host_us_per_forward(tokens, 50);
+  }
   m.efficiency = m.roofline.roof_us / m.time_us;
   m.nonfinite_outputs = timer.count_nonfinite_outputs(tokens);
   const std::string errors = timer.device_errors();
@@ -364,6 +382,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                       m.roofline.roof_us, m.efficiency, s.route_sort_us, s.gather_us, s.gemm1_us, s.gemm2_us,
                       s.finalize_us, 100.0 * s.outside_gemm_share());
         table << line;
+        if (with_graph) table << "  host time of one eager forward() call: " << m.host_us << " us\n";
         if (m.nonfinite_outputs > 0)
           table << "  WARNING: " << m.nonfinite_outputs << " output elements are NaN or infinite\n";
         table << std::flush;
@@ -392,6 +411,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"gemm2_split_k", plan.gemm2.split_k},
                            {"time_us", m.time_us},
                            {"graph_us", with_graph ? nlohmann::json(m.graph_us) : nlohmann::json(nullptr)},
+                           {"host_us_per_forward", with_graph ? nlohmann::json(m.host_us) : nlohmann::json(nullptr)},
                            {"roof_us", m.roofline.roof_us},
                            {"gemm1_roof_us", m.roofline.gemm1_roof_us},
                            {"gemm2_roof_us", m.roofline.gemm2_roof_us},

@@ -118,6 +118,9 @@ class LayerTimer {
   StageTimes time_stages(int64_t tokens, int iterations, const L2Flusher& flusher);
   // Captures one forward into a CUDA graph and times its replays.
   double time_graph_us(int64_t tokens, int iterations, const L2Flusher& flusher);
+  // Host time of one eager forward() call (checks, planning lookups,
+  // launches), the median of `calls` calls enqueued back to back.
+  double host_us_per_forward(int64_t tokens, int calls);
 
   // Elements of the last forward's output [tokens, hidden] that are NaN or
   // infinite (a broken layer must not be timed silently), and the device
@@ -144,6 +147,7 @@ struct LayerMeasurement {
   LayerRoofline roofline;
   double time_us = 0;   // plain forward
   double graph_us = 0;  // CUDA-graph replay; 0 when not measured
+  double host_us = 0;   // host time of one forward() call; measured with the graph
   StageTimes stages;
   double efficiency = 0;  // roof_us / time_us
   int64_t nonfinite_outputs = 0;

@@ -130,18 +130,22 @@ struct GemmPlan {
 // Whether a family's kernels run on a GPU of compute capability `cc`
 // (e.g. 90): the portable family from 80 on, the SM90 family on 90 only.
 bool family_runs_on(KernelFamily family, int compute_capability);
-inline constexpr double kSm90MinRowsPerExpert = 32;
+inline constexpr double kSm90MinRowsPerExpert = 12;
 
 // Picks a config for `problem` among those with its epilogue fitting
 // `smem_budget_bytes` whose family runs on `compute_capability` (0: the
 // portable family only). On SM90 the SM90 family takes problems with more
 // than kSm90MinRowsPerExpert rows per active expert (or every problem with
 // single_family), the portable family the rest: below that the portable
-// kernel's mma.sync tiles measured faster (docs/perf-notes.md, SM90 v2).
+// kernel's mma.sync tiles measured faster (docs/perf-notes.md, SM90 v3).
 // num_sms and blocks_per_sm size the split-K choice (waves of work); the SM90
 // family always runs one block per SM.
 GemmPlan plan_gemm(const GemmProblem& problem, int64_t smem_budget_bytes, int num_sms,
                    int compute_capability = 0, int blocks_per_sm = 2);
+
+// Upper bound of (m-tile, n-tile) pairs of `problem` with `config` over any
+// routing of its rows (what a plan's workspace and split-K counters cover).
+int64_t max_tiles(const GemmProblem& problem, const TileConfig& config);
 
 // Plans with a given config (split-K still chosen by the planner).
 GemmPlan plan_gemm_with(const GemmProblem& problem, const TileConfig& config, int num_sms,

@@ -72,17 +72,19 @@ int occupancy(const KernelEntry& entry, int device) {
 
 // Refuses, before any launch, a config whose family does not run on the
 // device or that does not fit it, with the region-by-region breakdown.
-void check_fits_device(const TileConfig& config, const DeviceInfo& dev) {
+void check_fits_device(const KernelEntry& entry, const DeviceInfo& dev) {
+  const TileConfig& config = entry.config;
   FP4MOE_CHECK(family_runs_on(config.family, kernels::compute_capability(dev)), "tile config ",
                config.to_string(), " is of the ", to_string(config.family), " family, which needs ",
                config.family == KernelFamily::kSm90 ? "an SM90 GPU (H100/H200, compute capability 9.0)"
                                                     : "compute capability 8.0 or newer",
                "; this GPU has compute capability ", dev.cc_major, ".", dev.cc_minor);
-  const FitReport fit = check_fit(config, dev.smem_per_block);
-  if (!fit.fits)
-    FP4MOE_THROW("tile config ", config.to_string(), " needs ", fit.total_bytes,
-                 " B of shared memory per block but this GPU allows ", dev.smem_per_block,
-                 " B:\n", format_layout(config, dev.smem_per_block));
+  // The table's size is the model's (kernel_table()); the breakdown is built
+  // only for the refusal, so a launch does no string work.
+  if (entry.smem_bytes > dev.smem_per_block)
+    FP4MOE_THROW("tile config ", config.to_string(), " needs ", entry.smem_bytes,
+                 " B of shared memory per block but this GPU allows ", dev.smem_per_block, " B:\n",
+                 format_layout(config, dev.smem_per_block));
 }
 
 GemmProblem problem_of(const GroupedGemmArgs& a, Epilogue epilogue) {
@@ -122,24 +124,25 @@ void validate_args(const GroupedGemmArgs& a, bool for_launch, Epilogue epilogue)
   FP4MOE_CHECK(a.x_rows < (int64_t{1} << 31), "grouped_gemm: x_rows = ", a.x_rows, "; expected < 2^31");
   FP4MOE_CHECK(!for_launch || a.workspace != nullptr, "grouped_gemm: workspace is null but num_rows = ",
                a.num_rows);
-  std::vector<std::pair<const void*, const char*>> vectors = {
-      {a.weights, "weights"}, {a.scales, "scales"}, {a.x, "x"}};
+  // Fixed storage: this runs on every launch.
+  std::pair<const void*, const char*> vectors[5] = {{a.weights, "weights"}, {a.scales, "scales"}, {a.x, "x"}};
+  int num_vectors = 3;
   if (epilogue == Epilogue::kFinalize) {
     FP4MOE_CHECK(a.out_f32 != nullptr && a.scatter_rows != nullptr,
                  "grouped_gemm: the finalize epilogue needs out_f32 and scatter_rows");
     FP4MOE_CHECK(a.out_row_divisor >= 1 && a.out_rows >= 1 && a.out_rows < (int64_t{1} << 31),
                  "grouped_gemm: finalize out_rows = ", a.out_rows, ", out_row_divisor = ",
                  a.out_row_divisor, "; expected both >= 1");
-    vectors.push_back({a.out_f32, "out_f32"});
-    if (a.bias) vectors.push_back({a.bias, "bias"});
+    vectors[num_vectors++] = {a.out_f32, "out_f32"};
+    if (a.bias) vectors[num_vectors++] = {a.bias, "bias"};
   } else {
     FP4MOE_CHECK(a.y != nullptr, "grouped_gemm: y is null but num_rows = ", a.num_rows);
-    vectors.push_back({a.y, "y"});
+    vectors[num_vectors++] = {a.y, "y"};
   }
   FP4MOE_CHECK(epilogue != Epilogue::kNone || a.bias == nullptr,
                "grouped_gemm: bias is only applied by the swiglu and finalize epilogues");
-  for (const auto& [ptr, name] : vectors)
-    FP4MOE_CHECK(aligned16(ptr), "grouped_gemm: ", name, " = ", ptr,
+  for (int i = 0; i < num_vectors; ++i)
+    FP4MOE_CHECK(aligned16(vectors[i].first), "grouped_gemm: ", vectors[i].second, " = ", vectors[i].first,
                  " is not 16-byte aligned (the kernel uses 16-byte loads and stores)");
   if (a.host_expert_offsets) {
     const int32_t* off = a.host_expert_offsets;
@@ -166,7 +169,7 @@ GemmPlan plan_grouped_gemm(const GemmProblem& problem, const std::optional<TileC
     TileConfig config = *forced;
     config.epilogue = problem.epilogue;
     const KernelEntry& entry = find_kernel(config);
-    check_fits_device(config, dev);
+    check_fits_device(entry, dev);
     return plan_gemm_with(problem, config, dev.num_sms, occupancy(entry, dev.device));
   }
   const GemmPlan first =
@@ -190,11 +193,10 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   validate_args(args, /*for_launch=*/true, epilogue);
   const KernelEntry& entry = find_kernel(plan.config);
   const DeviceInfo dev = current_device();
-  check_fits_device(plan.config, dev);
-  const GemmPlan needed = plan_gemm_with(problem_of(args, epilogue), plan.config, dev.num_sms);
-  FP4MOE_CHECK(plan.max_tiles >= needed.max_tiles, "grouped_gemm: the plan covers ",
-               plan.max_tiles, " tiles but ", args.num_rows, " rows may need ", needed.max_tiles,
-               "; plan again for this problem");
+  check_fits_device(entry, dev);
+  const int64_t tiles_needed = max_tiles(problem_of(args, epilogue), plan.config);
+  FP4MOE_CHECK(plan.max_tiles >= tiles_needed, "grouped_gemm: the plan covers ", plan.max_tiles,
+               " tiles but ", args.num_rows, " rows may need ", tiles_needed, "; plan again for this problem");
   FP4MOE_CHECK(plan.split_k >= 1 && plan.split_k <= 64, "grouped_gemm: split_k = ", plan.split_k);
   if (args.num_rows == 0) return;
   const size_t workspace_needed = grouped_gemm_workspace_bytes(plan);
@@ -262,7 +264,7 @@ std::string grouped_gemm_device_errors(const void* workspace, cudaStream_t strea
 KernelAttributes grouped_gemm_kernel_attributes(const TileConfig& config) {
   const KernelEntry& entry = find_kernel(config);
   const DeviceInfo dev = current_device();
-  check_fits_device(config, dev);
+  check_fits_device(entry, dev);
   KernelAttributes out;
   out.blocks_per_sm = occupancy(entry, dev.device);  // also sets the dynamic limit
   cudaFuncAttributes attr{};

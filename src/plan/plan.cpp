@@ -309,13 +309,17 @@ int64_t max_m_tiles(int64_t num_rows, int64_t num_experts, int block_m) {
 
 }  // namespace
 
+int64_t max_tiles(const GemmProblem& p, const TileConfig& config) {
+  return max_m_tiles(p.num_rows, p.num_experts, config.block_m) * ceil_div(p.n, config.block_n);
+}
+
 GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_sms,
                         int blocks_per_sm) {
   validate_problem(p);
   GemmPlan plan;
   plan.config = config;
   const int64_t n_tiles = ceil_div(p.n, config.block_n);
-  plan.max_tiles = max_m_tiles(p.num_rows, p.num_experts, config.block_m) * n_tiles;
+  plan.max_tiles = max_tiles(p, config);
   if (p.num_rows == 0) {
     plan.reason = "no rows";
     return plan;
@@ -383,10 +387,20 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
     FP4MOE_THROW(os.str());
   }
   // The smallest token tile that holds the expected rows of an expert; the
-  // largest one when experts get more rows than any tile holds.
+  // largest one when experts get more rows than any tile holds. Routed rows
+  // per expert spread like a Poisson count, so the SM90 family sizes its tile
+  // for one standard deviation above the mean (fewer experts need a second,
+  // mostly empty m-tile that reads the weights again), up to 128 rows until
+  // experts get ~3 × 128 rows: measured best in the tile sweep of
+  // docs/perf-notes.md (SM90 v3).
+  double target = rows_per_expert;
+  if (fitting.front().family == KernelFamily::kSm90) {
+    target = rows_per_expert + std::sqrt(rows_per_expert);
+    if (rows_per_expert < 384) target = std::min(target, 128.0);
+  }
   const TileConfig* pick = &fitting.back();
   for (const auto& c : fitting) {
-    if (c.block_m >= rows_per_expert) {
+    if (c.block_m >= target) {
       pick = &c;
       break;
     }

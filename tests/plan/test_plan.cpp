@@ -180,6 +180,15 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
   // Prefill: the widest SM90 token tile, on SM90 only.
   EXPECT_EQ(plan_gemm(prefill, 232448, 132, 90).config.family, KernelFamily::kSm90);
   EXPECT_EQ(plan_gemm(prefill, 232448, 132, 90).config.block_m, 256);
+  // Tiles a standard deviation above the mean rows per expert, at most 128
+  // below ~384 rows per expert.
+  for (const auto& [rows_per_expert, block_m] :
+       std::vector<std::pair<int64_t, int>>{{16, 32}, {32, 64}, {64, 128}, {128, 128}, {256, 128}, {512, 256}}) {
+    GemmProblem q = prefill;
+    q.expected_active_experts = 256;
+    q.num_rows = rows_per_expert * 256;
+    EXPECT_EQ(plan_gemm(q, 232448, 132, 90).config.block_m, block_m) << rows_per_expert << " rows per expert";
+  }
   for (int cc : {0, 80, 89, 100, 120})
     EXPECT_EQ(plan_gemm(prefill, 232448, 132, cc).config.family, KernelFamily::kPortable) << cc;
   // The boundary: more than kSm90MinRowsPerExpert rows per active expert.
