@@ -14,6 +14,7 @@
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/nvfp4.hpp"
+#include "kernels/launch.cuh"
 #include "util/parallel.hpp"
 #include "util/splitmix64.hpp"
 
@@ -267,6 +268,26 @@ double LayerTimer::time_graph_us(int64_t tokens, int iterations, const L2Flusher
   return us;
 }
 
+namespace {
+__global__ void empty_kernel(int) {}
+}  // namespace
+
+double launch_floor_us(int launches, bool programmatic, cudaStream_t stream, int calls) {
+  auto launch_all = [&] {
+    for (int i = 0; i < launches; ++i) kernels::launch_kernel(empty_kernel, 1, 32, 0, stream, programmatic, i);
+  };
+  launch_all();
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<float> us(static_cast<size_t>(calls));
+  for (float& u : us) {
+    const auto start = std::chrono::steady_clock::now();
+    launch_all();
+    u = std::chrono::duration<float, std::micro>(std::chrono::steady_clock::now() - start).count();
+  }
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return median(us);
+}
+
 double LayerTimer::host_us_per_forward(int64_t tokens, int calls) {
   FP4MOE_CHECK(calls >= 1, "host_us_per_forward: calls must be >= 1, not ", calls);
   forward(tokens, nullptr);  // warm: plans cached, kernels loaded
@@ -301,6 +322,8 @@ LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t
   if (with_graph) {
     m.graph_us = timer.time_graph_us(tokens, iterations, flusher);
     m.host_us = timer.host_us_per_forward(tokens, 50);
+    // The launches alone: routing + sort, GEMM1, GEMM2, finalize.
+    m.launch_floor_us = launch_floor_us(4, layer.options().programmatic_launch, nullptr, 50);
   }
   m.efficiency = m.roofline.roof_us / m.time_us;
   m.nonfinite_outputs = timer.count_nonfinite_outputs(tokens);
@@ -382,7 +405,9 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                       m.roofline.roof_us, m.efficiency, s.route_sort_us, s.gather_us, s.gemm1_us, s.gemm2_us,
                       s.finalize_us, 100.0 * s.outside_gemm_share());
         table << line;
-        if (with_graph) table << "  host time of one eager forward() call: " << m.host_us << " us\n";
+        if (with_graph)
+          table << "  host time of one eager forward() call: " << m.host_us << " us (its 4 kernel launches alone, "
+                << "empty kernels: " << m.launch_floor_us << " us)\n";
         if (m.nonfinite_outputs > 0)
           table << "  WARNING: " << m.nonfinite_outputs << " output elements are NaN or infinite\n";
         table << std::flush;
@@ -412,6 +437,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"time_us", m.time_us},
                            {"graph_us", with_graph ? nlohmann::json(m.graph_us) : nlohmann::json(nullptr)},
                            {"host_us_per_forward", with_graph ? nlohmann::json(m.host_us) : nlohmann::json(nullptr)},
+                           {"launch_floor_us", with_graph ? nlohmann::json(m.launch_floor_us) : nlohmann::json(nullptr)},
                            {"roof_us", m.roofline.roof_us},
                            {"gemm1_roof_us", m.roofline.gemm1_roof_us},
                            {"gemm2_roof_us", m.roofline.gemm2_roof_us},

@@ -148,10 +148,15 @@ struct LayerMeasurement {
   double time_us = 0;   // plain forward
   double graph_us = 0;  // CUDA-graph replay; 0 when not measured
   double host_us = 0;   // host time of one forward() call; measured with the graph
+  double launch_floor_us = 0;  // host time of the forward's 4 launches of an empty kernel
   StageTimes stages;
   double efficiency = 0;  // roof_us / time_us
   int64_t nonfinite_outputs = 0;
 };
+// Host time (median of `calls`) of `launches` back-to-back launches of an
+// empty kernel, the floor under a forward's host time.
+double launch_floor_us(int launches, bool programmatic, cudaStream_t stream, int calls);
+
 LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t tokens, int iterations,
                                bool with_graph, const Ceilings& ceilings, const L2Flusher& flusher);
 
