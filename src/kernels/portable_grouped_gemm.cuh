@@ -59,8 +59,8 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
   static_assert(L.total_bytes <= kPortableSmemLimit, "config exceeds the 99 KB portable budget");
   constexpr int THREADS = WARPS * 32;
   constexpr int WARP_ROWS = BLOCK_N / WARPS;      // weight rows per warp
-  constexpr int M_TILES = WARP_ROWS / 16;         // m16 tiles per warp
-  constexpr int N8_TILES = BLOCK_M / 8;           // token tiles of 8
+  constexpr int ROW_TILES = WARP_ROWS / 16;       // 16-weight-row MMA tiles per warp (the MMA M side)
+  constexpr int TOKEN_TILES = BLOCK_M / 8;        // 8-token MMA tiles (the MMA N side)
   constexpr int K_FRAGS = BLOCK_K / kFragK;       // 64-wide K fragments per stage
   constexpr int N_GROUPS = BLOCK_N / kFragRows;   // 16-row groups per tile
   constexpr int X_CHUNKS = BLOCK_K / 8;           // 16-byte chunks per activation row
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
   const int ldsm_row = lane % 8;
   const int ldsm_hi = (lane / 8) % 2;
   const uint32_t ldsm_lane_offset =
-      ((N8_TILES == 1 ? 0 : (lane / 16) * 8) + ldsm_row) * X_CHUNKS * 16;
+      ((TOKEN_TILES == 1 ? 0 : (lane / 16) * 8) + ldsm_row) * X_CHUNKS * 16;
   uint32_t ldsm_ks_offset[4];
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) ldsm_ks_offset[ks] = ((2 * ks + ldsm_hi) ^ ldsm_row) * 16;
@@ -185,11 +185,11 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
       }
     };
 
-    float acc[M_TILES][N8_TILES][4];
+    float acc[ROW_TILES][TOKEN_TILES][4];
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
+    for (int mt = 0; mt < ROW_TILES; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < N8_TILES; ++nt)
+      for (int nt = 0; nt < TOKEN_TILES; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
 
@@ -216,11 +216,11 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
       // cycle), so every address instruction saved is bandwidth gained.
 #pragma unroll
       for (int kf = 0; kf < K_FRAGS; ++kf) {
-        uint4 codes[M_TILES];
-        uint2 scales[M_TILES];
+        uint4 codes[ROW_TILES];
+        uint2 scales[ROW_TILES];
 #pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) {
-          const int group = warp * M_TILES + mt;
+        for (int mt = 0; mt < ROW_TILES; ++mt) {
+          const int group = warp * ROW_TILES + mt;
           codes[mt] = *reinterpret_cast<const uint4*>(
               w_stage + (kf * N_GROUPS + group) * kFragBytes + lane * 16);
           scales[mt] = *reinterpret_cast<const uint2*>(
@@ -230,12 +230,12 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
         for (int ks = 0; ks < 4; ++ks) {
           // B fragments: tokens x (k 0..7, k 8..15) of this k-step; chunk
           // kf*8 + 2ks + hi of row r sits at chunk (kf*8) + ((2ks + hi) ^ r).
-          uint32_t b[N8_TILES][2];
+          uint32_t b[TOKEN_TILES][2];
 #pragma unroll
-          for (int nt = 0; nt < N8_TILES; nt += 2) {
+          for (int nt = 0; nt < TOKEN_TILES; nt += 2) {
             const uint32_t addr = a_stage + ldsm_lane_offset + ldsm_ks_offset[ks] + kf * 8 * 16 +
                                   nt * 8 * X_CHUNKS * 16;
-            if constexpr (N8_TILES == 1) {
+            if constexpr (TOKEN_TILES == 1) {
               uint32_t v[2];
               ptx::ldmatrix_x2(v, addr);
               b[nt][0] = v[0];
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
             }
           }
 #pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt) {
+          for (int mt = 0; mt < ROW_TILES; ++mt) {
             const uint32_t word = ks == 0   ? codes[mt].x
                                   : ks == 1 ? codes[mt].y
                                   : ks == 2 ? codes[mt].z
@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
             uint32_t a[4];
             detail::dequant_a_fragment(word, detail::scale_pair(scales[mt], ks), a);
 #pragma unroll
-            for (int nt = 0; nt < N8_TILES; ++nt)
+            for (int nt = 0; nt < TOKEN_TILES; ++nt)
               ptx::mma_m16n8k16_bf16(acc[mt][nt], a, b[nt][0], b[nt][1]);
           }
         }
@@ -298,9 +298,9 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
       float* tile_partials = p.partials + tile_idx * p.split_k * (BLOCK_N * BLOCK_M);
       float* mine = tile_partials + slice * (BLOCK_N * BLOCK_M);  // (BLOCK_N, BLOCK_M) fp32
 #pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt)
+      for (int mt = 0; mt < ROW_TILES; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < N8_TILES; ++nt)
+        for (int nt = 0; nt < TOKEN_TILES; ++nt)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int f = warp * WARP_ROWS + mt * 16 + g + h * 8;
@@ -356,9 +356,9 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
       }
     } else {
 #pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt)
+      for (int mt = 0; mt < ROW_TILES; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < N8_TILES; ++nt) {
+        for (int nt = 0; nt < TOKEN_TILES; ++nt) {
           if constexpr (EPI == Epilogue::kSwiglu) {
             // Rows g (gate) and g + 8 (up) of this 16-row group are one feature.
             const int f = (warp * WARP_ROWS + mt * 16) / 2 + g;

@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -55,6 +57,16 @@ std::string MoeLayerPlan::describe() const {
 }
 
 namespace {
+
+// FP4MOE_PRINT_CONFIG=1: every new per-token-count plan (config, split-K,
+// the planner's reason) goes to stderr once, when it is made.
+bool print_plans() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("FP4MOE_PRINT_CONFIG");
+    return v != nullptr && *v != '\0' && std::string(v) != "0";
+  }();
+  return enabled;
+}
 
 // Split-K tile counters per GEMM in the workspace header. Split-K only pays
 // when tiles are few (less than a couple of waves), so plans with more tiles
@@ -195,7 +207,9 @@ struct MoeLayer::Impl {
     p.gemm1 = cap_split(plan_grouped_gemm(problem(1, num_tokens), options.gemm1_config));
     p.gemm2 = cap_split(plan_grouped_gemm(problem(2, num_tokens), options.gemm2_config));
     std::lock_guard<std::mutex> lock(mutex);
-    return plans.emplace(num_tokens, p).first->second;
+    const auto [it, added] = plans.emplace(num_tokens, p);
+    if (added && print_plans()) std::fprintf(stderr, "fp4moe: plan for %s", it->second.describe().c_str());
+    return it->second;
   }
 
   ScratchLayout scratch(int64_t num_tokens) const {

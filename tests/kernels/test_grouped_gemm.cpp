@@ -35,6 +35,20 @@ std::vector<TileConfig> configs_to_test() {
   return out;
 }
 
+// One small-tile config of each kernel family that runs here, for the tests
+// of the launch machinery (graph capture, device-side checks) rather than of
+// the tile shapes.
+std::vector<TileConfig> one_config_per_family() {
+  std::vector<TileConfig> out;
+  for (KernelFamily family : {KernelFamily::kPortable, KernelFamily::kSm90})
+    for (const TileConfig& c : configs_to_test())
+      if (c.family == family && c.block_m >= 8 && c.block_m <= 32) {
+        out.push_back(c);
+        break;
+      }
+  return out;
+}
+
 struct GemmCase {
   int64_t n = 0;
   int64_t k = 0;
@@ -275,34 +289,37 @@ TEST(GroupedGemmGpu, GraphReplayEqualsEager) {
   FP4MOE_REQUIRE_GPU();
   std::mt19937 rng(5);
   Problem prob({256, 1024, {3, 0, 12, 1}}, rng);
-  GemmPlan plan = plan_grouped_gemm(prob.args());
-  plan.split_k = 2;  // exercise the counters across replays
-  DeviceBuffer<uint8_t> ws(grouped_gemm_workspace_bytes(plan));
-  ws.fill_bytes(0);
-  GroupedGemmArgs args = prob.args();
-  args.workspace = ws.get();
-  args.workspace_bytes = ws.bytes();
-  cudaStream_t stream;
-  FP4MOE_CUDA_CHECK(cudaStreamCreate(&stream));
-  grouped_gemm(args, plan, stream);
-  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  const std::vector<uint16_t> eager = prob.d_y.download();
-
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  grouped_gemm(args, plan, stream);
-  FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int replay = 0; replay < 3; ++replay) {
-    prob.d_y.fill_bytes(0xFF);
-    FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  for (const TileConfig& config : one_config_per_family()) {
+    SCOPED_TRACE(config.to_string());
+    GemmPlan plan = plan_grouped_gemm(prob.args(), config);
+    plan.split_k = 2;  // exercise the counters across replays
+    DeviceBuffer<uint8_t> ws(grouped_gemm_workspace_bytes(plan));
+    ws.fill_bytes(0);
+    GroupedGemmArgs args = prob.args();
+    args.workspace = ws.get();
+    args.workspace_bytes = ws.size();
+    cudaStream_t stream;
+    FP4MOE_CUDA_CHECK(cudaStreamCreate(&stream));
+    grouped_gemm(args, plan, stream);
     FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    EXPECT_EQ(prob.d_y.download(), eager) << "replay " << replay;
+    const std::vector<uint16_t> eager = prob.d_y.download();
+
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    grouped_gemm(args, plan, stream);
+    FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 3; ++replay) {
+      prob.d_y.fill_bytes(0xFF);
+      FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      EXPECT_EQ(prob.d_y.download(), eager) << "replay " << replay;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 TEST(GroupedGemmGpu, DeviceFlagsMalformedOffsets) {
@@ -312,14 +329,17 @@ TEST(GroupedGemmGpu, DeviceFlagsMalformedOffsets) {
   prob.d_offsets.upload({0, 8, 4, 12});  // not monotone
   GroupedGemmArgs args = prob.args();
   args.host_expert_offsets = nullptr;      // only the device sees them
-  const GemmPlan plan = plan_grouped_gemm(args);
-  DeviceBuffer<uint8_t> ws(grouped_gemm_workspace_bytes(plan));
-  ws.fill_bytes(0);
-  args.workspace = ws.get();
-  args.workspace_bytes = ws.bytes();
-  grouped_gemm(args, plan, nullptr);
-  const std::string errors = grouped_gemm_device_errors(ws.get(), nullptr);
-  EXPECT_NE(errors.find("not monotone"), std::string::npos) << errors;
+  for (const TileConfig& config : one_config_per_family()) {
+    SCOPED_TRACE(config.to_string());
+    const GemmPlan plan = plan_grouped_gemm(args, config);
+    DeviceBuffer<uint8_t> ws(grouped_gemm_workspace_bytes(plan));
+    ws.fill_bytes(0);
+    args.workspace = ws.get();
+    args.workspace_bytes = ws.size();
+    grouped_gemm(args, plan, nullptr);
+    const std::string errors = grouped_gemm_device_errors(ws.get(), nullptr);
+    EXPECT_NE(errors.find("not monotone"), std::string::npos) << errors;
+  }
 }
 
 // The shared-memory model is what the compiled kernels use: nothing static
