@@ -45,6 +45,23 @@ inline constexpr int kFragK = 64;
 inline constexpr int kFragBytes = kFragRows * kFragK / 2;           // 512
 inline constexpr int kFragScaleBytes = kFragRows * kFragK / 16;     // 64
 
+// One token's row of an epilogue staging tile over `weight_rows` rows of the
+// weight tile: bf16 outputs (half as many for SwiGLU, where gate and up rows
+// make one output) or fp32 finalize rows, padded by 16 B so that a warp's
+// column writes spread over all banks.
+struct EpilogueRow {
+  int elems = 0;
+  int elem_bytes = 0;
+};
+constexpr EpilogueRow epilogue_row(Epilogue epilogue, int weight_rows) {
+  switch (epilogue) {
+    case Epilogue::kSwiglu: return {weight_rows / 2 + 8, 2};
+    case Epilogue::kFinalize: return {weight_rows + 4, 4};
+    case Epilogue::kNone: break;
+  }
+  return {weight_rows + 8, 2};
+}
+
 // Every region of one configuration, computed by a constexpr function so the
 // kernel evaluates it at compile time and the planner at run time.
 struct PortableSmemLayout {
@@ -99,11 +116,9 @@ constexpr PortableSmemLayout portable_smem_layout(int block_n, int block_m, int 
   l.act_bytes = stages * l.act_stage_bytes;
   l.mainloop_end = align_up(l.act_offset + l.act_bytes, kSmemAlign);
 
-  switch (epilogue) {
-    case Epilogue::kNone: l.epi_row_elems = block_n + 8; l.epi_elem_bytes = 2; break;
-    case Epilogue::kSwiglu: l.epi_row_elems = block_n / 2 + 8; l.epi_elem_bytes = 2; break;
-    case Epilogue::kFinalize: l.epi_row_elems = block_n + 4; l.epi_elem_bytes = 4; break;
-  }
+  const EpilogueRow row = epilogue_row(epilogue, block_n);
+  l.epi_row_elems = row.elems;
+  l.epi_elem_bytes = row.elem_bytes;
   l.epilogue_offset = 0;
   l.epilogue_bytes = int64_t{block_m} * l.epi_row_elems * l.epi_elem_bytes;
   l.union_end = align_up(l.mainloop_end > l.epilogue_bytes ? l.mainloop_end : l.epilogue_bytes,
@@ -189,11 +204,9 @@ constexpr Sm90SmemLayout sm90_smem_layout(int block_m, int block_k, int stages, 
   l.ring_end = align_up(l.barrier_offset + l.barrier_bytes, kSmemAlign);
 
   l.chunk_tokens = block_m < kSm90EpilogueChunk ? block_m : kSm90EpilogueChunk;
-  switch (epilogue) {
-    case Epilogue::kNone: l.epi_row_elems = kSm90WarpgroupRows + 8; l.epi_elem_bytes = 2; break;
-    case Epilogue::kSwiglu: l.epi_row_elems = kSm90WarpgroupRows / 2 + 8; l.epi_elem_bytes = 2; break;
-    case Epilogue::kFinalize: l.epi_row_elems = kSm90WarpgroupRows + 4; l.epi_elem_bytes = 4; break;
-  }
+  const EpilogueRow row = epilogue_row(epilogue, kSm90WarpgroupRows);
+  l.epi_row_elems = row.elems;
+  l.epi_elem_bytes = row.elem_bytes;
   l.epilogue_offset = l.ring_end;
   l.epilogue_bytes = int64_t{kSm90Consumers} * l.chunk_tokens * l.epi_row_elems * l.epi_elem_bytes;
 
