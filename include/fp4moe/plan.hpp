@@ -130,7 +130,7 @@ struct GemmPlan {
 // Whether a family's kernels run on a GPU of compute capability `cc`
 // (e.g. 90): the portable family from 80 on, the SM90 family on 90 only.
 bool family_runs_on(KernelFamily family, int compute_capability);
-inline constexpr double kSm90MinRowsPerExpert = 12;
+inline constexpr double kSm90MinRowsPerExpert = 16;
 
 // Picks a config for `problem` among those with its epilogue fitting
 // `smem_budget_bytes` whose family runs on `compute_capability` (0: the

@@ -183,7 +183,7 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
   // Tiles a standard deviation above the mean rows per expert, at most 128
   // below ~384 rows per expert.
   for (const auto& [rows_per_expert, block_m] :
-       std::vector<std::pair<int64_t, int>>{{16, 32}, {32, 64}, {64, 128}, {128, 128}, {256, 128}, {512, 256}}) {
+       std::vector<std::pair<int64_t, int>>{{24, 32}, {32, 64}, {64, 128}, {128, 128}, {256, 128}, {512, 256}}) {
     GemmProblem q = prefill;
     q.expected_active_experts = 256;
     q.num_rows = rows_per_expert * 256;
