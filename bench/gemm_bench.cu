@@ -18,7 +18,7 @@
 #include <sstream>
 
 #include "fp4moe/cuda_check.hpp"
-#include "fp4moe/grouped_gemm.hpp"
+#include "kernels/grouped_gemm.hpp"
 #include "kernels/fragment_layout.hpp"
 #include "plan/smem_model.hpp"
 

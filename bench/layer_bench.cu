@@ -15,6 +15,7 @@
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/nvfp4.hpp"
 #include "kernels/launch.cuh"
+#include "layer/moe_layer_internals.hpp"
 #include "util/parallel.hpp"
 #include "util/splitmix64.hpp"
 
@@ -68,8 +69,14 @@ double median(std::vector<float> values) {
   return values[mid];
 }
 
-std::string variant_name(const MoeLayerOptions& options) {
-  return to_string(options.finalize) + "/" + to_string(options.gather) +
+// One layer variant the benchmark runs.
+struct Variant {
+  MoeLayerOptions options;
+  GatherMode gather = GatherMode::kFused;
+};
+
+std::string variant_name(const MoeLayerOptions& options, GatherMode gather) {
+  return to_string(options.finalize) + "/" + to_string(gather) +
          (options.programmatic_launch ? "" : "/plain") +
          (options.batch_invariant ? "/batch-invariant" : "");
 }
@@ -203,7 +210,7 @@ double LayerTimer::time_forward_us(int64_t tokens, int iterations, const L2Flush
 StageTimes LayerTimer::time_stages(int64_t tokens, int iterations, const L2Flusher& flusher) {
   FP4MOE_CHECK(iterations >= 1, "time_stages: iterations must be >= 1, not ", iterations);
   // Only events that delimit a stage that runs: every event adds its own gap.
-  const bool separate_gather = layer_.options().gather == GatherMode::kSeparate;
+  const bool separate_gather = MoeLayerInternals::gather(layer_) == GatherMode::kSeparate;
   enum { kStart, kSorted, kGathered, kGemm1, kGemm2, kEnd, kNumEvents };
   std::vector<cudaEvent_t> events(static_cast<size_t>(iterations * kNumEvents));
   for (cudaEvent_t& e : events) FP4MOE_CUDA_CHECK(cudaEventCreate(&e));
@@ -361,19 +368,19 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
   // The default variant first, then the same with plain launches (no
   // programmatic dependent launch): those two get a graph replay too. Then
   // the default made batch invariant (no split-K), to show what that costs.
-  std::vector<MoeLayerOptions> variants;
+  std::vector<Variant> variants;
   for (FinalizeMode finalize : {FinalizeMode::kDeterministic, FinalizeMode::kAtomic})
     for (GatherMode gather : {GatherMode::kFused, GatherMode::kSeparate}) {
-      MoeLayerOptions o;
-      o.finalize = finalize;
-      o.gather = gather;
-      variants.push_back(o);
+      Variant v;
+      v.options.finalize = finalize;
+      v.gather = gather;
+      variants.push_back(v);
       if (variants.size() == 1) {
-        MoeLayerOptions plain = o;
-        plain.programmatic_launch = false;
+        Variant plain = v;
+        plain.options.programmatic_launch = false;
         variants.push_back(plain);
-        MoeLayerOptions invariant = o;
-        invariant.batch_invariant = true;
+        Variant invariant = v;
+        invariant.options.batch_invariant = true;
         variants.push_back(invariant);
       }
     }
@@ -381,13 +388,14 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
 
   for (const LayerShape& shape : opt.models) {
     const MoeWeights weights = random_moe_weights(shape, opt.seed);
-    for (MoeLayerOptions options : variants) {
+    for (const Variant& variant : variants) {
+      MoeLayerOptions options = variant.options;
       options.activation = shape.activation;
       options.routing = shape.routing;
       // Graph replays for the default finalize and gather, with and without PDL.
-      const bool is_default = options.finalize == defaults.finalize && options.gather == defaults.gather &&
+      const bool is_default = options.finalize == defaults.finalize && variant.gather == GatherMode::kFused &&
                               options.batch_invariant == defaults.batch_invariant;
-      const MoeLayer layer = MoeLayer::prepare(weights, options);
+      const MoeLayer layer = MoeLayerInternals::prepare(weights, options, variant.gather);
       LayerTimer timer(layer, max_tokens, opt.seed);
       for (int64_t tokens : opt.tokens) {
         const bool with_graph = opt.with_graph && is_default;
@@ -399,7 +407,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
         char line[512];
         std::snprintf(line, sizeof line,
                       "%-13s %-22s %6lld %3lld %9.1f %9s %9.1f %5.2f | %10.1f %6.1f %8.1f %8.1f %6.1f | %4.0f%%\n",
-                      shape.name.c_str(), variant_name(options).c_str(), static_cast<long long>(tokens),
+                      shape.name.c_str(), variant_name(options, variant.gather).c_str(), static_cast<long long>(tokens),
                       static_cast<long long>(m.roofline.active_experts), m.time_us,
                       graph_us.c_str(),
                       m.roofline.roof_us, m.efficiency, s.route_sort_us, s.gather_us, s.gemm1_us, s.gemm2_us,
@@ -425,9 +433,9 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"tokens", tokens},
                            {"rows", m.roofline.rows},
                            {"active_experts", m.roofline.active_experts},
-                           {"variant", variant_name(options)},
+                           {"variant", variant_name(options, variant.gather)},
                            {"finalize", to_string(options.finalize)},
-                           {"gather", to_string(options.gather)},
+                           {"gather", to_string(variant.gather)},
                            {"programmatic_launch", options.programmatic_launch},
                            {"batch_invariant", options.batch_invariant},
                            {"gemm1_config", plan.gemm1.config.to_string()},

@@ -31,7 +31,12 @@
 
 namespace fp4moe {
 
+class MoeLayerInternals;
+
 // How GEMM2's per-(token, slot) rows are combined into a token's output row.
+// Deterministic is the default; atomic measured 2-6 us faster at one token
+// (GLM-5, H200) and slower from 1024 tokens on (docs/perf-notes.md), at the
+// price of output bits that vary from run to run.
 enum class FinalizeMode {
   kDeterministic,  // fp32 row per (token, slot), summed in slot order: bit-identical runs
   kAtomic,         // fp32 atomic adds into the token's row: order varies run to run
@@ -39,20 +44,11 @@ enum class FinalizeMode {
 std::string to_string(FinalizeMode mode);
 FinalizeMode parse_finalize_mode(const std::string& name);  // "deterministic", "atomic"
 
-// How GEMM1 reads the activation rows of the permuted (expert-sorted) order.
-enum class GatherMode {
-  kFused,     // GEMM1's loads read hidden_states rows through the permutation
-  kSeparate,  // one pass copies them into expert order first
-};
-std::string to_string(GatherMode mode);
-GatherMode parse_gather_mode(const std::string& name);  // "fused", "separate"
-
 struct MoeLayerOptions {
   Activation activation = Activation::kSwiGLU;
   // Used by forward() when router logits are given.
   RoutingParams routing;
   FinalizeMode finalize = FinalizeMode::kDeterministic;
-  GatherMode gather = GatherMode::kFused;
   // Launch the layer's kernels with programmatic dependent launch (SM90+):
   // each may start while the previous one finishes, hiding launch gaps that
   // cost a decode-sized layer several microseconds. Off: plain launches.
@@ -163,6 +159,7 @@ class MoeLayer {
 
  private:
   struct Impl;
+  friend class MoeLayerInternals;  // src/layer/moe_layer_internals.hpp: benchmark-only variants
   explicit MoeLayer(std::unique_ptr<Impl> impl);
   // forward() (output set) or forward_pair_rows() (pair_rows set).
   void run(const MoeForwardArgs& args, void* output, float* pair_rows, void* workspace,

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
+// Local to this header (undefined at its end): host and device, inlined.
 #if defined(__CUDACC__)
 #define FP4MOE_HD __host__ __device__ __forceinline__
 #else
@@ -203,3 +204,5 @@ FP4MOE_HD float nvfp4_dequantize_value(uint8_t code, uint8_t block_scale, float 
 }
 
 }  // namespace fp4moe
+
+#undef FP4MOE_HD

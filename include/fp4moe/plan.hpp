@@ -41,7 +41,7 @@ enum class Epilogue {
 };
 std::string to_string(Epilogue epilogue);
 
-// The grouped-GEMM kernel families (docs/design.md §4).
+// The grouped-GEMM kernel families (docs/design.md §4.1-4.4 portable, §4.7 SM90).
 enum class KernelFamily {
   kPortable,  // mma.sync + cp.async, SM80 ... SM120, <= 101,376 B of shared memory
   kSm90,      // warp-specialised wgmma + bulk copies + mbarrier ring, SM90a only

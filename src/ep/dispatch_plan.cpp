@@ -9,7 +9,7 @@
 #include <sstream>
 
 #include "fp4moe/error.hpp"
-#include "fp4moe/expert_parallel.hpp"
+#include "ep/dispatch_plan.hpp"
 
 namespace fp4moe {
 namespace {

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "fp4moe/error.hpp"
-#include "fp4moe/expert_parallel.hpp"
+#include "ep/dispatch_plan.hpp"
 
 // Throws fp4moe::Error with the NCCL error name and the last NCCL message.
 #define FP4MOE_NCCL_CHECK(expr)                                                             \

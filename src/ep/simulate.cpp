@@ -7,7 +7,7 @@
 #include <numeric>
 
 #include "fp4moe/error.hpp"
-#include "fp4moe/expert_parallel.hpp"
+#include "ep/dispatch_plan.hpp"
 #include "fp4moe/nvfp4.hpp"
 
 namespace fp4moe {

@@ -46,6 +46,7 @@
 #include <cstdint>
 
 #include "fp4moe/nvfp4.hpp"
+#include "util/host_device.hpp"
 
 namespace fp4moe::layout {
 
@@ -56,7 +57,7 @@ inline constexpr int kTileGroups = kPadN / 16;  // 16-row fragment groups per 12
 // Index of fragment (expert e, 16-row group, 64-wide K step kf) in the
 // prepared arrays (times 512 B for weights, 64 B for scales), with
 // n_groups = N_pad / 16 and k_frags = K_pad / 64.
-FP4MOE_HD int64_t fragment_index(int64_t e, int64_t group, int64_t kf, int64_t n_groups, int64_t k_frags) {
+FP4MOE_HOST_DEVICE int64_t fragment_index(int64_t e, int64_t group, int64_t kf, int64_t n_groups, int64_t k_frags) {
   const int64_t tile = e * (n_groups / kTileGroups) + group / kTileGroups;
   return (tile * k_frags + kf) * kTileGroups + group % kTileGroups;
 }
@@ -69,7 +70,7 @@ inline constexpr float kEpilogueScale = 128.0f;
 // Nibble position (0..7) inside the fragment word of the element at
 // (row r in 0..15, k in 0..15) of an m16 x k16 block, for lane (g, t) with
 // g = r % 8, t = (k % 8) / 2.
-FP4MOE_HD int nibble_position(int r, int k) {
+FP4MOE_HOST_DEVICE int nibble_position(int r, int k) {
   const bool high_row = r >= 8;   // row g+8
   const bool high_k = k >= 8;     // k 2t+8..2t+9
   const bool odd = k & 1;         // second element of the bf16x2 pair
@@ -80,10 +81,10 @@ FP4MOE_HD int nibble_position(int r, int k) {
 
 // Byte, within a fragment's 64 scale codes, of the code of row g + 8 * half
 // (g = 0..7) at k-step ks.
-FP4MOE_HD int scale_byte(int g, int ks, int half) { return g * 8 + ks * 2 + half; }
+FP4MOE_HOST_DEVICE int scale_byte(int g, int ks, int half) { return g * 8 + ks * 2 + half; }
 
 // e4m3 (positive, finite) -> scale code; 0 for a zero scale.
-FP4MOE_HD uint8_t scale_code_from_e4m3(uint8_t e4m3) {
+FP4MOE_HOST_DEVICE uint8_t scale_code_from_e4m3(uint8_t e4m3) {
   const uint32_t exp = (e4m3 >> 3) & 0xFu;
   const uint32_t man = e4m3 & 7u;
   if (exp != 0) return static_cast<uint8_t>(((exp + 3u) << 3) | man);  // 2^(exp-7) * 1.man
@@ -98,7 +99,7 @@ FP4MOE_HD uint8_t scale_code_from_e4m3(uint8_t e4m3) {
 }
 
 // The bf16 bits a scale code stands for (block scale * 2^119).
-FP4MOE_HD uint16_t scale_code_to_bf16_bits(uint8_t code) {
+FP4MOE_HOST_DEVICE uint16_t scale_code_to_bf16_bits(uint8_t code) {
   return static_cast<uint16_t>(code * 16u + kScaleBf16Bias);
 }
 

@@ -9,7 +9,7 @@
 #include <utility>
 
 #include "fp4moe/cuda_check.hpp"
-#include "fp4moe/grouped_gemm.hpp"
+#include "kernels/grouped_gemm.hpp"
 #include "kernels/device_info.hpp"
 #include "kernels/kernel_table.hpp"
 #include "kernels/launch.cuh"

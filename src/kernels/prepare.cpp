@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "fp4moe/error.hpp"
-#include "fp4moe/grouped_gemm.hpp"
+#include "kernels/grouped_gemm.hpp"
 #include "kernels/fragment_layout.hpp"
 #include "plan/smem_model.hpp"
 #include "util/parallel.hpp"

@@ -11,6 +11,7 @@
 // forward from the token count.
 // Tested in tests/layer/test_moe_layer.cpp (GPU) and test_moe_layer_args.cpp.
 #include "fp4moe/moe_layer.hpp"
+#include "layer/moe_layer_internals.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -23,7 +24,7 @@
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
-#include "fp4moe/grouped_gemm.hpp"
+#include "kernels/grouped_gemm.hpp"
 #include "kernels/moe_ops.hpp"
 #include "plan/smem_model.hpp"
 #include "util/device_buffer.hpp"
@@ -40,11 +41,6 @@ FinalizeMode parse_finalize_mode(const std::string& name) {
   FP4MOE_THROW("unknown finalize mode '", name, "': expected deterministic or atomic");
 }
 std::string to_string(GatherMode mode) { return mode == GatherMode::kSeparate ? "separate" : "fused"; }
-GatherMode parse_gather_mode(const std::string& name) {
-  if (name == "fused") return GatherMode::kFused;
-  if (name == "separate") return GatherMode::kSeparate;
-  FP4MOE_THROW("unknown gather mode '", name, "': expected fused or separate");
-}
 
 std::string MoeLayerPlan::describe() const {
   std::ostringstream os;
@@ -162,6 +158,7 @@ struct MoeLayer::Impl {
   int top_k = 0;
   bool has_bias = false;
   MoeLayerOptions options;
+  GatherMode gather = GatherMode::kFused;
   DeviceGemmWeights w13;  // interleaved gate/up, [E][2 inter, hidden]
   DeviceGemmWeights w2;   // down, [E][hidden, inter]
   DeviceBuffer<float> bias13;  // [E][2 inter]: gate biases then up biases
@@ -227,7 +224,7 @@ struct MoeLayer::Impl {
     s.offsets = take(static_cast<size_t>(num_experts + 1) * 4);
     s.token_of_row = take(pairs * 4);
     s.pair_of_row = take(pairs * 4);
-    if (options.gather == GatherMode::kSeparate) s.x_sorted = take(pairs * hidden * 2);
+    if (gather == GatherMode::kSeparate) s.x_sorted = take(pairs * hidden * 2);
     s.activated = take(pairs * inter * 2);
     const size_t finalize_rows =
         options.finalize == FinalizeMode::kDeterministic ? pairs : static_cast<size_t>(num_tokens);
@@ -269,8 +266,16 @@ MoeLayer& MoeLayer::operator=(MoeLayer&&) noexcept = default;
 MoeLayer::~MoeLayer() = default;
 
 MoeLayer MoeLayer::prepare(const MoeWeights& weights, const MoeLayerOptions& options) {
+  return MoeLayerInternals::prepare(weights, options, GatherMode::kFused);
+}
+
+GatherMode MoeLayerInternals::gather(const MoeLayer& layer) { return layer.impl_->gather; }
+
+MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOptions& options,
+                                    GatherMode gather) {
   validate_weights(weights, options);
-  auto impl = std::make_unique<Impl>();
+  auto impl = std::make_unique<MoeLayer::Impl>();
+  impl->gather = gather;
   impl->num_experts = weights.num_experts;
   impl->hidden = weights.hidden;
   impl->inter = weights.inter;
@@ -423,7 +428,7 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
                                    pair_of_row, layer_errors, stream, pdl);
   }
   record(ev.sorted, stream);
-  const bool separate_gather = m.options.gather == GatherMode::kSeparate;
+  const bool separate_gather = m.gather == GatherMode::kSeparate;
   if (separate_gather)
     kernels::launch_gather_rows(args.hidden_states, token_of_row, offsets, m.num_experts, pairs,
                                 m.hidden, ws + s.x_sorted, stream, pdl);

@@ -30,7 +30,7 @@
 
 #include "expect_error.hpp"
 #include "fp4moe/error.hpp"
-#include "fp4moe/expert_parallel.hpp"
+#include "ep/dispatch_plan.hpp"
 #include "fp4moe/nvfp4.hpp"
 #include "fp4moe/reference.hpp"
 

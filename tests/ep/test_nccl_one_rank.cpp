@@ -18,7 +18,7 @@
 
 #include "ep/nccl_util.hpp"
 #include "expect_error.hpp"
-#include "fp4moe/expert_parallel.hpp"
+#include "ep/dispatch_plan.hpp"
 #include "gpu_test_util.hpp"
 
 namespace fp4moe {

@@ -12,7 +12,7 @@
 #include <random>
 #include <string>
 
-#include "fp4moe/grouped_gemm.hpp"
+#include "kernels/grouped_gemm.hpp"
 #include "fp4moe/plan.hpp"
 #include "gpu_test_util.hpp"
 #include "plan/smem_model.hpp"

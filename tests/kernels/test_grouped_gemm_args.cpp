@@ -5,7 +5,7 @@
 #include <random>
 
 #include "fp4moe/error.hpp"
-#include "fp4moe/grouped_gemm.hpp"
+#include "kernels/grouped_gemm.hpp"
 #include "gpu_test_util.hpp"
 
 namespace fp4moe {

@@ -46,6 +46,7 @@
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/safetensors.hpp"
 #include "gpu_test_util.hpp"
+#include "layer/moe_layer_internals.hpp"
 #include "util/parallel.hpp"
 
 namespace fp4moe {
@@ -122,13 +123,11 @@ constexpr int64_t kTokenCounts[] = {1, 3, 64, 1000};
 constexpr int64_t kMaxTokens = 1000;
 
 MoeLayerOptions layer_options(const ModelShape& shape,
-                              FinalizeMode finalize = FinalizeMode::kDeterministic,
-                              GatherMode gather = GatherMode::kFused) {
+                              FinalizeMode finalize = FinalizeMode::kDeterministic) {
   MoeLayerOptions o;
   o.activation = shape.activation;
   o.routing = shape.routing;
   o.finalize = finalize;
-  o.gather = gather;
   return o;
 }
 
@@ -484,7 +483,7 @@ TEST_P(ModelMatrix, MatchesReferenceWithDeviceAndCallerRouting) {
   const auto [model_idx, finalize, gather] = GetParam();
   const ModelShape& shape = model_shapes()[static_cast<size_t>(model_idx)];
   ModelData& data = model_data(shape);
-  const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape, finalize, gather));
+  const MoeLayer layer = MoeLayerInternals::prepare(data.weights, layer_options(shape, finalize), gather);
   EXPECT_EQ(layer.num_experts(), shape.num_experts);
   EXPECT_EQ(layer.hidden(), shape.hidden);
   EXPECT_EQ(layer.inter(), shape.inter);
@@ -742,8 +741,8 @@ TEST(MoeLayerDeterminism, DeterministicForwardsAreBitIdentical) {
     const DeviceInputs inputs(batch, data.correction_bias);
     for (GatherMode gather : {GatherMode::kFused, GatherMode::kSeparate}) {
       SCOPED_TRACE(shape.name + " " + to_string(gather));
-      const MoeLayer layer = MoeLayer::prepare(
-          data.weights, layer_options(shape, FinalizeMode::kDeterministic, gather));
+      const MoeLayer layer =
+          MoeLayerInternals::prepare(data.weights, layer_options(shape, FinalizeMode::kDeterministic), gather);
       Stream stream;
       const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
       DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));

@@ -108,7 +108,7 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 
 // Shared-memory matrix descriptor of a K-major bf16 operand stored in
-// 128-byte-swizzled atoms of 8 rows x 128 B (docs/design.md §4): start
+// 128-byte-swizzled atoms of 8 rows x 128 B (docs/design.md §4.7): start
 // address >> 4 (bits 0-13), leading byte offset (unused for this layout, 1),
 // stride byte offset 1024 >> 4 between 8-row atoms (bits 32-45), swizzle
 // mode 1 = 128 B (bits 62-63). The atoms must be 1024-byte aligned.
