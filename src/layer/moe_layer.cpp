@@ -192,7 +192,9 @@ struct MoeLayer::Impl {
     return plan;
   }
 
-  MoeLayerPlan plan(int64_t num_tokens) const {
+  // A reference into the cache: map nodes stay put, entries are never erased,
+  // so a forward copies no plan (its reason strings) and locks once.
+  const MoeLayerPlan& plan(int64_t num_tokens) const {
     {
       std::lock_guard<std::mutex> lock(mutex);
       auto it = plans.find(num_tokens);
@@ -209,8 +211,8 @@ struct MoeLayer::Impl {
     return it->second;
   }
 
-  ScratchLayout scratch(int64_t num_tokens) const {
-    const MoeLayerPlan p = plan(num_tokens);
+  ScratchLayout scratch(int64_t num_tokens) const { return scratch(num_tokens, plan(num_tokens)); }
+  ScratchLayout scratch(int64_t num_tokens, const MoeLayerPlan& p) const {
     const size_t pairs = static_cast<size_t>(num_tokens * top_k);
     ScratchLayout s;
     size_t at = kHeaderBytes;
@@ -388,10 +390,10 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
                "MoeLayer::forward: topk_ids and topk_weights go together");
   FP4MOE_CHECK(workspace && aligned16(workspace), "MoeLayer::forward: workspace must be a 16-byte "
                "aligned device pointer");
-  const ScratchLayout s = m.scratch(T);
+  const MoeLayerPlan& plan = m.plan(T);  // one cached lookup per forward
+  const ScratchLayout s = m.scratch(T, plan);
   FP4MOE_CHECK(workspace_bytes >= s.end, "MoeLayer::forward: workspace of ", workspace_bytes,
                " B; ", T, " tokens need ", s.end, " B (allocate workspace_bytes(max_tokens))");
-  const MoeLayerPlan plan = m.plan(T);
 
   auto* ws = static_cast<uint8_t*>(workspace);
   auto* layer_errors = reinterpret_cast<int32_t*>(ws);
