@@ -258,6 +258,8 @@ std::string grouped_gemm_device_errors(const void* workspace, cudaStream_t strea
   if (flags & kernels::kErrorOffsetsNotMonotone) out += "expert_offsets not monotone; ";
   if (flags & kernels::kErrorOffsetsOutOfRange) out += "expert_offsets outside [0, num_rows]; ";
   if (flags & kernels::kErrorGatherRowOutOfRange) out += "gather or scatter rows out of range; ";
+  if (flags & kernels::kErrorSmemMisaligned)
+    out += "dynamic shared memory not 1024-byte aligned (the SM90 kernel computed nothing); ";
   return out;
 }
 

@@ -19,6 +19,9 @@ namespace fp4moe::kernels {
 inline constexpr int kErrorOffsetsNotMonotone = 1;
 inline constexpr int kErrorOffsetsOutOfRange = 2;
 inline constexpr int kErrorGatherRowOutOfRange = 8;  // 4 is the layer's (moe_ops.hpp)
+// SM90 family: dynamic shared memory did not start on a 1024-byte boundary
+// (the swizzled activation atoms need it); the launch computed nothing.
+inline constexpr int kErrorSmemMisaligned = 16;
 
 // Activation of the kSwiglu epilogue (fp4moe::Activation).
 inline constexpr int kActSwiglu = 0;  // silu(gate) * up

@@ -51,10 +51,6 @@
 
 namespace fp4moe::kernels {
 
-// Error bit: dynamic shared memory did not start on a 1024-byte boundary
-// (the swizzled activation atoms need it); the launch computed nothing.
-inline constexpr int kErrorSmemMisaligned = 16;
-
 namespace sm90 {
 
 // Hardware named barriers (0 is __syncthreads).
