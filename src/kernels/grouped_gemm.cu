@@ -112,7 +112,12 @@ void validate_args(const GroupedGemmArgs& a, bool for_launch, Epilogue epilogue)
                "; expected a positive multiple of 16 (the NVFP4 block size)");
   FP4MOE_CHECK(a.num_rows >= 0 && a.num_rows < (int64_t{1} << 31), "grouped_gemm: num_rows = ",
                a.num_rows, "; expected 0..2^31-1");
-  FP4MOE_CHECK(a.n * a.k < (int64_t{1} << 40), "grouped_gemm: n * k too large");
+  // The kernels index n, k and their padded sizes with int.
+  constexpr int64_t kMaxDim = (int64_t{1} << 31) - layout::kPadK;
+  FP4MOE_CHECK(a.n <= kMaxDim && a.k <= kMaxDim, "grouped_gemm: n = ", a.n, ", k = ", a.k,
+               "; expected each at most ", kMaxDim, " (32-bit indexing)");
+  FP4MOE_CHECK(a.n * a.k < (int64_t{1} << 40), "grouped_gemm: n * k = ", a.n * a.k,
+               " per expert; expected < 2^40");
   if (a.num_rows == 0) return;
   const std::pair<const void*, const char*> required[] = {
       {a.weights, "weights"}, {a.scales, "scales"}, {a.global_scales, "global_scales"},

@@ -57,6 +57,17 @@ TEST(GroupedGemmArgs, RejectsMisalignedShapes) {
   a = valid_args();
   a.num_experts = 513;
   expect_error(a, "num_experts = 513");
+  // Sizes past 32-bit indexing are refused, not truncated.
+  a = valid_args();
+  a.n = int64_t{1} << 31;
+  expect_error(a, "(32-bit indexing)");
+  a = valid_args();
+  a.k = (int64_t{1} << 31) + 16;
+  expect_error(a, "(32-bit indexing)");
+  a = valid_args();
+  a.n = int64_t{1} << 21;
+  a.k = int64_t{1} << 20;
+  expect_error(a, "expected < 2^40");
 }
 
 TEST(GroupedGemmArgs, RejectsNullPointersWithRows) {
