@@ -188,6 +188,62 @@ __device__ __forceinline__ float activate(int activation, float gate, float up) 
   return gate / (1.0f + __expf(-gate)) * up;
 }
 
+// The kSwiglu epilogue of output feature `feature` (< n/2) of expert e from
+// the gate and up sums: scaled, biases added, activated, rounded to bf16.
+__device__ __forceinline__ __nv_bfloat16 swiglu_output(const GroupedGemmParams& p, int e, int feature,
+                                                       float gate_sum, float up_sum, float out_scale) {
+  float gate = gate_sum * out_scale;
+  float up = up_sum * out_scale;
+  const int n_half = p.n / 2;
+  if (p.bias && feature < n_half) {
+    gate += __ldg(p.bias + static_cast<size_t>(e) * p.n + feature);
+    up += __ldg(p.bias + static_cast<size_t>(e) * p.n + n_half + feature);
+  }
+  return __float2bfloat16_rn(activate(p.activation, gate, up));
+}
+
+// The kFinalize epilogue of four columns [col, col + 4) of one row of expert
+// e (already scaled by the global scale): + bias, x the slot's router
+// weight, stored to (or, with atomic_out, added into) the slot's or token's
+// output row.
+__device__ __forceinline__ void finalize_store(const GroupedGemmParams& p, int e, int slot, int col, float4 v,
+                                               float router_weight) {
+  if (p.bias) {
+    const float4 b = __ldg(reinterpret_cast<const float4*>(p.bias + static_cast<size_t>(e) * p.n + col));
+    v.x += b.x;
+    v.y += b.y;
+    v.z += b.z;
+    v.w += b.w;
+  }
+  v.x *= router_weight;
+  v.y *= router_weight;
+  v.z *= router_weight;
+  v.w *= router_weight;
+  float* dst = p.out_f32 + static_cast<size_t>(slot / p.out_row_divisor) * p.n + col;
+  if (p.atomic_out) {
+#if __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float4*>(dst), v);
+#else
+    atomicAdd(dst + 0, v.x);
+    atomicAdd(dst + 1, v.y);
+    atomicAdd(dst + 2, v.z);
+    atomicAdd(dst + 3, v.w);
+#endif
+  } else {
+    *reinterpret_cast<float4*>(dst) = v;
+  }
+}
+
+// Split-K: counts this slice of a tile in and says whether it was the last
+// of split_k to arrive (the one that sums them); the last resets the counter
+// for the next launch. One thread calls it, after a fence and a barrier
+// that order every thread's partial-tile stores before it.
+__device__ __forceinline__ bool last_slice_to_arrive(int32_t* counter, int split_k) {
+  const bool last = atomicAdd(counter, 1) == split_k - 1;
+  if (last) *counter = 0;
+  return last;
+}
+
 }  // namespace detail
 
 }  // namespace fp4moe::kernels

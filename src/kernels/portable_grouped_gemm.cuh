@@ -276,14 +276,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
     // and up sums, biases added, activated.
     const int n_half = p.n / 2;
     auto swiglu = [&](int f, float gate_sum, float up_sum) {
-      float gate = gate_sum * out_scale;
-      float up = up_sum * out_scale;
-      const int feature = n_tile * (BLOCK_N / 2) + f;
-      if (p.bias && feature < n_half) {
-        gate += __ldg(p.bias + static_cast<size_t>(e) * p.n + feature);
-        up += __ldg(p.bias + static_cast<size_t>(e) * p.n + n_half + feature);
-      }
-      return __float2bfloat16_rn(detail::activate(p.activation, gate, up));
+      return detail::swiglu_output(p, e, n_tile * (BLOCK_N / 2) + f, gate_sum, up_sum, out_scale);
     };
     // Staging writes of one result, tile row f (weight row) and token tok.
     auto stage = [&](int f, int tok, float sum) {
@@ -311,10 +304,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
       __threadfence();
       __syncthreads();
       if (tid == 0) {
-        const int arrived = atomicAdd(p.tile_counters + tile_idx, 1);
-        const bool last = arrived == p.split_k - 1;
-        if (last) p.tile_counters[tile_idx] = 0;  // ready for the next launch
-        *s_flag = last;
+        *s_flag = detail::last_slice_to_arrive(p.tile_counters + tile_idx, p.split_k);
       }
       __syncthreads();
       store_tile = *s_flag != 0;
@@ -387,26 +377,8 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
           const int col = n0 + (i % OUT_CHUNKS) * 4;
           const int slot = s_scatter[r];
           if (col >= p.n || slot < 0) continue;
-          float4 v = *reinterpret_cast<const float4*>(s_out_f32 + r * L.epi_row_elems + col - n0);
-          if (p.bias) {
-            const float4 b = __ldg(reinterpret_cast<const float4*>(p.bias + static_cast<size_t>(e) * p.n + col));
-            v.x += b.x; v.y += b.y; v.z += b.z; v.w += b.w;
-          }
-          const float w = s_row_weight[r];
-          v.x *= w; v.y *= w; v.z *= w; v.w *= w;
-          float* dst = p.out_f32 + static_cast<size_t>(slot / p.out_row_divisor) * p.n + col;
-          if (p.atomic_out) {
-#if __CUDA_ARCH__ >= 900
-            atomicAdd(reinterpret_cast<float4*>(dst), v);
-#else
-            atomicAdd(dst + 0, v.x);
-            atomicAdd(dst + 1, v.y);
-            atomicAdd(dst + 2, v.z);
-            atomicAdd(dst + 3, v.w);
-#endif
-          } else {
-            *reinterpret_cast<float4*>(dst) = v;
-          }
+          const float4 v = *reinterpret_cast<const float4*>(s_out_f32 + r * L.epi_row_elems + col - n0);
+          detail::finalize_store(p, e, slot, col, v, s_row_weight[r]);
         }
       } else {
         // (rows_valid, OUT_N) bf16 -> Y rows, 16-byte stores; the output width

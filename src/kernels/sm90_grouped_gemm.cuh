@@ -327,10 +327,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
         __threadfence();
         ptx::named_barrier_sync(sm90::kBarConsumers, 128 * kSm90Consumers);
         if (ctid == 0) {
-          const int arrived = atomicAdd(p.tile_counters + tile_idx, 1);
-          const bool last = arrived == p.split_k - 1;
-          if (last) p.tile_counters[tile_idx] = 0;  // ready for the next launch
-          *s_flag = last;
+          *s_flag = detail::last_slice_to_arrive(p.tile_counters + tile_idx, p.split_k);
         }
         ptx::named_barrier_sync(sm90::kBarConsumers, 128 * kSm90Consumers);
         if (*s_flag == 0) continue;
@@ -369,15 +366,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
               if constexpr (EPI == Epilogue::kSwiglu) {
                 // Rows g (gate) and g + 8 (up) of the warp's 16-row group are one feature.
                 const int f = consumer * (kSm90WarpgroupRows / 2) + warp * 8 + g;  // in the tile's 64
-                float gate = acc[4 * j + i] * out_scale;
-                float up = acc[4 * j + 2 + i] * out_scale;
-                const int feature = u.n_tile * (BLOCK_N / 2) + f;
-                if (p.bias && feature < n_half) {
-                  gate += __ldg(p.bias + static_cast<size_t>(e) * p.n + feature);
-                  up += __ldg(p.bias + static_cast<size_t>(e) * p.n + n_half + feature);
-                }
-                s_out[tok * L.epi_row_elems + warp * 8 + g] =
-                    __float2bfloat16_rn(detail::activate(p.activation, gate, up));
+                s_out[tok * L.epi_row_elems + warp * 8 + g] = detail::swiglu_output(
+                    p, e, u.n_tile * (BLOCK_N / 2) + f, acc[4 * j + i], acc[4 * j + 2 + i], out_scale);
               } else {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
@@ -407,24 +397,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
                 atomicOr(p.error_flags, kErrorGatherRowOutOfRange);
                 continue;
               }
-              float4 v = *reinterpret_cast<const float4*>(s_out_f32 + r * L.epi_row_elems + col - n0);
-              if (p.bias) {
-                const float4 b = __ldg(reinterpret_cast<const float4*>(p.bias + static_cast<size_t>(e) * p.n + col));
-                v.x += b.x;
-                v.y += b.y;
-                v.z += b.z;
-                v.w += b.w;
-              }
-              const float w = p.row_weights ? __ldg(p.row_weights + slot) : 1.0f;
-              v.x *= w;
-              v.y *= w;
-              v.z *= w;
-              v.w *= w;
-              float* dst = p.out_f32 + static_cast<size_t>(slot / p.out_row_divisor) * p.n + col;
-              if (p.atomic_out)
-                atomicAdd(reinterpret_cast<float4*>(dst), v);
-              else
-                *reinterpret_cast<float4*>(dst) = v;
+              const float4 v = *reinterpret_cast<const float4*>(s_out_f32 + r * L.epi_row_elems + col - n0);
+              detail::finalize_store(p, e, slot, col, v, p.row_weights ? __ldg(p.row_weights + slot) : 1.0f);
             }
           } else {
             // (rows, OUT_N) bf16 -> Y rows, 16-byte stores; the output width

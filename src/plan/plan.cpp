@@ -67,7 +67,7 @@ constexpr std::string_view kSm90Prefix = "sm90";
 
 std::string TileConfig::to_string() const {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%sn%dm%dk%ds%dw%d", family == KernelFamily::kSm90 ? "sm90" : "", block_n,
+  std::snprintf(buf, sizeof buf, "%sn%dm%dk%ds%dw%d", family == KernelFamily::kSm90 ? kSm90Prefix.data() : "", block_n,
                 block_m, block_k, stages, warps);
   return epilogue == Epilogue::kNone ? std::string(buf)
                                      : std::string(buf) + "-" + fp4moe::to_string(epilogue);
@@ -309,6 +309,20 @@ int64_t max_m_tiles(int64_t num_rows, int64_t num_experts, int block_m) {
 
 }  // namespace
 
+namespace {
+
+// Experts expected to receive rows (the caller's estimate, else as many as
+// there are rows), and the rows each of them gets; at least one row.
+double active_experts(const GemmProblem& p) {
+  return p.expected_active_experts > 0 ? static_cast<double>(p.expected_active_experts)
+                                       : std::min<double>(p.num_experts, std::max<int64_t>(p.num_rows, 1));
+}
+double rows_per_active_expert(const GemmProblem& p) {
+  return static_cast<double>(std::max<int64_t>(p.num_rows, 1)) / active_experts(p);
+}
+
+}  // namespace
+
 int64_t max_tiles(const GemmProblem& p, const TileConfig& config) {
   return max_m_tiles(p.num_rows, p.num_experts, config.block_m) * ceil_div(p.n, config.block_n);
 }
@@ -324,10 +338,8 @@ GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_
     plan.reason = "no rows";
     return plan;
   }
-  const double active = p.expected_active_experts > 0
-                            ? static_cast<double>(p.expected_active_experts)
-                            : std::min<double>(p.num_experts, p.num_rows);
-  const double rows_per_expert = static_cast<double>(p.num_rows) / active;
+  const double active = active_experts(p);
+  const double rows_per_expert = rows_per_active_expert(p);
   const double tiles =
       std::ceil(rows_per_expert / config.block_m) * active * static_cast<double>(n_tiles);
   const int64_t k_tiles = ceil_div(p.k, config.block_k);
@@ -368,10 +380,7 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
         out.push_back(c);
     return out;
   };
-  const double active = p.expected_active_experts > 0
-                            ? static_cast<double>(p.expected_active_experts)
-                            : std::min<double>(p.num_experts, std::max<int64_t>(p.num_rows, 1));
-  const double rows_per_expert = static_cast<double>(std::max<int64_t>(p.num_rows, 1)) / active;
+  const double rows_per_expert = rows_per_active_expert(p);
   std::vector<TileConfig> fitting;
   if (family_runs_on(KernelFamily::kSm90, compute_capability) &&
       (p.single_family || rows_per_expert > kSm90MinRowsPerExpert))
