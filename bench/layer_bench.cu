@@ -245,7 +245,7 @@ StageTimes LayerTimer::time_stages(int64_t tokens, int iterations, const L2Flush
   return t;
 }
 
-double LayerTimer::time_graph_us(int64_t tokens, int iterations, const L2Flusher& flusher) {
+LayerTimer::GraphTimes LayerTimer::time_graph(int64_t tokens, int iterations, const L2Flusher& flusher) {
   cudaGraph_t graph = nullptr;
   // NOTE: thread-local capture mode: a forward that made a capture-unsafe
   // call (an allocation, a synchronisation) fails here, which is part of
@@ -264,15 +264,24 @@ double LayerTimer::time_graph_us(int64_t tokens, int iterations, const L2Flusher
   const cudaError_t status = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);
   FP4MOE_CUDA_CHECK(status);
-  double us = 0;
+  GraphTimes t;
   try {
-    us = time_median_us([&] { FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream_)); }, iterations, flusher, stream_);
+    t.device_us =
+        time_median_us([&] { FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream_)); }, iterations, flusher, stream_);
+    std::vector<float> host(static_cast<size_t>(iterations));
+    for (float& u : host) {
+      const auto start = std::chrono::steady_clock::now();
+      FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+      u = std::chrono::duration<float, std::micro>(std::chrono::steady_clock::now() - start).count();
+    }
+    FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    t.launch_host_us = median(host);
   } catch (...) {
     cudaGraphExecDestroy(exec);
     throw;
   }
   cudaGraphExecDestroy(exec);
-  return us;
+  return t;
 }
 
 namespace {
@@ -327,7 +336,9 @@ LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t
   m.time_us = timer.time_forward_us(tokens, iterations, flusher);
   m.stages = timer.time_stages(tokens, iterations, flusher);
   if (with_graph) {
-    m.graph_us = timer.time_graph_us(tokens, iterations, flusher);
+    const LayerTimer::GraphTimes graph = timer.time_graph(tokens, iterations, flusher);
+    m.graph_us = graph.device_us;
+    m.graph_launch_host_us = graph.launch_host_us;
     m.host_us = timer.host_us_per_forward(tokens, 50);
     // The launches alone: routing + sort, GEMM1, GEMM2, finalize.
     m.launch_floor_us = launch_floor_us(4, layer.options().programmatic_launch, nullptr, 50);
@@ -415,7 +426,8 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
         table << line;
         if (with_graph)
           table << "  host time of one eager forward() call: " << m.host_us << " us (its 4 kernel launches alone, "
-                << "empty kernels: " << m.launch_floor_us << " us)\n";
+                << "empty kernels: " << m.launch_floor_us << " us); of one graph replay: " << m.graph_launch_host_us
+                << " us\n";
         if (m.nonfinite_outputs > 0)
           table << "  WARNING: " << m.nonfinite_outputs << " output elements are NaN or infinite\n";
         table << std::flush;
@@ -445,6 +457,8 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"time_us", m.time_us},
                            {"graph_us", with_graph ? nlohmann::json(m.graph_us) : nlohmann::json(nullptr)},
                            {"host_us_per_forward", with_graph ? nlohmann::json(m.host_us) : nlohmann::json(nullptr)},
+                           {"graph_launch_host_us",
+                            with_graph ? nlohmann::json(m.graph_launch_host_us) : nlohmann::json(nullptr)},
                            {"launch_floor_us", with_graph ? nlohmann::json(m.launch_floor_us) : nlohmann::json(nullptr)},
                            {"roof_us", m.roofline.roof_us},
                            {"gemm1_roof_us", m.roofline.gemm1_roof_us},

@@ -116,8 +116,14 @@ class LayerTimer {
 
   double time_forward_us(int64_t tokens, int iterations, const L2Flusher& flusher);
   StageTimes time_stages(int64_t tokens, int iterations, const L2Flusher& flusher);
-  // Captures one forward into a CUDA graph and times its replays.
-  double time_graph_us(int64_t tokens, int iterations, const L2Flusher& flusher);
+  // Captures one forward into a CUDA graph and times its replays: the
+  // device time (L2 flushed, median of `iterations`) and the host time of one
+  // cudaGraphLaunch call (median of `iterations` launches back to back).
+  struct GraphTimes {
+    double device_us = 0;
+    double launch_host_us = 0;
+  };
+  GraphTimes time_graph(int64_t tokens, int iterations, const L2Flusher& flusher);
   // Host time of one eager forward() call (checks, planning lookups,
   // launches), the median of `calls` calls enqueued back to back.
   double host_us_per_forward(int64_t tokens, int calls);
@@ -148,6 +154,7 @@ struct LayerMeasurement {
   double time_us = 0;   // plain forward
   double graph_us = 0;  // CUDA-graph replay; 0 when not measured
   double host_us = 0;   // host time of one forward() call; measured with the graph
+  double graph_launch_host_us = 0;  // host time of one replay's cudaGraphLaunch
   double launch_floor_us = 0;  // host time of the forward's 4 launches of an empty kernel
   StageTimes stages;
   double efficiency = 0;  // roof_us / time_us

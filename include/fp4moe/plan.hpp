@@ -130,14 +130,20 @@ struct GemmPlan {
 // Whether a family's kernels run on a GPU of compute capability `cc`
 // (e.g. 90): the portable family from 80 on, the SM90 family on 90 only.
 bool family_runs_on(KernelFamily family, int compute_capability);
+// Where the SM90 family takes over from the portable one (rows per active
+// expert; docs/perf-notes.md, SM90 v4): above kSm90MinRowsPerExpert always,
+// above kSm90MinRowsPerExpertLongK when K is at least kSm90LongK (with a
+// shorter K a unit has too few k-tiles to fill the SM90 pipeline: Qwen3-30B's
+// GEMM2, K = 768, measured 0.38 against the portable 0.46 at 16 rows).
 inline constexpr double kSm90MinRowsPerExpert = 16;
+inline constexpr double kSm90MinRowsPerExpertLongK = 6;
+inline constexpr int64_t kSm90LongK = 1024;
 
 // Picks a config for `problem` among those with its epilogue fitting
 // `smem_budget_bytes` whose family runs on `compute_capability` (0: the
-// portable family only). On SM90 the SM90 family takes problems with more
-// than kSm90MinRowsPerExpert rows per active expert (or every problem with
-// single_family), the portable family the rest: below that the portable
-// kernel's mma.sync tiles measured faster (docs/perf-notes.md, SM90 v3).
+// portable family only). On SM90 the SM90 family takes the problems past the
+// boundary above (or every problem with single_family), the portable family
+// the rest: below it the portable kernel's mma.sync tiles measured faster.
 // num_sms and blocks_per_sm size the split-K choice (waves of work); the SM90
 // family always runs one block per SM.
 GemmPlan plan_gemm(const GemmProblem& problem, int64_t smem_budget_bytes, int num_sms,

@@ -10,13 +10,14 @@
 //              copies, the stage's weight fragments and scale codes (each one
 //              contiguous block of the prepared layout); all 128 threads cp.async the
 //              gathered activation rows into 128-byte-swizzled atoms (zero
-//              past k and past the expert's rows) and arrive on the barrier
-//              when their copies land. It runs ahead across work units.
+//              past k and past the expert's rows, none past the wgmmas'
+//              width) and arrive on the barrier when their copies land. It runs ahead across work units.
 //   consumers  each owns 64 weight rows (one 16-row fragment group per warp):
 //              per 64-wide K fragment, one 16-byte shared load of fp4 codes per
 //              lane, dequantised in registers into four m16k16 A fragments
-//              (fragment_layout.hpp), then four wgmma m64nBLOCK_Mk16 against the
-//              activation tile in shared memory. The A registers of one
+//              (fragment_layout.hpp), then four wgmma m64nWk16 against the
+//              activation tile in shared memory (W: the unit's rows rounded
+//              up to a quarter tile, sm90::mma_width). The A registers of one
 //              fragment are consumed while the next is dequantised: at most two
 //              wgmma groups in flight, and a stage is released once the wgmmas
 //              that read it have completed.
@@ -36,6 +37,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/grouped_gemm_common.cuh"
 #include "kernels/ptx/cp_async.cuh"
@@ -70,6 +72,43 @@ static_assert(128 * (kProducerRegs + kSm90Consumers * kConsumerRegs) <= 65536, "
 template <int BLOCK_M>
 __device__ __forceinline__ uint32_t act_chunk_offset(int r, int c) {
   return static_cast<uint32_t>((c / 8) * (BLOCK_M * 128) + r * 128 + (((c % 8) ^ (r % 8)) << 4));
+}
+
+// The token width a unit's wgmmas run at: its valid rows rounded up to a
+// quarter of the tile (m32 ... m128), 8 or 16 (m16); m8 and m256 tiles run
+// at their full width.
+// A tile that holds only the tail of an expert's rows (a Poisson spread puts
+// one behind about half the experts when the tile is sized near the mean)
+// then costs the tensor cores what its rows need, not BLOCK_M columns, and
+// the producer copies only those rows. Both the producer's copy loop and the
+// consumers' mainloop are compiled once per width (with_mma_width).
+// NOTE: m256 has one width: with 128 accumulators per thread a second
+// mainloop copy made ptxas spill in the SwiGLU kernel, and three or four
+// serialised its wgmmas for lack of registers (C7512).
+template <int BLOCK_M>
+inline constexpr int kMmaWidthStep = BLOCK_M == 256 ? 256 : BLOCK_M >= 32 ? BLOCK_M / 4 : 8;
+
+template <int BLOCK_M>
+__host__ __device__ constexpr int mma_width(int rows_valid) {
+  constexpr int STEP = kMmaWidthStep<BLOCK_M>;
+  const int steps = rows_valid <= STEP ? 1 : (rows_valid + STEP - 1) / STEP;
+  return steps * STEP < BLOCK_M ? steps * STEP : BLOCK_M;
+}
+
+static_assert(mma_width<128>(1) == 32 && mma_width<128>(33) == 64 && mma_width<128>(97) == 128 &&
+              mma_width<256>(100) == 256 && mma_width<16>(9) == 16 &&
+              mma_width<8>(0) == 8 && mma_width<64>(64) == 64);
+
+// Calls f(std::integral_constant<int, width>{}); width is one of
+// mma_width<BLOCK_M>'s values.
+template <int BLOCK_M, int W = kMmaWidthStep<BLOCK_M>, class F>
+__device__ __forceinline__ void with_mma_width(int width, F&& f) {
+  if constexpr (W >= BLOCK_M) {
+    f(std::integral_constant<int, BLOCK_M>{});
+  } else {
+    if (width == W) return f(std::integral_constant<int, W>{});
+    with_mma_width<BLOCK_M, W + kMmaWidthStep<BLOCK_M>>(width, static_cast<F&&>(f));
+  }
 }
 
 // Pins registers to this point of the instruction stream: the compiler may
@@ -154,7 +193,6 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
     // rows row0, row0 + ROWS_PER_PASS, ...; within the swizzled tile those
     // land a fixed stride apart (ROWS_PER_PASS is a multiple of the 8-row atom).
     constexpr int ROWS_PER_PASS = 128 / X_CHUNKS;
-    constexpr int PASSES = (BLOCK_M + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
     static_assert(128 % X_CHUNKS == 0 && ROWS_PER_PASS % 8 == 0, "unsupported BLOCK_K");
     const int chunk = ptid % X_CHUNKS;
     const int row0 = ptid / X_CHUNKS;
@@ -186,35 +224,42 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
       // stage is one contiguous block of weights and one of scales.
       const size_t tile_frag0 =
           static_cast<size_t>(layout::fragment_index(u.expert, u.n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
-      for (int it = 0; it < u.num_k_tiles; ++it) {
-        const int kt = u.kt_begin + it;
-        ptx::mbarrier_wait(empty_bar + 8 * stage, phase ^ 1);
-        const uint32_t full = full_bar + 8 * stage;
-        if (ptid == 0) {
-          const size_t frag0 = tile_frag0 + static_cast<size_t>(kt) * K_FRAGS * N_GROUPS;
-          ptx::mbarrier_expect_tx(full, static_cast<uint32_t>(L.weight_stage_bytes + L.scale_stage_bytes));
-          ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
-                             static_cast<uint32_t>(L.weight_stage_bytes), full);
-          ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
-                             static_cast<uint32_t>(L.scale_stage_bytes), full);
-        }
-        const int kk = kt * BLOCK_K + chunk * 8;
-        const bool in_k = kk < p.k;
-        const uint32_t a_dst = act_ring + stage * L.act_stage_bytes + chunk_offset;
+      // Only the rows the consumers' wgmmas read (zeros past the valid ones);
+      // the copy loop is compiled per width so that it has no data-dependent
+      // branch per copy (one cost 2-4 % on full tiles: perf-notes, SM90 v4).
+      sm90::with_mma_width<BLOCK_M>(sm90::mma_width<BLOCK_M>(u.rows_valid), [&](auto width) {
+        constexpr int WIDTH = decltype(width)::value;
+        constexpr int PASSES = (WIDTH + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
+        for (int it = 0; it < u.num_k_tiles; ++it) {
+          const int kt = u.kt_begin + it;
+          ptx::mbarrier_wait(empty_bar + 8 * stage, phase ^ 1);
+          const uint32_t full = full_bar + 8 * stage;
+          if (ptid == 0) {
+            const size_t frag0 = tile_frag0 + static_cast<size_t>(kt) * K_FRAGS * N_GROUPS;
+            ptx::mbarrier_expect_tx(full, static_cast<uint32_t>(L.weight_stage_bytes + L.scale_stage_bytes));
+            ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
+                               static_cast<uint32_t>(L.weight_stage_bytes), full);
+            ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
+                               static_cast<uint32_t>(L.scale_stage_bytes), full);
+          }
+          const int kk = kt * BLOCK_K + chunk * 8;
+          const bool in_k = kk < p.k;
+          const uint32_t a_dst = act_ring + stage * L.act_stage_bytes + chunk_offset;
 #pragma unroll
-        for (int pass = 0; pass < PASSES; ++pass) {
-          const int r = row0 + pass * ROWS_PER_PASS;
-          if (BLOCK_M % ROWS_PER_PASS != 0 && r >= BLOCK_M) break;
-          const int64_t offset = s_src_rows[r];
-          const bool valid = in_k && offset >= 0;
-          ptx::cp_async_16(a_dst + pass * ROWS_PER_PASS * 128, p.x + (valid ? offset + kk : 0), valid ? 16 : 0);
+          for (int pass = 0; pass < PASSES; ++pass) {
+            const int r = row0 + pass * ROWS_PER_PASS;
+            if (WIDTH % ROWS_PER_PASS != 0 && r >= WIDTH) break;
+            const int64_t offset = s_src_rows[r];
+            const bool valid = in_k && offset >= 0;
+            ptx::cp_async_16(a_dst + pass * ROWS_PER_PASS * 128, p.x + (valid ? offset + kk : 0), valid ? 16 : 0);
+          }
+          ptx::cp_async_arrive_noinc(full);
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
         }
-        ptx::cp_async_arrive_noinc(full);
-        if (++stage == STAGES) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
+      });
     }
     ptx::cp_async_wait_all();  // leave no copy of this thread in flight
   } else {
@@ -244,7 +289,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
       // fragment's group; the previous stage is released once the first
       // group of this one has been issued and the older ones have completed.
       int prev_stage = -1;
-      auto consume_stage = [&]() {
+      auto consume_stage = [&](auto width) {
+        constexpr int WIDTH = decltype(width)::value;
         ptx::mbarrier_wait(full_bar + 8 * stage, phase);
         ptx::fence_proxy_async_shared();  // the cp.async rows are read by wgmma (async proxy)
         const uint8_t* w_stage = s_weights + stage * L.weight_stage_bytes + group * kFragBytes;
@@ -274,7 +320,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
           ptx::wgmma_fence();
 #pragma unroll
           for (int ks = 0; ks < 4; ++ks)
-            ptx::Wgmma<BLOCK_M>::mma(
+            ptx::Wgmma<WIDTH>::mma(
                 acc, a[ks], ptx::smem_desc_k_major_sw128(a_stage + kf * (BLOCK_M * 128) + ks * 32));
           ptx::wgmma_commit();
           ptx::wgmma_wait<1>();  // the previous fragment's wgmmas are done
@@ -295,16 +341,18 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
       // group per iteration the next one would overwrite the A operand of the
       // group still in flight (seen as wrong results with BLOCK_K = 64).
       constexpr int STAGES_PER_ITER = K_FRAGS % 2 == 0 ? 1 : 2;
-      int it = 0;
-      for (; it + STAGES_PER_ITER <= u.num_k_tiles; it += STAGES_PER_ITER) {
+      sm90::with_mma_width<BLOCK_M>(sm90::mma_width<BLOCK_M>(u.rows_valid), [&](auto width) {
+        int it = 0;
+        for (; it + STAGES_PER_ITER <= u.num_k_tiles; it += STAGES_PER_ITER) {
 #pragma unroll
-        for (int s = 0; s < STAGES_PER_ITER; ++s) consume_stage();
-      }
-      if (it < u.num_k_tiles) {  // an odd last stage: no group may be in flight
+          for (int s = 0; s < STAGES_PER_ITER; ++s) consume_stage(width);
+        }
+        if (it < u.num_k_tiles) {  // an odd last stage: no group may be in flight
+          ptx::wgmma_wait<0>();
+          consume_stage(width);
+        }
         ptx::wgmma_wait<0>();
-        consume_stage();
-      }
-      ptx::wgmma_wait<0>();
+      });
       sm90::fence_registers(acc);
       if (prev_stage >= 0) {
         __syncwarp();

@@ -382,8 +382,9 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   };
   const double rows_per_expert = rows_per_active_expert(p);
   std::vector<TileConfig> fitting;
-  if (family_runs_on(KernelFamily::kSm90, compute_capability) &&
-      (p.single_family || rows_per_expert > kSm90MinRowsPerExpert))
+  const bool sm90_rows = rows_per_expert > kSm90MinRowsPerExpert ||
+                        (p.k >= kSm90LongK && rows_per_expert > kSm90MinRowsPerExpertLongK);
+  if (family_runs_on(KernelFamily::kSm90, compute_capability) && (p.single_family || sm90_rows))
     fitting = candidates(KernelFamily::kSm90);
   if (fitting.empty()) fitting = candidates(KernelFamily::kPortable);
   if (fitting.empty()) {

@@ -191,10 +191,18 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
   }
   for (int cc : {0, 80, 89, 100, 120})
     EXPECT_EQ(plan_gemm(prefill, 232448, 132, cc).config.family, KernelFamily::kPortable) << cc;
-  // The boundary: more than kSm90MinRowsPerExpert rows per active expert.
+  // The boundary: more than kSm90MinRowsPerExpertLongK rows per active
+  // expert where K >= kSm90LongK, more than kSm90MinRowsPerExpert otherwise.
   GemmProblem edge = decode;
   edge.single_family = false;
   edge.expected_active_experts = 256;
+  ASSERT_GE(edge.k, kSm90LongK);
+  edge.num_rows = static_cast<int64_t>(kSm90MinRowsPerExpertLongK) * 256;
+  EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kPortable);
+  edge.num_rows += 256;
+  EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kSm90);
+  edge.k = kSm90LongK - 256;
+  EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kPortable);
   edge.num_rows = static_cast<int64_t>(kSm90MinRowsPerExpert) * 256;
   EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kPortable);
   edge.num_rows += 256;

@@ -3,7 +3,9 @@
 // wgmma.mma_async m64nNk16, fp32 accumulators, bf16 inputs, A from registers:
 //   d: N/2 fp32 per thread; warp w of the warpgroup holds rows 16w + g and
 //      16w + g + 8 (g = lane / 4) of the 64-row tile, columns 8j + 2t, +1
-//      (t = lane % 4) in d[4j .. 4j + 3] = (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
+//      (t = lane % 4) in d[4j .. 4j + 3] = (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1).
+//      The array may be longer: a narrower wgmma updates the first N/2
+//      accumulators of a wider tile's and leaves the rest as they are.
 //   a: 4 bf16x2 per thread, the m16n8k16 A fragment of the warp's 16 rows
 //   b: shared-memory descriptor of the (16 k, N) operand, K-major
 // D += A . B (scale-d 1, no negation, B not transposed). Issue between
@@ -19,7 +21,9 @@ struct Wgmma;
 
 template <>
 struct Wgmma<8> {
-  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint64_t b_desc) {
+  template <int ACC>
+  __device__ __forceinline__ static void mma(float (&d)[ACC], const uint32_t (&a)[4], uint64_t b_desc) {
+    static_assert(ACC >= 4, "m64n8k16 needs 4 accumulators per thread");
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3}, "
@@ -31,7 +35,9 @@ struct Wgmma<8> {
 
 template <>
 struct Wgmma<16> {
-  __device__ __forceinline__ static void mma(float (&d)[8], const uint32_t (&a)[4], uint64_t b_desc) {
+  template <int ACC>
+  __device__ __forceinline__ static void mma(float (&d)[ACC], const uint32_t (&a)[4], uint64_t b_desc) {
+    static_assert(ACC >= 8, "m64n16k16 needs 8 accumulators per thread");
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7}, "
@@ -42,8 +48,25 @@ struct Wgmma<16> {
 };
 
 template <>
+struct Wgmma<24> {
+  template <int ACC>
+  __device__ __forceinline__ static void mma(float (&d)[ACC], const uint32_t (&a)[4], uint64_t b_desc) {
+    static_assert(ACC >= 12, "m64n24k16 needs 12 accumulators per thread");
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, "
+        "{%12, %13, %14, %15}, %16, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+  }
+};
+
+template <>
 struct Wgmma<32> {
-  __device__ __forceinline__ static void mma(float (&d)[16], const uint32_t (&a)[4], uint64_t b_desc) {
+  template <int ACC>
+  __device__ __forceinline__ static void mma(float (&d)[ACC], const uint32_t (&a)[4], uint64_t b_desc) {
+    static_assert(ACC >= 16, "m64n32k16 needs 16 accumulators per thread");
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
@@ -55,8 +78,26 @@ struct Wgmma<32> {
 };
 
 template <>
+struct Wgmma<48> {
+  template <int ACC>
+  __device__ __forceinline__ static void mma(float (&d)[ACC], const uint32_t (&a)[4], uint64_t b_desc) {
+    static_assert(ACC >= 24, "m64n48k16 needs 24 accumulators per thread");
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, "
+        "{%24, %25, %26, %27}, %28, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+  }
+};
+
+template <>
 struct Wgmma<64> {
-  __device__ __forceinline__ static void mma(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {
+  template <int ACC>
+  __device__ __forceinline__ static void mma(float (&d)[ACC], const uint32_t (&a)[4], uint64_t b_desc) {
+    static_assert(ACC >= 32, "m64n64k16 needs 32 accumulators per thread");
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
@@ -70,8 +111,29 @@ struct Wgmma<64> {
 };
 
 template <>
+struct Wgmma<96> {
+  template <int ACC>
+  __device__ __forceinline__ static void mma(float (&d)[ACC], const uint32_t (&a)[4], uint64_t b_desc) {
+    static_assert(ACC >= 48, "m64n96k16 needs 48 accumulators per thread");
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
+        "{%48, %49, %50, %51}, %52, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+  }
+};
+
+template <>
 struct Wgmma<128> {
-  __device__ __forceinline__ static void mma(float (&d)[64], const uint32_t (&a)[4], uint64_t b_desc) {
+  template <int ACC>
+  __device__ __forceinline__ static void mma(float (&d)[ACC], const uint32_t (&a)[4], uint64_t b_desc) {
+    static_assert(ACC >= 64, "m64n128k16 needs 64 accumulators per thread");
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
@@ -89,8 +151,35 @@ struct Wgmma<128> {
 };
 
 template <>
+struct Wgmma<192> {
+  template <int ACC>
+  __device__ __forceinline__ static void mma(float (&d)[ACC], const uint32_t (&a)[4], uint64_t b_desc) {
+    static_assert(ACC >= 96, "m64n192k16 needs 96 accumulators per thread");
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
+        "{%96, %97, %98, %99}, %100, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+  }
+};
+
+template <>
 struct Wgmma<256> {
-  __device__ __forceinline__ static void mma(float (&d)[128], const uint32_t (&a)[4], uint64_t b_desc) {
+  template <int ACC>
+  __device__ __forceinline__ static void mma(float (&d)[ACC], const uint32_t (&a)[4], uint64_t b_desc) {
+    static_assert(ACC >= 128, "m64n256k16 needs 128 accumulators per thread");
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
