@@ -288,7 +288,6 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
                                     GatherMode gather) {
   validate_weights(weights, options);
   auto impl = std::make_unique<MoeLayer::Impl>();
-  FP4MOE_CUDA_CHECK(cudaGetDevice(&impl->device));
   impl->gather = gather;
   impl->num_experts = weights.num_experts;
   impl->hidden = weights.hidden;
@@ -315,6 +314,7 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
     for (const auto& x : weights.experts) ptrs.push_back(&x.down);
     packed2 = prepare_gemm_weights(ptrs);
   }
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&impl->device));
   impl->w13 = upload(packed13);
   impl->w2 = upload(packed2);
   if (impl->has_bias) {
