@@ -5,7 +5,7 @@
 //
 // Tested in tests/kernels/test_moe_ops.cpp: routing against the CPU reference
 // fp4moe::route() for every mode, expert count, top-k and token count (and
-// with many exact ties), the sort, gather and finalize against host loops with
+// with many exact ties, and with non-finite logits), the sort, gather and finalize against host loops with
 // poisoned outputs, and a CUDA-graph capture of the sequence.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -227,6 +227,7 @@ struct MoeLayer::Impl {
     if (added && print_plans()) std::fprintf(stderr, "fp4moe: plan for %s", plan->describe().c_str());
     return plan;
   }
+
   ScratchLayout scratch(int64_t num_tokens, const MoeLayerPlan& p) const {
     const size_t pairs = static_cast<size_t>(num_tokens * top_k);
     ScratchLayout s;

@@ -3,7 +3,8 @@
 //   - routing against the CPU reference fp4moe::route() for every mode,
 //     expert counts {8, 60, 128, 256, 384, 512}, top-k {1, 2, 4, 8, 32},
 //     token counts {1, 3, 64, 1000}, enumerated noaux_tc group settings, the
-//     DeepSeek-V3 and gpt-oss settings, and logits with many exact ties;
+//     DeepSeek-V3 and gpt-oss settings, logits with many exact ties, and
+//     logits with NaN and +-inf (docs/design.md §3) and their error bit;
 //   - the sort on random, skewed, single-expert, sparse and out-of-range ids;
 //   - gather and both finalize modes against host loops (bit-exact);
 //   - a CUDA-graph capture of route -> sort -> gather -> finalize.
