@@ -145,7 +145,14 @@ Routing route_from_logits(const SafetensorsFile& in, const MoeOptions& opts, int
   params.topk_groups = opts.topk_groups;
   params.routed_scaling_factor = opts.routed_scaling_factor;
   const std::vector<float> logit_values = tensor_to_float(logits);
-  return route(logit_values.data(), num_tokens, num_experts, bias.empty() ? nullptr : bias.data(), params);
+  Routing routing =
+      route(logit_values.data(), num_tokens, num_experts, bias.empty() ? nullptr : bias.data(), params);
+  if (routing.tokens_with_nonfinite_logits > 0)
+    std::fprintf(stderr,
+                 "moe: note: %lld token(s) have non-finite router logits; their experts were excluded "
+                 "(docs/design.md, non-finite inputs)\n",
+                 static_cast<long long>(routing.tokens_with_nonfinite_logits));
+  return routing;
 }
 
 void run_moe(const MoeOptions& opts, const CLI::App& cmd) {

@@ -187,6 +187,7 @@ void run_quantize(const QuantizeOptions& opts) {
       }
     }
     plans.push_back(std::move(plan));
+    in.release(name);  // the reader keeps a tensor's bytes until released
   }
 
   // Pass 2: quantise or copy, in file order.
@@ -204,6 +205,7 @@ void run_quantize(const QuantizeOptions& opts) {
       writer.add(view);
       ++num_copied;
       progress.advance(static_cast<int64_t>(view.nbytes), name);
+      in.release(name);
       continue;
     }
     const int64_t rows = view.shape[view.shape.size() - 2];
@@ -230,6 +232,7 @@ void run_quantize(const QuantizeOptions& opts) {
       progress.advance(static_cast<int64_t>(view.nbytes) / plan.num_matrices(view), plan.output_base(e));
     }
     if (plan.kind == TensorPlan::kStack) ++num_stacks;
+    in.release(name);
   }
   progress.finish();
 

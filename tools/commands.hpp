@@ -12,5 +12,6 @@ void add_moe_command(CLI::App& app);       // cmd_moe.cpp
 void add_demo_command(CLI::App& app);      // cmd_demo.cpp
 void add_plan_command(CLI::App& app);      // cmd_plan.cpp
 void add_bench_command(CLI::App& app);     // cmd_bench.cpp
+void add_soak_command(CLI::App& app);      // cmd_soak.cpp
 
 }  // namespace fp4moe::cli

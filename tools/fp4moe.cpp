@@ -1,4 +1,4 @@
-// The fp4moe command-line tool: quantize, moe, demo, plan and bench
+// The fp4moe command-line tool: quantize, moe, demo, plan, bench and soak
 // subcommands (one cmd_<name>.cpp each). This is the only place where
 // exceptions become exit codes:
 //   0  success (also --help, --version)
@@ -35,6 +35,7 @@ int main(int argc, char** argv) {
   fp4moe::cli::add_demo_command(app);
   fp4moe::cli::add_plan_command(app);
   fp4moe::cli::add_bench_command(app);
+  fp4moe::cli::add_soak_command(app);
 
   try {
     app.parse(argc, argv);  // runs the chosen subcommand's callback

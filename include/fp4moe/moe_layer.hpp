@@ -13,6 +13,20 @@
 // topk_ids/topk_weights. forward() is const: one layer may run on several
 // streams at once, each with its own workspace.
 //
+// Device: a layer lives on the CUDA device that was current when prepare()
+// ran (device()). forward() and device_errors() refuse, with an error naming
+// both devices, when another device is current: they never switch devices
+// behind the caller, whose stream and buffers belong to its current device.
+// Multi-GPU callers prepare one layer per device and cudaSetDevice before
+// each call.
+//
+// Limits, refused with fp4moe::Error before anything is allocated or
+// launched: hidden <= 2^31 - 256, inter <= 2^30 - 128 and 2 inter hidden <
+// 2^40 (the grouped GEMM's 32-bit indexing); num_tokens * top_k < 2^31
+// (plan, workspace_bytes, forward); a forward of more tokens than its
+// workspace was sized for. Plans are cached per token count, at most
+// plan_cache_capacity() of them (least recently used dropped first).
+//
 // Tested in tests/layer/test_moe_layer.cpp (GPU) against the CPU reference
 // (fp4moe::moe_reference) and in tests/layer/test_moe_layer_args.cpp (host
 // validation, no GPU needed).
@@ -110,7 +124,9 @@ class MoeLayer {
  public:
   // Validates the weights (shapes, shared gate/up global scale, biases) and
   // uploads them, repacked, to the current device. Throws fp4moe::Error with
-  // what was wrong. This is the expensive one-time step.
+  // what was wrong. This is the expensive one-time step. When an allocation
+  // or upload fails (out of device memory), whatever was allocated is freed
+  // before the error propagates.
   static MoeLayer prepare(const MoeWeights& weights, const MoeLayerOptions& options = {});
   // load_moe_weights(path, prefix) then prepare().
   static MoeLayer load(const std::string& path, const std::string& prefix,
@@ -126,6 +142,11 @@ class MoeLayer {
   int top_k() const;
   const MoeLayerOptions& options() const;
   size_t device_weight_bytes() const;  // what prepare() uploaded
+  int device() const;                  // the CUDA device prepare() uploaded to
+
+  // Plans held now (one per recently used token count), and the bound.
+  size_t cached_plans() const;
+  static size_t plan_cache_capacity();
 
   MoeLayerPlan plan(int64_t num_tokens) const;
 
@@ -153,8 +174,9 @@ class MoeLayer {
                          size_t workspace_bytes, cudaStream_t stream) const;
 
   // Device-side errors recorded in `workspace` by earlier forwards (expert
-  // ids out of range), then clears them; synchronises the stream. Empty when
-  // there were none.
+  // ids out of range, non-finite router logits, whose experts are excluded
+  // as docs/design.md §3 says), then clears them; synchronises the stream.
+  // Empty when there were none.
   std::string device_errors(void* workspace, cudaStream_t stream) const;
 
  private:

@@ -33,6 +33,10 @@ struct Routing {
   int top_k = 0;
   std::vector<int32_t> topk_ids;
   std::vector<float> topk_weights;
+  // Set by route(): tokens with at least one non-finite logit (their
+  // experts were excluded, see route()). The GPU reports the same event as
+  // a device error bit (MoeLayer::device_errors).
+  int64_t tokens_with_nonfinite_logits = 0;
 };
 
 // Routes router_logits [num_tokens, num_experts]. correction_bias
@@ -54,10 +58,21 @@ struct Routing {
 // Tie rule (the contract GPU routing kernels must match): whenever two
 // experts, or two groups, have exactly equal scores (in double), the one with
 // the lower index ranks first. A token's ids are listed in selection order:
-// descending score, ties by ascending index.
+// descending score, ties by ascending index. kSoftmaxTopK ranks by logit
+// (the order of p, without the ties of probabilities that underflow to 0).
+//
+// Non-finite logits (NaN, +inf, -inf) exclude their expert: it ranks after
+// every expert with a finite logit (its key, and for kNoauxTc its choice
+// score, is -inf; excluded experts tie, lower index first), weights are
+// computed from the finite logits alone, and an excluded expert chosen
+// anyway (fewer than top_k finite logits) gets weight 0. A token without a
+// finite logit gets weight 0 in every slot. Such tokens are counted in
+// Routing::tokens_with_nonfinite_logits; nothing throws (docs/design.md §3).
 //
 // Throws fp4moe::Error naming the parameter when top_k is outside
-// [1, num_experts], num_tokens < 1, a logit or bias is not finite, or (for
+// [1, num_experts], num_tokens < 1 or num_tokens * top_k >= 2^31 (the GPU
+// layer's limit, checked before anything is allocated), num_experts >=
+// 2^31, a correction bias is not finite, or (for
 // kNoauxTc) num_groups does not divide num_experts, a group has fewer than 2
 // experts, topk_groups is outside [1, num_groups], the kept groups hold fewer
 // than top_k experts, or routed_scaling_factor is not finite and positive.
@@ -65,7 +80,8 @@ Routing route(const float* router_logits, int64_t num_tokens, int64_t num_expert
               const float* correction_bias, const RoutingParams& params);
 
 // Validates caller-given routing against the layer (ids in range, no
-// duplicate expert within a token, shapes); throws with the first offence.
+// duplicate expert within a token, shapes, num_tokens * top_k < 2^31);
+// throws with the first offence.
 void validate_routing(const Routing& routing, int64_t num_experts);
 
 enum class Activation {

@@ -1,4 +1,5 @@
-// safetensors files: memory-mapped reading and atomic writing.
+// safetensors files: validated reading (pread, no memory map) and atomic
+// writing.
 //
 // Format: 8-byte little-endian header length N, N bytes of JSON
 // {"name": {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, ...,
@@ -6,13 +7,15 @@
 // length, dtype and shape is validated on open; a malformed file raises one
 // fp4moe::Error naming the file, the tensor and the problem.
 // Tested in tests/format/test_safetensors.cpp (round trips, fuzzed headers,
-// also under AddressSanitizer).
+// also under AddressSanitizer) and tests/format/test_safetensors_robust.cpp
+// (unread dtypes, files truncated or replaced after open).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <span>
 #include <string>
@@ -46,8 +49,19 @@ struct TensorView {
   int64_t numel() const { return shape_numel(shape); }
 };
 
-// A read-only, memory-mapped safetensors file. Views stay valid while the
-// file object lives.
+// A read-only safetensors file, kept open. open() reads and validates the
+// header only. A tensor's bytes are read on its first get() into memory the
+// file object owns (pread, not a memory map: a file truncated while open is
+// an fp4moe::Error naming the file and the tensor, never a SIGBUS; a file
+// replaced by rename is still read from what was opened). Views stay valid
+// while the file object lives, until release() of that tensor.
+//
+// Tensors whose dtype fp4moe does not read (F64, BOOL, I8, U16, ..., or a
+// name from a newer format version) are listed by names() and contains()
+// and checked like the others at open; get() or describe() of one throws.
+//
+// get(), describe() and release() may be called from several threads, but
+// not release() of a tensor whose view another thread still uses.
 class SafetensorsFile {
  public:
   static SafetensorsFile open(const std::string& path);
@@ -57,20 +71,40 @@ class SafetensorsFile {
 
   const std::string& path() const { return path_; }
   bool contains(std::string_view name) const;
-  // Throws fp4moe::Error naming the file and the missing tensor.
+  // Reads the tensor's bytes on first use. Throws fp4moe::Error naming the
+  // file and the tensor when it is missing, has a dtype fp4moe does not
+  // read, or the file no longer holds its bytes.
   const TensorView& get(std::string_view name) const;
+  // The tensor's name, dtype, shape and nbytes without reading its bytes
+  // (data is null); throws as get() does for a missing or unread dtype.
+  TensorView describe(std::string_view name) const;
+  // Frees the bytes get() read for `name` (its views become invalid); the
+  // next get() reads them again. For callers streaming through big files.
+  void release(std::string_view name) const;
   // Tensor names in file order of their data offsets.
   const std::vector<std::string>& names() const { return names_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
  private:
+  struct StoredTensor {
+    TensorView view;            // data: null until get() reads the bytes
+    bool readable = false;      // a dtype fp4moe reads
+    std::string dtype_name;     // as the header spells it
+    uint64_t offset = 0;        // in the data section
+    std::unique_ptr<uint8_t[]> bytes;
+  };
   SafetensorsFile() = default;
+  StoredTensor& readable(std::string_view name) const;
   std::string path_;
-  void* map_ = nullptr;
-  size_t map_size_ = 0;
+  int fd_ = -1;
+  uint64_t file_bytes_ = 0;           // at open()
+  uint64_t data_section_offset_ = 0;  // 8 + header length
   std::vector<std::string> names_;
-  std::map<std::string, TensorView, std::less<>> tensors_;
+  // mutable: the bytes get() reads are a cache of the file, filled by const
+  // readers (the map's structure never changes after open()).
+  mutable std::map<std::string, StoredTensor, std::less<>> tensors_;
   std::map<std::string, std::string> metadata_;
+  std::unique_ptr<std::mutex> mutex_;  // guards the bytes read by get()
 };
 
 // Collects tensors and writes them as one safetensors file. The write goes to

@@ -1,21 +1,27 @@
-// safetensors reading (memory-mapped, fully validated) and writing (atomic).
+// safetensors reading (fully validated, read with pread) and writing (atomic).
 //
 // Reading trusts nothing in the file: the length prefix, the JSON header and
 // every entry's dtype, shape and offsets are checked against each other and
 // against the file size before a single view is handed out, so a corrupt or
 // hostile file raises one fp4moe::Error naming the file, the tensor and the
-// problem, and never leads to an out-of-bounds read.
+// problem, and never leads to an out-of-bounds read. A tensor's bytes are
+// read (pread) into memory the file object owns on its first get(), after
+// checking that the file still holds them: a file truncated while open is a
+// clean error, not the SIGBUS a memory map would raise, and a file replaced
+// by rename keeps being read from the inode that was opened. Tensors of
+// dtypes fp4moe does not read (F64, BOOL, ...) are listed and bounds-checked
+// like the others; only get() on one of them is an error.
 // Writing lays tensors out contiguously in insertion order after a header
 // padded to 8 bytes (as the reference implementation does), writes
 // "<path>.tmp.<pid>", fsyncs it and renames it over <path>.
 // Tested in tests/format/test_safetensors.cpp: round trips of every dtype,
 // a table of malformed headers, deterministic fuzzing of a valid file's bytes
 // and failing writes; the same tests also run under ASan/UBSan
-// (test_safetensors_asan).
+// (test_safetensors_asan); tests/format/test_safetensors_robust.cpp: unread
+// dtypes, truncation and replacement after open, release().
 #include "fp4moe/safetensors.hpp"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -49,6 +55,16 @@ constexpr std::string_view kMetadataKey = "__metadata__";
 constexpr DType kAllDTypes[] = {DType::BF16, DType::F16, DType::F32, DType::F8_E4M3,
                                 DType::U8,   DType::I32, DType::I64};
 constexpr std::string_view kSupportedDTypes = "BF16, F16, F32, F8_E4M3, U8, I32, I64";
+// The other dtypes of the safetensors format, with their element sizes: a
+// file may hold them (a mask, an fp64 statistic) beside tensors fp4moe reads;
+// their byte counts are still checked against their shapes.
+struct OtherDType {
+  std::string_view name;
+  size_t element_bytes;
+};
+constexpr OtherDType kOtherDTypes[] = {{"BOOL", 1}, {"I8", 1},  {"F8_E5M2", 1}, {"F8_E8M0", 1},
+                                       {"I16", 2},  {"U16", 2}, {"U32", 4},     {"U64", 8},
+                                       {"F64", 8}};
 
 std::string errno_message(int error_number) {
   return std::system_category().message(error_number);
@@ -101,7 +117,8 @@ uint64_t read_le_u64(const uint8_t* bytes) {
 // One header entry, validated on its own; overlaps are checked afterwards.
 struct HeaderEntry {
   std::string name;
-  DType dtype;
+  std::optional<DType> dtype;  // empty: a dtype fp4moe does not read
+  std::string dtype_name;
   std::vector<int64_t> shape;
   uint64_t begin;
   uint64_t end;
@@ -113,7 +130,7 @@ HeaderEntry parse_entry(const std::string& path, const std::string& name, const 
     throw_tensor_error(path, name, "entry must be an object with dtype, shape and data_offsets, got ",
                        describe(value));
   }
-  HeaderEntry entry{name, DType::U8, {}, 0, 0};
+  HeaderEntry entry{name, std::nullopt, {}, {}, 0, 0};
 
   const auto dtype_it = value.find("dtype");
   if (dtype_it == value.end()) throw_tensor_error(path, name, "missing 'dtype'");
@@ -121,12 +138,15 @@ HeaderEntry parse_entry(const std::string& path, const std::string& name, const 
     throw_tensor_error(path, name, "'dtype' must be a string, got ", describe(*dtype_it));
   }
   const auto& dtype_string = dtype_it->get_ref<const std::string&>();
-  const std::optional<DType> dtype = find_dtype(dtype_string);
-  if (!dtype) {
-    throw_tensor_error(path, name, "unsupported dtype '", dtype_string, "' (supported: ",
-                       kSupportedDTypes, ")");
-  }
-  entry.dtype = *dtype;
+  if (dtype_string.empty()) throw_tensor_error(path, name, "'dtype' is an empty string");
+  entry.dtype = find_dtype(dtype_string);
+  entry.dtype_name = dtype_string;
+  // Element size: known for every safetensors dtype; a name outside the
+  // format (a newer version's) gets its offsets checked, not its byte count.
+  std::optional<size_t> element_bytes;
+  if (entry.dtype) element_bytes = dtype_size(*entry.dtype);
+  for (const OtherDType& other : kOtherDTypes)
+    if (other.name == dtype_string) element_bytes = other.element_bytes;
 
   const auto shape_it = value.find("shape");
   if (shape_it == value.end()) throw_tensor_error(path, name, "missing 'shape'");
@@ -147,7 +167,7 @@ HeaderEntry parse_entry(const std::string& path, const std::string& name, const 
     }
     entry.shape.push_back(static_cast<int64_t>(*extent));
   }
-  const std::optional<uint64_t> nbytes = checked_nbytes(entry.shape, dtype_size(entry.dtype));
+  const std::optional<uint64_t> nbytes = checked_nbytes(entry.shape, element_bytes.value_or(1));
   if (!nbytes) {
     throw_tensor_error(path, name, "shape ", shape_to_string(entry.shape), " of ", dtype_string,
                        " overflows a 64-bit byte count");
@@ -177,7 +197,7 @@ HeaderEntry parse_entry(const std::string& path, const std::string& name, const 
     throw_tensor_error(path, name, "data_offsets [", entry.begin, ", ", entry.end,
                        "] run past the end of the data section (", data_section_bytes, " bytes)");
   }
-  if (entry.end - entry.begin != *nbytes) {
+  if (element_bytes && entry.end - entry.begin != *nbytes) {
     throw_tensor_error(path, name, "data_offsets [", entry.begin, ", ", entry.end, "] but shape ",
                        shape_to_string(entry.shape), " of ", dtype_string, " needs ", *nbytes,
                        " bytes");
@@ -236,9 +256,25 @@ json parse_header_json(const std::string& path, const char* text, size_t text_by
   return header;
 }
 
-void unmap(void* map, size_t map_size) {
-  if (map != nullptr) ::munmap(map, map_size);
+// Reads exactly nbytes at `offset`, retrying short reads and EINTR; false
+// when the file ends first.
+bool read_exactly(int fd, void* data, size_t nbytes, uint64_t offset, const std::string& path) {
+  auto* cursor = static_cast<uint8_t*>(data);
+  constexpr size_t kMaxChunkBytes = size_t{1} << 30;  // Linux reads at most ~2 GiB per call
+  while (nbytes > 0) {
+    const ssize_t got = ::pread(fd, cursor, std::min(nbytes, kMaxChunkBytes), static_cast<off_t>(offset));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) FP4MOE_THROW(path, ": read failed: ", errno_message(errno));
+    if (got == 0) return false;
+    cursor += got;
+    offset += static_cast<uint64_t>(got);
+    nbytes -= static_cast<size_t>(got);
+  }
+  return true;
 }
+
+// Where a view of zero bytes points: not null, never read.
+const uint8_t kNoBytes[1] = {0};
 
 // Closes a file descriptor on every exit path.
 class FdCloser {
@@ -345,7 +381,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
 
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) FP4MOE_THROW(path, ": cannot open: ", errno_message(errno));
-  FdCloser fd_closer(fd);
+  file.fd_ = fd;  // from here on, file's destructor closes it on any error
   struct stat file_stat {};
   if (::fstat(fd, &file_stat) != 0) FP4MOE_THROW(path, ": cannot stat: ", errno_message(errno));
   FP4MOE_CHECK(S_ISREG(file_stat.st_mode), path, ": not a regular file");
@@ -353,24 +389,22 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   FP4MOE_CHECK(file_bytes >= kLengthPrefixBytes, path, ": file is ", file_bytes,
                " bytes, shorter than the 8-byte header length prefix");
 
-  // NOTE: a file truncated by another process while mapped raises SIGBUS on
-  // access; nothing short of copying the file can prevent that.
-  void* map = ::mmap(nullptr, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
-  if (map == MAP_FAILED) FP4MOE_THROW(path, ": mmap failed: ", errno_message(errno));
-  file.map_ = map;  // from here on, file's destructor unmaps on any error
-  file.map_size_ = file_bytes;
-  const auto* bytes = static_cast<const uint8_t*>(map);
-
-  const uint64_t header_bytes = read_le_u64(bytes);
+  file.file_bytes_ = file_bytes;
+  uint8_t prefix[kLengthPrefixBytes];
+  FP4MOE_CHECK(read_exactly(fd, prefix, kLengthPrefixBytes, 0, path), path,
+               ": file ended while its length prefix was read (truncated while opening?)");
+  const uint64_t header_bytes = read_le_u64(prefix);
   FP4MOE_CHECK(header_bytes <= kMaxHeaderBytes, path, ": header length ", header_bytes,
                " exceeds the limit of ", kMaxHeaderBytes, " bytes (corrupt length prefix?)");
   FP4MOE_CHECK(header_bytes <= file_bytes - kLengthPrefixBytes, path, ": header length ",
                header_bytes, " runs past the end of the file (", file_bytes, " bytes)");
-  const uint8_t* data_section = bytes + kLengthPrefixBytes + header_bytes;
+  file.data_section_offset_ = kLengthPrefixBytes + header_bytes;
   const uint64_t data_section_bytes = file_bytes - kLengthPrefixBytes - header_bytes;
 
-  const json header = parse_header_json(
-      path, reinterpret_cast<const char*>(bytes + kLengthPrefixBytes), header_bytes);
+  std::string header_text(static_cast<size_t>(header_bytes), '\0');
+  FP4MOE_CHECK(read_exactly(fd, header_text.data(), header_text.size(), kLengthPrefixBytes, path),
+               path, ": file ended while its header was read (truncated while opening?)");
+  const json header = parse_header_json(path, header_text.data(), header_text.size());
 
   std::vector<HeaderEntry> entries;
   for (const auto& [key, value] : header.items()) {
@@ -400,50 +434,106 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
 
   file.names_.reserve(entries.size());
   for (HeaderEntry& entry : entries) {
-    TensorView view;
-    view.name = entry.name;
-    view.dtype = entry.dtype;
-    view.shape = std::move(entry.shape);
-    view.data = data_section + entry.begin;
-    view.nbytes = static_cast<size_t>(entry.end - entry.begin);
+    StoredTensor stored;
+    stored.view.name = entry.name;
+    stored.view.dtype = entry.dtype.value_or(DType::U8);
+    stored.view.shape = std::move(entry.shape);
+    stored.view.nbytes = static_cast<size_t>(entry.end - entry.begin);
+    stored.readable = entry.dtype.has_value();
+    stored.dtype_name = std::move(entry.dtype_name);
+    stored.offset = entry.begin;
     file.names_.push_back(entry.name);
-    file.tensors_.emplace(std::move(entry.name), std::move(view));
+    file.tensors_.emplace(std::move(entry.name), std::move(stored));
   }
+  file.mutex_ = std::make_unique<std::mutex>();
   return file;
 }
 
 SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept
     : path_(std::move(other.path_)),
-      map_(std::exchange(other.map_, nullptr)),
-      map_size_(std::exchange(other.map_size_, 0)),
+      fd_(std::exchange(other.fd_, -1)),
+      file_bytes_(other.file_bytes_),
+      data_section_offset_(other.data_section_offset_),
       names_(std::move(other.names_)),
       tensors_(std::move(other.tensors_)),
-      metadata_(std::move(other.metadata_)) {}
+      metadata_(std::move(other.metadata_)),
+      mutex_(std::move(other.mutex_)) {}
 
 SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
   if (this != &other) {
-    unmap(map_, map_size_);
+    if (fd_ >= 0) ::close(fd_);
     path_ = std::move(other.path_);
-    map_ = std::exchange(other.map_, nullptr);
-    map_size_ = std::exchange(other.map_size_, 0);
+    fd_ = std::exchange(other.fd_, -1);
+    file_bytes_ = other.file_bytes_;
+    data_section_offset_ = other.data_section_offset_;
     names_ = std::move(other.names_);
     tensors_ = std::move(other.tensors_);
     metadata_ = std::move(other.metadata_);
+    mutex_ = std::move(other.mutex_);
   }
   return *this;
 }
 
-SafetensorsFile::~SafetensorsFile() { unmap(map_, map_size_); }
+SafetensorsFile::~SafetensorsFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
 
 bool SafetensorsFile::contains(std::string_view name) const {
   return tensors_.find(name) != tensors_.end();
 }
 
-const TensorView& SafetensorsFile::get(std::string_view name) const {
+SafetensorsFile::StoredTensor& SafetensorsFile::readable(std::string_view name) const {
   const auto it = tensors_.find(name);
   FP4MOE_CHECK(it != tensors_.end(), path_, ": no tensor named '", name, "' (the file has ",
                tensors_.size(), " tensors)");
-  return it->second;
+  StoredTensor& stored = it->second;
+  if (!stored.readable)
+    throw_tensor_error(path_, name, "dtype '", stored.dtype_name,
+                       "' is not one fp4moe reads (supported: ", kSupportedDTypes, ")");
+  return stored;
+}
+
+TensorView SafetensorsFile::describe(std::string_view name) const {
+  TensorView view = readable(name).view;
+  view.data = nullptr;
+  return view;
+}
+
+const TensorView& SafetensorsFile::get(std::string_view name) const {
+  StoredTensor& stored = readable(name);
+  const std::lock_guard<std::mutex> lock(*mutex_);
+  if (stored.view.data != nullptr) return stored.view;
+  const size_t nbytes = stored.view.nbytes;
+  if (nbytes == 0) {
+    stored.view.data = kNoBytes;
+    return stored.view;
+  }
+  // The file must still hold the bytes it held at open(); reading past its
+  // current end is refused here, not discovered as a short read.
+  const uint64_t end = data_section_offset_ + stored.offset + nbytes;
+  struct stat now {};
+  if (::fstat(fd_, &now) != 0) FP4MOE_THROW(path_, ": cannot stat: ", errno_message(errno));
+  const auto now_bytes = static_cast<uint64_t>(now.st_size);
+  if (now_bytes < end)
+    throw_tensor_error(path_, name, "the file is now ", now_bytes, " bytes, shorter than the ",
+                       file_bytes_, " it had when opened (truncated while open?); the tensor ends at byte ",
+                       end);
+  auto bytes = std::make_unique_for_overwrite<uint8_t[]>(nbytes);
+  if (!read_exactly(fd_, bytes.get(), nbytes, end - nbytes, path_))
+    throw_tensor_error(path_, name, "the file ended before byte ", end,
+                       " (truncated while being read?)");
+  stored.bytes = std::move(bytes);
+  stored.view.data = stored.bytes.get();
+  return stored.view;
+}
+
+void SafetensorsFile::release(std::string_view name) const {
+  const auto it = tensors_.find(name);
+  if (it == tensors_.end()) return;
+  StoredTensor& stored = it->second;
+  const std::lock_guard<std::mutex> lock(*mutex_);
+  stored.bytes.reset();
+  stored.view.data = nullptr;
 }
 
 // ---------------------------------------------------------------------------

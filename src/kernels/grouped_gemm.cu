@@ -137,7 +137,7 @@ void validate_args(const GroupedGemmArgs& a, bool for_launch, Epilogue epilogue)
                  "grouped_gemm: the finalize epilogue needs out_f32 and scatter_rows");
     FP4MOE_CHECK(a.out_row_divisor >= 1 && a.out_rows >= 1 && a.out_rows < (int64_t{1} << 31),
                  "grouped_gemm: finalize out_rows = ", a.out_rows, ", out_row_divisor = ",
-                 a.out_row_divisor, "; expected both >= 1");
+                 a.out_row_divisor, "; expected both >= 1 and out_rows < 2^31");
     vectors[num_vectors++] = {a.out_f32, "out_f32"};
     if (a.bias) vectors[num_vectors++] = {a.bias, "bias"};
   } else {

@@ -5,7 +5,7 @@
 //
 // Tested in tests/kernels/test_moe_ops.cpp: routing against the CPU reference
 // fp4moe::route() for every mode, expert count, top-k and token count (and
-// with many exact ties), the sort, gather and finalize against host loops with
+// with many exact ties, and with non-finite logits), the sort, gather and finalize against host loops with
 // poisoned outputs, and a CUDA-graph capture of the sequence.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -45,8 +45,11 @@ static_assert(kMaxTopK <= 32, "lane j holds the j-th chosen expert");
 // rank j < top_k is the j-th choice. The counting runs on all threads at
 // once: a chain of top_k warp argmax rounds is latency-bound (one warp,
 // ~3,000 dependent instructions, 12 us at T = 1 in ncu), this is ~1 us.
-// noaux_tc ranks groups the same way first. NaN keys rank as -inf, so ids
-// stay in range and distinct whatever the logits.
+// noaux_tc ranks groups the same way first. A non-finite logit excludes its
+// expert as in fp4moe::route (docs/design.md §3): its key is -inf, so it
+// ranks after every finite one and ids stay in range and distinct whatever
+// the logits; if chosen anyway it weighs 0, and the token sets
+// kErrorNonFiniteLogits.
 struct RouteShared {
   // Selection key: the logit, or c = sigmoid(logit) + bias for noaux_tc; NaN
   // for experts of dropped groups and for the padding to a multiple of 4.
@@ -76,21 +79,30 @@ __device__ void route_token(RouteShared& sh,
                             const float* __restrict__ correction_bias,  // [num_experts] or null (noaux_tc)
                             int num_experts, const RoutingParams& params, int64_t token,
                             int32_t* __restrict__ topk_ids,      // [num_tokens, top_k]
-                            float* __restrict__ topk_weights) {  // [num_tokens, top_k]
+                            float* __restrict__ topk_weights,    // [num_tokens, top_k]
+                            int32_t* __restrict__ error_flags) { // layer error word, or null
   const int tid = static_cast<int>(threadIdx.x);
   const float* logits = router_logits + token * num_experts;
   const int top_k = params.top_k;
   const bool noaux = params.mode == RoutingMode::kNoauxTc;
 
+  bool saw_nonfinite = false;
   for (int e = tid; e < num_experts; e += kRouteThreads) {
-    float key = __ldg(logits + e);
-    if (noaux) key = sigmoid(key) + (correction_bias ? __ldg(correction_bias + e) : 0.0f);
-    sh.key[e] = isnan(key) ? -INFINITY : key;
+    const float logit = __ldg(logits + e);
+    float key = -INFINITY;  // excluded
+    if (isfinite(logit)) {
+      key = noaux ? sigmoid(logit) + (correction_bias ? __ldg(correction_bias + e) : 0.0f) : logit;
+      if (isnan(key)) key = -INFINITY;  // a NaN correction bias
+    } else {
+      saw_nonfinite = true;
+    }
+    sh.key[e] = key;
   }
   // Pad to a multiple of 4 keys for the float4 reads; NaN ranks nowhere.
   if (tid < 4 && num_experts % 4 != 0 && num_experts + tid < kMaxExperts + 4)
     sh.key[num_experts + tid] = NAN;
-  __syncthreads();
+  if (__syncthreads_or(saw_nonfinite) && tid == 0 && error_flags != nullptr)
+    atomicOr(error_flags, kErrorNonFiniteLogits);
 
   if (noaux && params.topk_groups < params.num_groups) {
     // Group score: the sum of its two largest keys; keep the topk_groups best.
@@ -144,13 +156,16 @@ __device__ void route_token(RouteShared& sh,
     if (total < top_k) sh.chosen[total] = e;
   }
 
-  // Softmax without renormalisation divides by the sum over all experts.
+  // Softmax without renormalisation divides by the sum over all experts
+  // (excluded ones add expf(-inf) = 0; without a finite logit the weights
+  // are 0 and the sum is not used).
   float all_sum = 0.0f;
   if (params.mode == RoutingMode::kSoftmaxTopK && !params.renormalize) {
     __syncthreads();
     const float max_logit = sh.key[sh.chosen[0]];
     float partial = 0.0f;
-    for (int e = tid; e < num_experts; e += kRouteThreads) partial += expf(sh.key[e] - max_logit);
+    if (max_logit != -INFINITY)
+      for (int e = tid; e < num_experts; e += kRouteThreads) partial += expf(sh.key[e] - max_logit);
     partial = warp_sum(partial);
     if (tid % 32 == 0) sh.partial[tid / 32] = partial;
     __syncthreads();
@@ -164,15 +179,19 @@ __device__ void route_token(RouteShared& sh,
     const int expert = lane < top_k ? sh.chosen[lane] : 0;
     float weight = 0.0f;
     if (noaux) {
-      const float unbiased = lane < top_k ? sigmoid(__ldg(logits + expert)) : 0.0f;
+      const float logit = __ldg(logits + expert);
+      const float unbiased = lane < top_k && isfinite(logit) ? sigmoid(logit) : 0.0f;
       weight = unbiased / (warp_sum(unbiased) + 1e-20f) * params.routed_scaling_factor;
     } else {
+      // The first choice holds the largest key; -inf there: no finite logit.
       const float max_logit = sh.key[sh.chosen[0]];
-      const float numerator = lane < top_k ? expf(sh.key[expert] - max_logit) : 0.0f;
+      const float key = sh.key[expert];
+      const float numerator =
+          lane < top_k && key != -INFINITY ? expf(key - max_logit) : 0.0f;
       const float denominator =
           params.mode == RoutingMode::kSoftmaxTopK && !params.renormalize ? all_sum
                                                                           : warp_sum(numerator);
-      weight = numerator / denominator;
+      weight = max_logit == -INFINITY ? 0.0f : numerator / denominator;
     }
     if (lane < top_k) {
       topk_ids[token * top_k + lane] = expert;
@@ -184,12 +203,12 @@ __device__ void route_token(RouteShared& sh,
 __global__ void __launch_bounds__(kRouteThreads)
     route_kernel(const float* __restrict__ router_logits, const float* __restrict__ correction_bias,
                  int num_experts, RoutingParams params, int32_t* __restrict__ topk_ids,
-                 float* __restrict__ topk_weights) {
+                 float* __restrict__ topk_weights, int32_t* __restrict__ error_flags) {
   __shared__ RouteShared sh;
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   route_token(sh, router_logits, correction_bias, num_experts, params, blockIdx.x, topk_ids,
-              topk_weights);
+              topk_weights, error_flags);
 }
 
 // ------------------------------------------------------------------- sort
@@ -352,7 +371,7 @@ __global__ void __launch_bounds__(kRouteThreads)
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   route_token(route_sh, router_logits, correction_bias, num_experts, params, blockIdx.x, topk_ids,
-              topk_weights);
+              topk_weights, error_flags);
   if (gridDim.x == 1) {  // route_token synchronised the block after filling route_sh.chosen
     sort_pairs_in_block<kRouteThreads, IdSource::kShared>(sort_sh, route_sh.chosen, params.top_k,
                                                           params.top_k, num_experts, expert_offsets,
@@ -503,7 +522,8 @@ void check_routing_params(int64_t num_tokens, int64_t num_experts, const Routing
 
 void launch_route(const float* router_logits, const float* correction_bias, int64_t num_tokens,
                   int64_t num_experts, const RoutingParams& params, int32_t* topk_ids,
-                  float* topk_weights, cudaStream_t stream, bool programmatic) {
+                  float* topk_weights, cudaStream_t stream, bool programmatic,
+                  int32_t* error_flags) {
   check_routing_params(num_tokens, num_experts, params);
   if (num_tokens == 0) return;
   FP4MOE_CHECK(router_logits && topk_ids && topk_weights,
@@ -513,7 +533,7 @@ void launch_route(const float* router_logits, const float* correction_bias, int6
   launch_kernel(route_kernel, static_cast<unsigned>(num_tokens), kRouteThreads, 0, stream,
                 programmatic, router_logits,
                 params.mode == RoutingMode::kNoauxTc ? correction_bias : nullptr,
-                static_cast<int>(num_experts), params, topk_ids, topk_weights);
+                static_cast<int>(num_experts), params, topk_ids, topk_weights, error_flags);
 }
 
 void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_k,
@@ -542,7 +562,7 @@ void launch_route_and_sort(const float* router_logits, const float* correction_b
   check_routing_params(num_tokens, num_experts, params);
   if (num_tokens * params.top_k > kFusedSortMaxPairs) {
     launch_route(router_logits, correction_bias, num_tokens, num_experts, params, topk_ids,
-                 topk_weights, stream, programmatic);
+                 topk_weights, stream, programmatic, error_flags);
     launch_sort_by_expert(topk_ids, num_tokens, params.top_k, num_experts, expert_offsets,
                           token_of_row, pair_of_row, error_flags, stream, programmatic);
     return;

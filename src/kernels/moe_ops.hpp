@@ -26,6 +26,9 @@ namespace fp4moe::kernels {
 
 // Bits of the layer's device-side error word (the grouped GEMM's bits are 1, 2).
 inline constexpr int kErrorExpertIdOutOfRange = 4;
+// A token had a non-finite router logit; its experts were excluded
+// (docs/design.md §3). Not a fault of the layer: the output is defined.
+inline constexpr int kErrorNonFiniteLogits = 8;
 // The expert id of a slot that is deliberately empty (served by another rank
 // under expert parallelism): skipped like any id out of range, not an error.
 inline constexpr int32_t kAbsentSlot = -1;
@@ -39,11 +42,15 @@ inline constexpr int kMaxTopK = 32;
 // scores rank by lower expert (or group) index; a token's ids are listed in
 // selection order. Scores are computed in fp32. correction_bias fp32
 // [num_experts] is read for kNoauxTc only and may be null (zeros).
+// Non-finite logits exclude their expert as in route(); a token with one
+// sets kErrorNonFiniteLogits in *error_flags (atomicOr) where error_flags is
+// not null.
 // Throws (before launch) on the parameter errors route() throws on, and when
 // num_experts > kMaxExperts (512, plan/smem_model.hpp) or top_k > kMaxTopK.
 void launch_route(const float* router_logits, const float* correction_bias, int64_t num_tokens,
                   int64_t num_experts, const RoutingParams& params, int32_t* topk_ids,
-                  float* topk_weights, cudaStream_t stream, bool programmatic = false);
+                  float* topk_weights, cudaStream_t stream, bool programmatic = false,
+                  int32_t* error_flags = nullptr);
 
 // Counting sort of the num_tokens * top_k pairs by expert. Pair p = token *
 // top_k + slot has expert topk_ids[p]. Writes

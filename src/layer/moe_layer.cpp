@@ -9,7 +9,12 @@
 // forwards (device error words, split-K tile counters), so forwards of any
 // token count can share one workspace; the scratch after it is carved per
 // forward from the token count.
-// Tested in tests/layer/test_moe_layer.cpp (GPU) and test_moe_layer_args.cpp.
+// Plans are cached per token count in a bounded LRU cache (kPlanCacheCapacity
+// plans, src/layer/plan_cache.hpp), so a server that sees every token count
+// holds a fixed amount of host memory.
+// Tested in tests/layer/test_moe_layer.cpp (GPU), test_moe_layer_faults.cpp
+// (GPU: limits, device, out of memory, non-finite inputs) and
+// test_moe_layer_args.cpp.
 #include "fp4moe/moe_layer.hpp"
 #include "layer/moe_layer_internals.hpp"
 
@@ -17,8 +22,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <map>
-#include <mutex>
+#include <memory>
 #include <sstream>
 #include <utility>
 
@@ -26,6 +30,7 @@
 #include "fp4moe/error.hpp"
 #include "kernels/grouped_gemm.hpp"
 #include "kernels/moe_ops.hpp"
+#include "layer/plan_cache.hpp"
 #include "plan/smem_model.hpp"
 #include "util/device_buffer.hpp"
 #include "util/parallel.hpp"
@@ -69,6 +74,11 @@ bool print_plans() {
 // than this run unsplit.
 constexpr int64_t kSplitCounterCapacity = 4096;
 constexpr size_t kAlign = 256;
+// The grouped GEMM's largest N or K (grouped_gemm.cu: int indexing of the
+// padded sizes).
+constexpr int64_t kMaxLayerDim = (int64_t{1} << 31) - 256;
+// Token counts whose plans are kept; the least recently used goes first.
+constexpr size_t kPlanCacheCapacity = 1024;
 
 size_t align_bytes(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
@@ -115,6 +125,13 @@ void validate_weights(const MoeWeights& w, const MoeLayerOptions& o) {
                "; expected a positive multiple of 16 (the NVFP4 block)");
   FP4MOE_CHECK(w.inter >= 16 && w.inter % 16 == 0, "MoeLayer: inter = ", w.inter,
                "; expected a positive multiple of 16 (the NVFP4 block)");
+  // Before any product of the two is formed: GEMM1's N is 2 * inter, and the
+  // grouped GEMM indexes N and K with int and refuses N * K >= 2^40.
+  FP4MOE_CHECK(w.hidden <= kMaxLayerDim && w.inter <= kMaxLayerDim / 2 &&
+                   2 * w.inter * w.hidden < (int64_t{1} << 40),
+               "MoeLayer: hidden = ", w.hidden, ", inter = ", w.inter,
+               "; expected hidden <= ", kMaxLayerDim, ", inter <= ", kMaxLayerDim / 2,
+               " and 2 * inter * hidden < 2^40 (the grouped GEMM's 32-bit indexing)");
   FP4MOE_CHECK(!o.batch_invariant || o.finalize == FinalizeMode::kDeterministic,
                "MoeLayer: batch_invariant needs the deterministic finalize (atomic adds sum the "
                "top-k rows in a different order on every run)");
@@ -154,6 +171,7 @@ struct ScratchLayout {
 }  // namespace
 
 struct MoeLayer::Impl {
+  int device = 0;  // where prepare() uploaded the weights
   int64_t num_experts = 0, hidden = 0, inter = 0;
   int top_k = 0;
   bool has_bias = false;
@@ -164,9 +182,8 @@ struct MoeLayer::Impl {
   DeviceBuffer<float> bias13;  // [E][2 inter]: gate biases then up biases
   DeviceBuffer<float> bias2;   // [E][hidden]
 
-  mutable std::mutex mutex;
-  mutable std::map<int64_t, MoeLayerPlan> plans;          // by token count
-  mutable std::map<int64_t, size_t> workspace_by_tokens;  // by max_tokens
+  mutable PlanCache<MoeLayerPlan> plans{kPlanCacheCapacity};  // by token count
+  mutable PlanCache<size_t> workspace_by_tokens{kPlanCacheCapacity};  // by max_tokens
 
   GemmProblem problem(int gemm, int64_t num_tokens) const {
     GemmProblem p;
@@ -192,26 +209,25 @@ struct MoeLayer::Impl {
     return plan;
   }
 
-  // A reference into the cache: map nodes stay put, entries are never erased,
-  // so a forward copies no plan (its reason strings) and locks once.
-  const MoeLayerPlan& plan(int64_t num_tokens) const {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      auto it = plans.find(num_tokens);
-      if (it != plans.end()) return it->second;
-    }
+  MoeLayerPlan make_plan(int64_t num_tokens) const {
     MoeLayerPlan p;
     p.num_tokens = num_tokens;
     p.num_rows = num_tokens * top_k;
     p.gemm1 = cap_split(plan_grouped_gemm(problem(1, num_tokens), options.gemm1_config));
     p.gemm2 = cap_split(plan_grouped_gemm(problem(2, num_tokens), options.gemm2_config));
-    std::lock_guard<std::mutex> lock(mutex);
-    const auto [it, added] = plans.emplace(num_tokens, p);
-    if (added && print_plans()) std::fprintf(stderr, "fp4moe: plan for %s", it->second.describe().c_str());
-    return it->second;
+    return p;
   }
 
-  ScratchLayout scratch(int64_t num_tokens) const { return scratch(num_tokens, plan(num_tokens)); }
+  // A shared pointer into the bounded cache: a forward copies no plan (its
+  // reason strings), and a plan evicted by another thread meanwhile stays
+  // alive while this one holds it.
+  std::shared_ptr<const MoeLayerPlan> plan(int64_t num_tokens) const {
+    if (auto hit = plans.find(num_tokens)) return hit;
+    auto [plan, added] = plans.insert(num_tokens, make_plan(num_tokens));
+    if (added && print_plans()) std::fprintf(stderr, "fp4moe: plan for %s", plan->describe().c_str());
+    return plan;
+  }
+
   ScratchLayout scratch(int64_t num_tokens, const MoeLayerPlan& p) const {
     const size_t pairs = static_cast<size_t>(num_tokens * top_k);
     ScratchLayout s;
@@ -240,24 +256,20 @@ struct MoeLayer::Impl {
   }
 
   size_t workspace_bytes(int64_t max_tokens) const {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      auto it = workspace_by_tokens.find(max_tokens);
-      if (it != workspace_by_tokens.end()) return it->second;
-    }
+    if (auto hit = workspace_by_tokens.find(max_tokens)) return *hit;
     // Every region but the split-K partials grows with the token count; the
     // partials exist only while tiles are few, so the smaller counts where
-    // a split is possible are checked one by one.
-    size_t bytes = scratch(max_tokens).end;
+    // a split is possible are checked one by one (planned here, not cached:
+    // they would push the forwards' plans out of the bounded cache).
+    size_t bytes = scratch(max_tokens, make_plan(max_tokens)).end;
     int max_block_m = 1;
     for (const TileConfig& c : compiled_configs()) max_block_m = std::max(max_block_m, c.block_m);
     const int64_t min_n_tiles = (std::min(2 * inter, hidden) + 127) / 128;
     for (int64_t t = 1; t < max_tokens; ++t) {
       if ((t * top_k / max_block_m) * min_n_tiles > kSplitCounterCapacity) break;
-      bytes = std::max(bytes, scratch(t).end);
+      bytes = std::max(bytes, scratch(t, make_plan(t)).end);
     }
-    std::lock_guard<std::mutex> lock(mutex);
-    workspace_by_tokens.emplace(max_tokens, bytes);
+    workspace_by_tokens.insert(max_tokens, bytes);
     return bytes;
   }
 };
@@ -303,6 +315,7 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
     for (const auto& x : weights.experts) ptrs.push_back(&x.down);
     packed2 = prepare_gemm_weights(ptrs);
   }
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&impl->device));
   impl->w13 = upload(packed13);
   impl->w2 = upload(packed2);
   if (impl->has_bias) {
@@ -327,6 +340,9 @@ int64_t MoeLayer::num_experts() const { return impl_->num_experts; }
 int64_t MoeLayer::hidden() const { return impl_->hidden; }
 int64_t MoeLayer::inter() const { return impl_->inter; }
 int MoeLayer::top_k() const { return impl_->top_k; }
+int MoeLayer::device() const { return impl_->device; }
+size_t MoeLayer::cached_plans() const { return impl_->plans.size(); }
+size_t MoeLayer::plan_cache_capacity() { return kPlanCacheCapacity; }
 const MoeLayerOptions& MoeLayer::options() const { return impl_->options; }
 size_t MoeLayer::device_weight_bytes() const {
   return impl_->w13.bytes() + impl_->w2.bytes() + impl_->bias13.bytes() + impl_->bias2.bytes();
@@ -335,7 +351,7 @@ size_t MoeLayer::device_weight_bytes() const {
 MoeLayerPlan MoeLayer::plan(int64_t num_tokens) const {
   FP4MOE_CHECK(num_tokens >= 1 && num_tokens * impl_->top_k < (int64_t{1} << 31),
                "MoeLayer::plan: num_tokens = ", num_tokens, "; expected 1 .. 2^31 / top_k");
-  return impl_->plan(num_tokens);
+  return *impl_->plan(num_tokens);
 }
 
 size_t MoeLayer::workspace_bytes(int64_t max_tokens) const {
@@ -347,6 +363,18 @@ size_t MoeLayer::workspace_bytes(int64_t max_tokens) const {
 
 namespace {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The forward's launches go to the current device; the layer's weights live on
+// the device prepare() ran on. Refused rather than switched: the caller's
+// stream and buffers belong to the caller's device, and changing the thread's
+// device behind its back would surprise the code around the call.
+void check_device(int layer_device, const char* what) {
+  int current = -1;
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&current));
+  FP4MOE_CHECK(current == layer_device, what, ": the current CUDA device is ", current,
+               " but the layer's weights are on device ", layer_device,
+               " (where prepare() ran); call cudaSetDevice(", layer_device, ") first");
+}
 void record(cudaEvent_t event, cudaStream_t stream) {
   if (event) FP4MOE_CUDA_CHECK(cudaEventRecord(event, stream));
 }
@@ -390,7 +418,9 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
                "MoeLayer::forward: topk_ids and topk_weights go together");
   FP4MOE_CHECK(workspace && aligned16(workspace), "MoeLayer::forward: workspace must be a 16-byte "
                "aligned device pointer");
-  const MoeLayerPlan& plan = m.plan(T);  // one cached lookup per forward
+  check_device(m.device, "MoeLayer::forward");
+  const std::shared_ptr<const MoeLayerPlan> plan_ptr = m.plan(T);  // one cached lookup per forward
+  const MoeLayerPlan& plan = *plan_ptr;
   const ScratchLayout s = m.scratch(T, plan);
   FP4MOE_CHECK(workspace_bytes >= s.end, "MoeLayer::forward: workspace of ", workspace_bytes,
                " B; ", T, " tokens need ", s.end, " B (allocate workspace_bytes(max_tokens))");
@@ -500,12 +530,15 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
 
 std::string MoeLayer::device_errors(void* workspace, cudaStream_t stream) const {
   FP4MOE_CHECK(workspace != nullptr, "MoeLayer::device_errors: workspace is null");
+  check_device(impl_->device, "MoeLayer::device_errors");
   int32_t words[12] = {};
   FP4MOE_CUDA_CHECK(cudaMemcpyAsync(words, workspace, kErrorWordsBytes, cudaMemcpyDeviceToHost, stream));
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   std::string out;
   if (words[0] & kernels::kErrorExpertIdOutOfRange)
     out += "expert ids outside [0, " + std::to_string(impl_->num_experts) + ") (their slots were skipped); ";
+  if (words[0] & kernels::kErrorNonFiniteLogits)
+    out += "non-finite router logits (their experts were excluded, docs/design.md §3); ";
   for (int gemm = 1; gemm <= 2; ++gemm) {
     const std::string errors = grouped_gemm_device_errors(
         static_cast<const uint8_t*>(workspace) + 16 * gemm, stream);

@@ -120,6 +120,11 @@ void validate_weights(const MoeWeights& w) {
   FP4MOE_CHECK(w.inter >= kNvfp4BlockSize && w.inter % kNvfp4BlockSize == 0,
                "moe_reference: inter = ", w.inter, "; expected a positive multiple of ",
                kNvfp4BlockSize);
+  // Before rows * cols is formed for the buffer checks (the GPU layer's
+  // grouped GEMM has the same bound on N and K).
+  constexpr int64_t kMaxDim = (int64_t{1} << 31) - 256;
+  FP4MOE_CHECK(w.hidden <= kMaxDim && w.inter <= kMaxDim, "moe_reference: hidden = ", w.hidden,
+               ", inter = ", w.inter, "; expected each at most ", kMaxDim);
   for (int64_t e = 0; e < w.num_experts; ++e) {
     const ExpertWeights& ex = w.experts[static_cast<size_t>(e)];
     check_matrix(ex.gate, e, "gate", w.inter, w.hidden);

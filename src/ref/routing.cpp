@@ -2,10 +2,15 @@
 // noaux_tc grouped selection and gpt-oss top-k-then-softmax, plus validation
 // of caller-given routing. Scores are computed in double and ranked with one
 // comparator, so the tie rule documented in reference.hpp holds everywhere.
+// Non-finite logits exclude their expert (docs/design.md §3), exactly as the
+// GPU routing kernels do.
 // Tested in tests/ref/test_reference.cpp (hand-made logits per mode, ties,
-// error messages, and an independent full-sort implementation).
+// non-finite logits, error messages, and an independent full-sort
+// implementation).
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "fp4moe/error.hpp"
@@ -15,8 +20,9 @@ namespace fp4moe {
 namespace {
 
 // Orders candidates by descending score, ties by ascending index: the tie
-// rule of reference.hpp. Scores are finite (inputs are validated), so this is
-// a strict weak ordering.
+// rule of reference.hpp. Scores are finite or -inf (an excluded expert, or a
+// group whose best experts are excluded), never NaN, so this is a strict weak
+// ordering.
 struct RanksHigher {
   const std::vector<double>& score;
   bool operator()(int a, int b) const {
@@ -38,11 +44,21 @@ std::vector<int> iota_vector(int64_t n) {
   return v;
 }
 
+// (token, slot) pairs and expert ids are int32 on the GPU; the reference
+// keeps the same limits, checked before any product is formed.
+constexpr int64_t kMaxRoutedPairs = int64_t{1} << 31;
+constexpr int64_t kMaxRoutedExperts = INT32_MAX;
+
 void validate_params(int64_t num_tokens, int64_t num_experts, const RoutingParams& p) {
   FP4MOE_CHECK(num_tokens >= 1, "route: num_tokens = ", num_tokens, "; expected >= 1");
   FP4MOE_CHECK(num_experts >= 1, "route: num_experts = ", num_experts, "; expected >= 1");
+  FP4MOE_CHECK(num_experts <= kMaxRoutedExperts, "route: num_experts = ", num_experts,
+               "; expected <= ", kMaxRoutedExperts, " (ids are int32)");
   FP4MOE_CHECK(p.top_k >= 1 && p.top_k <= num_experts, "route: top_k = ", p.top_k,
                "; expected in [1, num_experts = ", num_experts, "]");
+  // Before the outputs are allocated: the GPU layer's limit.
+  FP4MOE_CHECK(num_tokens < kMaxRoutedPairs / p.top_k, "route: num_tokens = ", num_tokens,
+               " with top_k = ", p.top_k, "; expected num_tokens * top_k < 2^31");
   if (p.mode != RoutingMode::kNoauxTc) return;
   FP4MOE_CHECK(p.num_groups >= 1 && num_experts % p.num_groups == 0,
                "route(noaux_tc): num_groups = ", p.num_groups,
@@ -73,17 +89,32 @@ void store(Routing& r, int64_t token, const std::vector<int>& chosen,
   }
 }
 
+constexpr double kExcluded = -std::numeric_limits<double>::infinity();
+
+// The ranking key of a logit: itself, or -inf for a non-finite logit, which
+// excludes its expert (ranked after every finite one, weight 0).
+double logit_key(float logit) {
+  return std::isfinite(logit) ? static_cast<double>(logit) : kExcluded;
+}
+
+// Experts rank by logit, which orders them as their probabilities do (exp is
+// monotonic) and keeps apart logits whose probabilities both underflow.
 void route_softmax(const float* logits, int64_t num_experts, const RoutingParams& p,
-                   std::vector<double>& prob, std::vector<int>& chosen,
+                   std::vector<double>& key, std::vector<double>& prob, std::vector<int>& chosen,
                    std::vector<double>& weight) {
-  const double max_logit = *std::max_element(logits, logits + num_experts);
+  for (int64_t e = 0; e < num_experts; ++e) key[e] = logit_key(logits[e]);
+  chosen = top_k_of(iota_vector(num_experts), key, p.top_k);
+  const double max_key = key[chosen[0]];
+  if (max_key == kExcluded) {  // no finite logit: nothing is routed
+    std::fill(weight.begin(), weight.end(), 0.0);
+    return;
+  }
   double sum = 0.0;
   for (int64_t e = 0; e < num_experts; ++e) {
-    prob[e] = std::exp(static_cast<double>(logits[e]) - max_logit);
+    prob[e] = key[e] == kExcluded ? 0.0 : std::exp(key[e] - max_key);
     sum += prob[e];
   }
   for (double& v : prob) v /= sum;
-  chosen = top_k_of(iota_vector(num_experts), prob, p.top_k);
   double chosen_sum = 0.0;
   for (int j = 0; j < p.top_k; ++j) chosen_sum += prob[chosen[j]];
   for (int j = 0; j < p.top_k; ++j)
@@ -95,6 +126,11 @@ void route_noaux_tc(const float* logits, int64_t num_experts, const float* corre
                     std::vector<double>& choice, std::vector<int>& chosen,
                     std::vector<double>& weight) {
   for (int64_t e = 0; e < num_experts; ++e) {
+    if (!std::isfinite(logits[e])) {  // excluded: ranks last, weighs nothing
+      score[e] = 0.0;
+      choice[e] = kExcluded;
+      continue;
+    }
     score[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(logits[e])));
     choice[e] = score[e] + (correction_bias ? static_cast<double>(correction_bias[e]) : 0.0);
   }
@@ -121,12 +157,17 @@ void route_noaux_tc(const float* logits, int64_t num_experts, const float* corre
 void route_gptoss(const float* logits, int64_t num_experts, const RoutingParams& p,
                   std::vector<double>& logit, std::vector<int>& chosen,
                   std::vector<double>& weight) {
-  for (int64_t e = 0; e < num_experts; ++e) logit[e] = logits[e];
+  for (int64_t e = 0; e < num_experts; ++e) logit[e] = logit_key(logits[e]);
   chosen = top_k_of(iota_vector(num_experts), logit, p.top_k);
   const double max_logit = logit[chosen[0]];  // the first chosen is the largest
+  if (max_logit == kExcluded) {  // no finite logit: nothing is routed
+    std::fill(weight.begin(), weight.end(), 0.0);
+    return;
+  }
   double sum = 0.0;
   for (int j = 0; j < p.top_k; ++j) {
-    weight[j] = std::exp(logit[chosen[j]] - max_logit);
+    const double v = logit[chosen[j]];
+    weight[j] = v == kExcluded ? 0.0 : std::exp(v - max_logit);
     sum += weight[j];
   }
   for (int j = 0; j < p.top_k; ++j) weight[j] /= sum;
@@ -153,13 +194,8 @@ Routing route(const float* router_logits, int64_t num_tokens, int64_t num_expert
               const float* correction_bias, const RoutingParams& params) {
   validate_params(num_tokens, num_experts, params);
   FP4MOE_CHECK(router_logits != nullptr, "route: router_logits is null");
-  // NaN would break the ranking order and inf the softmax: refuse both.
-  for (int64_t t = 0; t < num_tokens; ++t)
-    for (int64_t e = 0; e < num_experts; ++e) {
-      const float v = router_logits[t * num_experts + e];
-      FP4MOE_CHECK(std::isfinite(v), "route: router_logits[token ", t, ", expert ", e, "] = ", v,
-                   "; expected finite");
-    }
+  // Non-finite logits are activations, not parameters: they exclude their
+  // expert (as on the GPU) and are counted, never refused.
   if (params.mode == RoutingMode::kNoauxTc && correction_bias != nullptr)
     for (int64_t e = 0; e < num_experts; ++e)
       FP4MOE_CHECK(std::isfinite(correction_bias[e]), "route(noaux_tc): correction_bias[", e,
@@ -172,13 +208,16 @@ Routing route(const float* router_logits, int64_t num_tokens, int64_t num_expert
   r.topk_weights.resize(r.topk_ids.size());
   std::vector<double> score(static_cast<size_t>(num_experts));
   std::vector<double> choice(static_cast<size_t>(num_experts));
+  std::vector<double> key(static_cast<size_t>(num_experts));
   std::vector<double> weight(static_cast<size_t>(params.top_k));
   std::vector<int> chosen;
   for (int64_t t = 0; t < num_tokens; ++t) {
     const float* logits = router_logits + t * num_experts;
+    if (!std::all_of(logits, logits + num_experts, [](float v) { return std::isfinite(v); }))
+      ++r.tokens_with_nonfinite_logits;
     switch (params.mode) {
       case RoutingMode::kSoftmaxTopK:
-        route_softmax(logits, num_experts, params, score, chosen, weight);
+        route_softmax(logits, num_experts, params, key, score, chosen, weight);
         break;
       case RoutingMode::kNoauxTc:
         route_noaux_tc(logits, num_experts, correction_bias, params, score, choice, chosen, weight);
@@ -200,6 +239,9 @@ void validate_routing(const Routing& routing, int64_t num_experts) {
                "; expected >= 0");
   FP4MOE_CHECK(routing.top_k >= 1 && routing.top_k <= num_experts, "routing: top_k = ",
                routing.top_k, "; expected in [1, num_experts = ", num_experts, "]");
+  FP4MOE_CHECK(routing.num_tokens < kMaxRoutedPairs / routing.top_k, "routing: num_tokens = ",
+               routing.num_tokens, " with top_k = ", routing.top_k,
+               "; expected num_tokens * top_k < 2^31");
   const size_t expected = static_cast<size_t>(routing.num_tokens * routing.top_k);
   FP4MOE_CHECK(routing.topk_ids.size() == expected, "routing: topk_ids has ",
                routing.topk_ids.size(), " entries; expected num_tokens * top_k = ",

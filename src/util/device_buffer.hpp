@@ -67,7 +67,14 @@ class DeviceBuffer {
     if (old) FP4MOE_CUDA_CHECK(cudaFree(old));
     if (count == 0) return;
     void* ptr = nullptr;
-    FP4MOE_CUDA_CHECK(cudaMalloc(&ptr, count * sizeof(T)));
+    const cudaError_t status = cudaMalloc(&ptr, count * sizeof(T));
+    if (status != cudaSuccess) {
+      // Out of memory is not sticky: clear it from the runtime's last error,
+      // so that the next launch's check does not report this allocation.
+      cudaGetLastError();
+      FP4MOE_THROW("cudaMalloc of ", count * sizeof(T), " bytes failed: ", cudaGetErrorName(status),
+                   " (", cudaGetErrorString(status), ")");
+    }
     ptr_ = static_cast<T*>(ptr);
     count_ = count;
   }

@@ -70,6 +70,39 @@ TEST(GroupedGemmArgs, RejectsMisalignedShapes) {
   expect_error(a, "expected < 2^40");
 }
 
+// Row counts at 2^31 (every rows * N product the kernels form is then past
+// 2^31 * 16) are refused before any CUDA call.
+TEST(GroupedGemmArgs, RejectsRowCountsPast2To31) {
+  GroupedGemmArgs a = valid_args();
+  a.host_expert_offsets = nullptr;
+  a.num_rows = int64_t{1} << 31;
+  expect_error(a, "num_rows = 2147483648; expected 0..2^31-1");
+  a = valid_args();
+  static const int32_t gather[8] = {};
+  a.gather_rows = gather;
+  a.x_rows = int64_t{1} << 31;
+  expect_error(a, "x_rows = 2147483648; expected < 2^31");
+
+  a = valid_args();
+  alignas(16) static float out[4];
+  static const int32_t scatter[8] = {};
+  a.y = nullptr;
+  a.out_f32 = out;
+  a.scatter_rows = scatter;
+  a.out_rows = int64_t{1} << 31;
+  GemmPlan plan;
+  for (const TileConfig& c : compiled_configs())
+    if (c.epilogue == Epilogue::kFinalize) plan.config = c;
+  ASSERT_EQ(plan.config.epilogue, Epilogue::kFinalize);
+  try {
+    grouped_gemm(a, plan, nullptr);
+    ADD_FAILURE() << "out_rows = 2^31 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("out_rows = 2147483648"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("out_rows < 2^31"), std::string::npos) << e.what();
+  }
+}
+
 TEST(GroupedGemmArgs, RejectsNullPointersWithRows) {
   for (const char* field : {"weights", "scales", "global_scales", "x", "y", "expert_offsets", "workspace"}) {
     GroupedGemmArgs a = valid_args();

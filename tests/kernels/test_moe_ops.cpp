@@ -3,7 +3,8 @@
 //   - routing against the CPU reference fp4moe::route() for every mode,
 //     expert counts {8, 60, 128, 256, 384, 512}, top-k {1, 2, 4, 8, 32},
 //     token counts {1, 3, 64, 1000}, enumerated noaux_tc group settings, the
-//     DeepSeek-V3 and gpt-oss settings, and logits with many exact ties;
+//     DeepSeek-V3 and gpt-oss settings, logits with many exact ties, and
+//     logits with NaN and +-inf (docs/design.md §3) and their error bit;
 //   - the sort on random, skewed, single-expert, sparse and out-of-range ids;
 //   - gather and both finalize modes against host loops (bit-exact);
 //   - a CUDA-graph capture of route -> sort -> gather -> finalize.
@@ -342,6 +343,80 @@ TEST(MoeOpsGpu, RouteTiesBreakByLowerIndex) {
         check_route_all_token_counts(logits, nullptr, num_experts, p);
       }
     }
+  }
+}
+
+// docs/design.md §3: non-finite logits exclude their expert, on the GPU as in
+// route(). Logits sprinkled with NaN, +inf and -inf, some tokens with fewer
+// finite logits than top_k and some with none; the device error bit is set
+// exactly when a token had one.
+TEST(MoeOpsGpu, RouteNonFiniteLogitsMatchTheReference) {
+  FP4MOE_REQUIRE_GPU();
+  std::mt19937 rng(5);
+  const float kNonFinite[] = {NAN, INFINITY, -INFINITY};
+  std::uniform_int_distribution<int> pick(0, 2);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  const int64_t max_tokens = kRouteTokenCounts.back();
+  for (int64_t num_experts : {8, 60, 256}) {
+    std::vector<float> logits =
+        random_normal(static_cast<size_t>(max_tokens * num_experts), rng);
+    for (int64_t t = 0; t < max_tokens; ++t) {
+      // Token t % 7 == 0: every logit non-finite; t % 7 == 1: all but two;
+      // others: each logit non-finite with probability 0.1.
+      for (int64_t e = 0; e < num_experts; ++e) {
+        const bool replace = t % 7 == 0 || (t % 7 == 1 && e >= 2) || unit(rng) < 0.1f;
+        if (replace) logits[static_cast<size_t>(t * num_experts + e)] = kNonFinite[pick(rng)];
+      }
+    }
+    const std::vector<float> bias = random_normal(static_cast<size_t>(num_experts), rng, 0.1f);
+    for (int top_k : {1, 4, 8}) {
+      if (top_k > num_experts) continue;
+      RoutingParams p;
+      p.top_k = top_k;
+      for (bool renormalize : {true, false}) {
+        p.mode = RoutingMode::kSoftmaxTopK;
+        p.renormalize = renormalize;
+        check_route_all_token_counts(logits, nullptr, num_experts, p);
+      }
+      p.mode = RoutingMode::kGptOss;
+      check_route_all_token_counts(logits, nullptr, num_experts, p);
+      p.mode = RoutingMode::kNoauxTc;
+      p.num_groups = 4;
+      p.topk_groups = 2;
+      if (num_experts % 4 == 0 && 2 * num_experts / 4 >= top_k) {
+        check_route_all_token_counts(logits, &bias, num_experts, p);
+        check_route_all_token_counts(logits, nullptr, num_experts, p);
+      }
+    }
+  }
+
+  // The error bit: set by a token with a non-finite logit, by launch_route and
+  // launch_route_and_sort alike; absent when every logit is finite.
+  const int64_t num_experts = 16, num_tokens = 5;
+  RoutingParams p;
+  p.top_k = 2;
+  std::vector<float> logits = random_normal(static_cast<size_t>(num_tokens * num_experts), rng);
+  DeviceBuffer<int32_t> ids(num_tokens * p.top_k), offsets(num_experts + 1), token_of_row(ids.size()),
+      pair_of_row(ids.size()), flags(2);
+  DeviceBuffer<float> weights(ids.size());
+  auto error_word = [&](bool fused) {
+    const DeviceBuffer<float> d_logits(logits);
+    flags.fill_bytes(0);
+    if (fused)
+      kernels::launch_route_and_sort(d_logits.get(), nullptr, num_tokens, num_experts, p, ids.get(),
+                                     weights.get(), offsets.get(), token_of_row.get(),
+                                     pair_of_row.get(), flags.get(), flags.get() + 1, nullptr);
+    else
+      kernels::launch_route(d_logits.get(), nullptr, num_tokens, num_experts, p, ids.get(),
+                            weights.get(), nullptr, false, flags.get());
+    FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    return flags.download()[0];
+  };
+  for (bool fused : {false, true}) {
+    EXPECT_EQ(error_word(fused), 0) << "fused " << fused;
+    logits[3 * num_experts + 7] = -INFINITY;
+    EXPECT_EQ(error_word(fused), kernels::kErrorNonFiniteLogits) << "fused " << fused;
+    logits[3 * num_experts + 7] = 0.25f;
   }
 }
 

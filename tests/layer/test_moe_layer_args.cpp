@@ -152,6 +152,47 @@ TEST(MoeLayerArgs, RejectsHiddenOrInterNotAMultipleOf16) {
   }
 }
 
+// Dimensions past the grouped GEMM's 32-bit indexing are refused before any
+// product of them is formed or anything is allocated: the matrices here only
+// claim those shapes (their buffers are empty).
+TEST(MoeLayerArgs, RejectsDimensionsPast32BitIndexing) {
+  struct Case {
+    int64_t hidden, inter;
+  };
+  const Case cases[] = {{int64_t{1} << 31, 16},
+                        {(int64_t{1} << 31) - 240, 16},       // past 2^31 - 256
+                        {64, int64_t{1} << 30},               // GEMM1's N = 2 inter = 2^31
+                        {int64_t{1} << 20, int64_t{1} << 20},  // 2 inter hidden = 2^41
+                        {int64_t{1} << 62, int64_t{1} << 62}};  // products would overflow int64
+  for (const Case& c : cases) {
+    SCOPED_TRACE("hidden = " + std::to_string(c.hidden) + ", inter = " + std::to_string(c.inter));
+    MoeWeights w;
+    w.num_experts = 2;
+    w.hidden = c.hidden;
+    w.inter = c.inter;
+    w.experts.resize(2);
+    for (ExpertWeights& x : w.experts) {
+      x.gate.rows = x.up.rows = x.down.cols = c.inter;
+      x.gate.cols = x.up.cols = x.down.rows = c.hidden;
+    }
+    const std::string msg = prepare_error(w);
+    EXPECT_THAT(msg, HasSubstr("32-bit indexing"));
+    EXPECT_THAT(msg, HasSubstr("hidden = " + std::to_string(c.hidden)));
+  }
+  // Just inside the limits, the shapes pass and the empty buffers are what is wrong.
+  MoeWeights w;
+  w.num_experts = 1;
+  w.hidden = (int64_t{1} << 31) - 256;
+  w.inter = 16;
+  w.experts.resize(1);
+  ExpertWeights& x = w.experts[0];
+  x.gate.rows = x.up.rows = x.down.cols = w.inter;
+  x.gate.cols = x.up.cols = x.down.rows = w.hidden;
+  MoeLayerOptions o;
+  o.routing.top_k = 1;
+  EXPECT_THAT(prepare_error(w, o), HasSubstr("packed bytes"));
+}
+
 TEST(MoeLayerArgs, RejectsBiasesOfTheWrongSize) {
   struct Case {
     const char* name;

@@ -402,18 +402,118 @@ TEST(ReferenceRoutingErrors, BadParameters) {
   EXPECT_NO_THROW(run(s)());
 }
 
-TEST(ReferenceRoutingErrors, NonFiniteInputs) {
+// Sizes at and past 2^31 pairs are refused before anything is read or
+// allocated (the logits buffer here holds one token).
+TEST(ReferenceRoutingErrors, PairCountsPast2To31) {
   std::vector<float> logits(8, 0.0f);
-  logits[5] = NAN;
   RoutingParams p;
-  p.top_k = 2;
-  expect_error([&] { route(logits.data(), 2, 4, nullptr, p); },
-               {"router_logits[token 1, expert 1]", "expected finite"});
-  logits[5] = 0.0f;
+  p.top_k = 8;
+  expect_error([&] { route(logits.data(), int64_t{1} << 28, 8, nullptr, p); },
+               {"num_tokens = 268435456", "num_tokens * top_k < 2^31"});
+  expect_error([&] { route(logits.data(), int64_t{1} << 62, 8, nullptr, p); },
+               {"num_tokens * top_k < 2^31"});
+  p.top_k = 1;
+  expect_error([&] { route(logits.data(), 1, int64_t{1} << 31, nullptr, p); },
+               {"num_experts = 2147483648"});
+  Routing r;
+  r.num_tokens = int64_t{1} << 61;  // num_tokens * top_k would overflow int64
+  r.top_k = 8;
+  expect_error([&] { validate_routing(r, 8); }, {"num_tokens * top_k < 2^31"});
+  std::mt19937_64 rng(5);
+  const MoeWeights w = random_weights(8, 16, 16, false, rng);
+  expect_error([&] { moe_reference(w, nullptr, r, Activation::kSwiGLU, nullptr); }, {"2^31"});
+  MoeWeights huge;
+  huge.num_experts = 1;
+  huge.experts.resize(1);
+  huge.hidden = int64_t{1} << 40;
+  huge.inter = int64_t{1} << 40;  // rows * cols would overflow int64
+  Routing none;
+  none.top_k = 1;
+  expect_error([&] { moe_reference(huge, nullptr, none, Activation::kSwiGLU, nullptr); },
+               {"hidden = 1099511627776", "expected each at most"});
+}
+
+TEST(ReferenceRoutingErrors, NonFiniteBiasIsRefused) {
+  std::vector<float> logits(8, 0.0f);
   std::vector<float> bias(4, 0.0f);
   bias[2] = INFINITY;
+  RoutingParams p;
+  p.top_k = 2;
   p.mode = RoutingMode::kNoauxTc;
   expect_error([&] { route(logits.data(), 2, 4, bias.data(), p); }, {"correction_bias[2]"});
+}
+
+// docs/design.md §3: a non-finite logit excludes its expert (ranks after every
+// finite one, weight 0); the token is counted, nothing throws.
+TEST(ReferenceRouting, NonFiniteLogitsExcludeTheirExpert) {
+  const float inf = INFINITY, nan = NAN;
+  for (const RoutingMode mode : {RoutingMode::kSoftmaxTopK, RoutingMode::kGptOss}) {
+    RoutingParams p;
+    p.mode = mode;
+    p.top_k = 2;
+    // +inf, NaN and -inf lose to the finite logits 1 and 0.
+    Routing r = route_one({inf, 1.0f, nan, 0.0f, -inf}, p);
+    EXPECT_EQ(r.topk_ids, (std::vector<int32_t>{1, 3})) << to_string(mode);
+    EXPECT_FLOAT_EQ(r.topk_weights[0], static_cast<float>(1.0 / (1.0 + std::exp(-1.0))));
+    EXPECT_FLOAT_EQ(r.topk_weights[1], static_cast<float>(std::exp(-1.0) / (1.0 + std::exp(-1.0))));
+    EXPECT_EQ(r.tokens_with_nonfinite_logits, 1);
+    // One finite logit, k = 3: it takes everything, the excluded ones follow
+    // by index with weight 0.
+    p.top_k = 3;
+    r = route_one({nan, -inf, 2.0f, inf}, p);
+    EXPECT_EQ(r.topk_ids, (std::vector<int32_t>{2, 0, 1})) << to_string(mode);
+    EXPECT_EQ(r.topk_weights, (std::vector<float>{1.0f, 0.0f, 0.0f})) << to_string(mode);
+    // No finite logit: the lowest ids, weight 0 everywhere.
+    p.top_k = 2;
+    r = route_one({nan, inf, -inf}, p);
+    EXPECT_EQ(r.topk_ids, (std::vector<int32_t>{0, 1})) << to_string(mode);
+    EXPECT_EQ(r.topk_weights, (std::vector<float>{0.0f, 0.0f})) << to_string(mode);
+  }
+  // Softmax without renormalisation divides by the finite experts' sum.
+  RoutingParams s;
+  s.top_k = 1;
+  s.renormalize = false;
+  const Routing r = route_one({0.0f, NAN, 0.0f}, s);
+  EXPECT_EQ(r.topk_ids, (std::vector<int32_t>{0}));
+  EXPECT_FLOAT_EQ(r.topk_weights[0], 0.5f);
+}
+
+TEST(ReferenceRouting, NonFiniteLogitsNoauxTc) {
+  RoutingParams p;
+  p.mode = RoutingMode::kNoauxTc;
+  p.top_k = 2;
+  p.num_groups = 2;  // groups {0..3} {4..7}
+  p.topk_groups = 1;
+  // Group 0 holds the largest logit but two non-finite ones; its score is the
+  // sum of its two best choice scores, both finite (experts 0 and 3), and it
+  // beats group 1 (whose second best is excluded: score -inf).
+  const std::vector<float> logits = {3.0f, NAN, INFINITY, 1.0f, 2.0f, -INFINITY, NAN, NAN};
+  const Routing r = route_one(logits, p);
+  EXPECT_EQ(r.topk_ids, (std::vector<int32_t>{0, 3}));
+  const double s0 = sigmoid(3.0), s3 = sigmoid(1.0);
+  EXPECT_FLOAT_EQ(r.topk_weights[0], static_cast<float>(s0 / (s0 + s3)));
+  EXPECT_FLOAT_EQ(r.topk_weights[1], static_cast<float>(s3 / (s0 + s3)));
+  EXPECT_EQ(r.tokens_with_nonfinite_logits, 1);
+  // Everything excluded: zero weights (the 1e-20 keeps 0 / 0 away), no throw.
+  const Routing none = route_one({NAN, NAN, INFINITY, -INFINITY}, [] {
+    RoutingParams q;
+    q.mode = RoutingMode::kNoauxTc;
+    q.top_k = 2;
+    return q;
+  }());
+  EXPECT_EQ(none.topk_ids, (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(none.topk_weights, (std::vector<float>{0.0f, 0.0f}));
+}
+
+TEST(ReferenceRouting, NonFiniteLogitsCountTokens) {
+  std::vector<float> logits(4 * 5, 0.5f);
+  logits[1 * 5 + 2] = NAN;
+  logits[3 * 5 + 0] = -INFINITY;
+  RoutingParams p;
+  p.top_k = 2;
+  const Routing r = route(logits.data(), 4, 5, nullptr, p);
+  EXPECT_EQ(r.tokens_with_nonfinite_logits, 2);
+  EXPECT_EQ(route(logits.data(), 1, 5, nullptr, p).tokens_with_nonfinite_logits, 0);
 }
 
 Routing make_routing(int64_t tokens, int top_k, std::vector<int32_t> ids) {
@@ -681,6 +781,37 @@ TEST(ReferenceMoe, SkewedRoutingThreadAndBatchIndependence) {
     moe_reference(w, x.data() + t * hidden, alone, Activation::kGptOss, out.data());
     EXPECT_EQ(std::memcmp(first.data() + t * hidden, out.data(), out.size() * sizeof(float)), 0)
         << "token " << t << " routed alone differs from the batch";
+  }
+}
+
+// docs/design.md §3: a non-finite hidden state reaches its own token's output
+// only; every other token's output keeps its bits.
+TEST(ReferenceMoe, NonFiniteHiddenStatesStayInTheirToken) {
+  std::mt19937_64 rng(17);
+  const int tokens = 6, experts = 8, top_k = 2, hidden = 32, inter = 48;
+  const MoeWeights w = random_weights(experts, hidden, inter, false, rng);
+  std::vector<float> x = random_vector(static_cast<size_t>(tokens * hidden), 1.0f, rng);
+  Routing r;
+  r.num_tokens = tokens;
+  r.top_k = top_k;
+  for (int t = 0; t < tokens; ++t) {
+    r.topk_ids.insert(r.topk_ids.end(), {t % experts, (t + 3) % experts});
+    r.topk_weights.insert(r.topk_weights.end(), {0.75f, 0.25f});
+  }
+  std::vector<float> clean(static_cast<size_t>(tokens * hidden), NAN);
+  moe_reference(w, x.data(), r, Activation::kSwiGLU, clean.data());
+  x[1 * hidden + 5] = NAN;
+  x[4 * hidden + 0] = INFINITY;
+  std::vector<float> dirty(clean.size(), 0.0f);
+  moe_reference(w, x.data(), r, Activation::kSwiGLU, dirty.data());
+  for (int t = 0; t < tokens; ++t) {
+    const size_t row = static_cast<size_t>(t * hidden);
+    if (t == 1) {
+      for (int i = 0; i < hidden; ++i) EXPECT_TRUE(std::isnan(dirty[row + i])) << "element " << i;
+    } else if (t != 4) {
+      EXPECT_EQ(std::memcmp(clean.data() + row, dirty.data() + row, hidden * sizeof(float)), 0)
+          << "token " << t;
+    }
   }
 }
 

@@ -218,7 +218,7 @@ FloatLayer dequantized_layer(const SafetensorsFile& file, const std::string& pre
 // ------------------------------------------------------------------ tests
 
 TEST_F(CliTest, HelpOfEveryCommandExitsZero) {
-  for (const std::string command : {"", "quantize", "moe", "demo", "plan", "bench"}) {
+  for (const std::string command : {"", "quantize", "moe", "demo", "plan", "bench", "soak"}) {
     const CliResult r = run(command + " --help");
     EXPECT_EQ(r.exit_code, 0) << "fp4moe " << command << " --help: " << r.err;
     EXPECT_NE(r.out.find("Usage"), std::string::npos) << "fp4moe " << command << " --help:\n" << r.out;
@@ -619,6 +619,22 @@ TEST_F(CliTest, QuantizeRejectsKNotAMultipleOf16) {
   EXPECT_EQ(excluded.exit_code, 0) << excluded.err;
   EXPECT_EQ(SafetensorsFile::open(path("out.safetensors")).get("model.layers.0.mlp.experts.0.down_proj.weight").dtype,
             DType::F32);
+}
+
+// The soak run itself needs a GPU (docs/reliability.md); its arguments are
+// checked before anything else.
+TEST_F(CliTest, SoakRejectsBadArgumentsAndNeedsAGpu) {
+  const CliResult threads = run("soak --threads 0");
+  EXPECT_EQ(threads.exit_code, 1);
+  EXPECT_NE(threads.err.find("--threads must be in 1..64, not 0"), std::string::npos) << threads.err;
+  const CliResult model = run("soak --model gpt-5");
+  EXPECT_EQ(model.exit_code, 1);
+  EXPECT_NE(model.err.find("deepseek-v3"), std::string::npos) << model.err;
+  if (!testing::has_cuda_device()) {
+    const CliResult cuda = run("soak --seconds 1");
+    EXPECT_EQ(cuda.exit_code, 1);
+    EXPECT_NE(cuda.err.find("needs a CUDA GPU"), std::string::npos) << cuda.err;
+  }
 }
 
 TEST_F(CliTest, DemoRunsAndChecksItself) {

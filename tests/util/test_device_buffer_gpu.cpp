@@ -44,6 +44,21 @@ TEST(DeviceBufferGpu, RoundTrips) {
   }
 }
 
+// Out of device memory: an fp4moe::Error, and the runtime's last error is
+// cleared, so that the next launch's check does not report this allocation;
+// the device keeps working.
+TEST(DeviceBufferGpu, OutOfMemoryLeavesNoErrorBehind) {
+  FP4MOE_REQUIRE_GPU();
+  size_t free_bytes = 0, total_bytes = 0;
+  FP4MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  DeviceBuffer<uint8_t> b;
+  EXPECT_THROW(b.resize(total_bytes * 2), Error);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_TRUE(b.empty());
+  DeviceBuffer<int32_t> after(iota(16, 3));
+  EXPECT_EQ(after.download(), iota(16, 3));
+}
+
 TEST(DeviceBufferGpu, PartialUploadKeepsTheRest) {
   FP4MOE_REQUIRE_GPU();
   DeviceBuffer<int32_t> b(8);
