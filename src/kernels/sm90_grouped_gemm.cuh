@@ -170,7 +170,11 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       ptx::mbarrier_init(full_bar + 8 * s, 128);                     // the producer's cp.async arrivals
-      ptx::mbarrier_init(empty_bar + 8 * s, kSm90Consumers * 4);     // one per consumer warp
+      // One arrival per consumer thread: mbarrier.arrive releases the
+      // arriving thread's own reads of the stage. With __syncwarp and one
+      // arrival per warp, compute-sanitizer's racecheck reported the other
+      // lanes' reads racing with the producer's next bulk copy.
+      ptx::mbarrier_init(empty_bar + 8 * s, kSm90Consumers * 128);
     }
     ptx::fence_barrier_init();
   }
@@ -325,8 +329,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
           ptx::wgmma_commit();
           ptx::wgmma_wait<1>();  // the previous fragment's wgmmas are done
           if (kf == 0 && prev_stage >= 0) {  // ... and with them every read of the previous stage
-            __syncwarp();
-            if (lane == 0) ptx::mbarrier_arrive(empty_bar + 8 * prev_stage);
+            ptx::mbarrier_arrive(empty_bar + 8 * prev_stage);
           }
         }
         prev_stage = stage;
@@ -355,8 +358,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
       });
       sm90::fence_registers(acc);
       if (prev_stage >= 0) {
-        __syncwarp();
-        if (lane == 0) ptx::mbarrier_arrive(empty_bar + 8 * prev_stage);
+        ptx::mbarrier_arrive(empty_bar + 8 * prev_stage);
       }
 
       // ---- split-K: the last slice to land sums all slices in slice order.
