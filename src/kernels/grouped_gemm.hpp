@@ -59,6 +59,9 @@ struct GroupedGemmArgs {
   const uint8_t* weights = nullptr;
   const uint8_t* scales = nullptr;
   const float* global_scales = nullptr;
+  // kSwiglu only, optional: [E] global scales of the up rows, when they differ
+  // from the gate rows' (global_scales then holds the gate rows').
+  const float* up_global_scales = nullptr;
   int64_t num_experts = 0;
   int64_t n = 0;
   int64_t k = 0;
