@@ -77,8 +77,8 @@ class MoeLayer:
         or [E, 2] (gate, up), w2 u8 [E, H, I/2], w2_scale e4m3 [E, H, I/16],
         w2_scale_2 fp32 [E]; optional w13_bias [E, 2I] and w2_bias [E, H]
         (converted to fp32). All on one CUDA device."""
-        device = getattr(w13, "device", None)
-        stream = _current_stream(device.index) if device is not None and device.type == "cuda" else 0
+        on_gpu = _is_torch_tensor(w13) and w13.is_cuda
+        stream = _current_stream(w13.device.index) if on_gpu else 0
         self._impl = _fp4moe.Layer.from_device(
             w13, _as_u8(w13_scale), _as_f32(w13_scale_2), w2, _as_u8(w2_scale), _as_f32(w2_scale_2),
             _as_f32(w13_bias), _as_f32(w2_bias), top_k=top_k, routing=routing, renormalize=renormalize,

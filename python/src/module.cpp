@@ -65,13 +65,31 @@ bool has_dtype(const nb::dlpack::dtype& t, DType d) {
   using Code = nb::dlpack::dtype_code;
   if (t.lanes != 1) return false;
   switch (d) {
-    // Scales may arrive as any 8-bit type (float8_e4m3fn, uint8, int8).
-    case DType::kU8: return t.bits == 8;
+    // Bytes: uint8, int8, or float8_e4m3fn for scales.
+    case DType::kU8:
+      return t.bits == 8 && (t.code == static_cast<uint8_t>(Code::UInt) || t.code == static_cast<uint8_t>(Code::Int) ||
+                             t.code == static_cast<uint8_t>(Code::Float8_E4M3FN));
     case DType::kBf16: return t.code == static_cast<uint8_t>(Code::Bfloat) && t.bits == 16;
     case DType::kF32: return t.code == static_cast<uint8_t>(Code::Float) && t.bits == 32;
     case DType::kI32: return t.code == static_cast<uint8_t>(Code::Int) && t.bits == 32;
   }
   return false;
+}
+
+// e.g. "float32", "bfloat16", "uint8" (DLPack's type code and bits).
+std::string describe(const nb::dlpack::dtype& t) {
+  using Code = nb::dlpack::dtype_code;
+  const char* kind = "unknown type ";
+  switch (static_cast<Code>(t.code)) {
+    case Code::Int: kind = "int"; break;
+    case Code::UInt: kind = "uint"; break;
+    case Code::Float: kind = "float"; break;
+    case Code::Bfloat: kind = "bfloat"; break;
+    case Code::Bool: kind = "bool"; break;
+    case Code::Float8_E4M3FN: return "float8_e4m3fn";
+    default: break;
+  }
+  return kind + std::to_string(t.bits) + (t.lanes != 1 ? "x" + std::to_string(t.lanes) : "");
 }
 
 std::string shape_string(const std::vector<int64_t>& shape) {
@@ -95,8 +113,8 @@ constexpr int kHost = -1;
 template <typename A>
 void* checked(const char* where, const char* name, const A& a, DType dtype,
               std::initializer_list<std::vector<int64_t>> shapes, int device_id) {
-  FP4MOE_CHECK(has_dtype(a.dtype(), dtype), where, ": ", name, " has dtype code ", int{a.dtype().code},
-               " with ", int{a.dtype().bits}, " bits; expected ", dtype_name(dtype));
+  FP4MOE_CHECK(has_dtype(a.dtype(), dtype), where, ": ", name, " has dtype ", describe(a.dtype()),
+               "; expected ", dtype_name(dtype));
   if (device_id == kHost) {
     FP4MOE_CHECK(a.device_type() == nb::device::cpu::value, where, ": ", name,
                  " is not in host memory; expected a CPU array");

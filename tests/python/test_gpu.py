@@ -166,7 +166,7 @@ def test_bad_input_raises_one_line_errors():
     ids = torch.from_numpy(random_routing(rng, 4, E, k)[0]).cuda()
     wts = torch.ones(4, k, device="cuda")
     cases = [
-        (lambda: layer(x.float(), topk_ids=ids, topk_weights=wts), "hidden_states has dtype"),
+        (lambda: layer(x.float(), topk_ids=ids, topk_weights=wts), "hidden_states has dtype float32; expected bfloat16"),
         (lambda: layer(x.cpu(), topk_ids=ids, topk_weights=wts), "not on a CUDA device"),
         (lambda: layer(x[:, :128], topk_ids=ids, topk_weights=wts), "expected [4, 256]"),
         (lambda: layer(torch.randn(H, 4, device="cuda").to(torch.bfloat16).t(), topk_ids=ids, topk_weights=wts),
