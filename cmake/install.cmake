@@ -7,7 +7,7 @@
 # works like add_subdirectory(fp4moe) + target_link_libraries(app PRIVATE fp4moe).
 # Everything goes into the "Development" component; the Python wheel installs
 # only its own component (pyproject.toml), so none of this lands in a wheel.
-# Tested by tests/python/test_packaging.py (install, then a consumer project).
+# Tested by tests/install/ (install, then a consumer project with find_package).
 include(CMakePackageConfigHelpers)
 
 set(FP4MOE_CMAKE_DIR "${CMAKE_INSTALL_LIBDIR}/cmake/fp4moe")

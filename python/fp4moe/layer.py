@@ -39,22 +39,27 @@ def _torch():
 
 
 def _is_torch_tensor(x) -> bool:
-    return type(x).__module__.startswith("torch")
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _as_u8(t):
-    """float8_e4m3fn (or any 8-bit) torch tensors as their bytes: DLPack
-    exports of float8 are not supported by every torch version."""
-    if _is_torch_tensor(t) and t.dtype.itemsize == 1 and str(t.dtype) != "torch.uint8":
-        import torch
-        return t.view(torch.uint8)
+    """float8_e4m3fn torch tensors as their bytes: DLPack exports of float8
+    are not supported by every torch version."""
+    if _is_torch_tensor(t) and t.dtype == _torch().float8_e4m3fn:
+        return t.view(_torch().uint8)
     return t
 
 
 def _as_f32(t):
-    if t is not None and _is_torch_tensor(t) and str(t.dtype) != "torch.float32":
-        import torch
-        return t.to(torch.float32)
+    if _is_torch_tensor(t) and t.dtype != _torch().float32:
+        return t.to(_torch().float32)
+    return t
+
+
+def _as_i32(t):
+    if _is_torch_tensor(t) and t.dtype != _torch().int32:
+        return t.to(_torch().int32)
     return t
 
 
@@ -139,12 +144,9 @@ class MoeLayer:
         noaux_tc), routed on the device with the layer's mode; or topk_ids
         int32 [T, k] with topk_weights fp32 [T, k]. Other dtypes of these are
         converted first (an allocation)."""
-        if router_logits is not None:
-            router_logits = _as_f32(router_logits)
-            correction_bias = _as_f32(correction_bias)
-        if topk_ids is not None and _is_torch_tensor(topk_ids) and str(topk_ids.dtype) != "torch.int32":
-            import torch
-            topk_ids = topk_ids.to(torch.int32)
+        router_logits = _as_f32(router_logits)
+        correction_bias = _as_f32(correction_bias)
+        topk_ids = _as_i32(topk_ids)
         topk_weights = _as_f32(topk_weights)
         if out is None:
             out = hidden_states.new_empty(hidden_states.shape)

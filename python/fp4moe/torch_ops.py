@@ -19,15 +19,18 @@ import torch
 from . import layer as _layer
 
 
-@torch.library.custom_op("fp4moe::moe_forward", mutates_args=("out",), device_types="cuda")
+# No device_types: tensors of any device reach the implementation, whose
+# argument checks name what was wrong (e.g. a CPU tensor).
+@torch.library.custom_op("fp4moe::moe_forward", mutates_args=("out",))
 def moe_forward(layer_id: int, hidden_states: torch.Tensor, out: torch.Tensor,
                 router_logits: Optional[torch.Tensor], correction_bias: Optional[torch.Tensor],
                 topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor]) -> None:
     layer = _layer._LAYERS.get(layer_id)
     if layer is None:
         raise ValueError(f"fp4moe::moe_forward: no live fp4moe.MoeLayer with id {layer_id}")
-    layer.forward_into(hidden_states, out, router_logits, correction_bias, topk_ids, topk_weights,
-                       torch.cuda.current_stream(hidden_states.device).cuda_stream)
+    # A CPU tensor is refused by the layer's checks, with their message.
+    stream = torch.cuda.current_stream(hidden_states.device).cuda_stream if hidden_states.is_cuda else 0
+    layer.forward_into(hidden_states, out, router_logits, correction_bias, topk_ids, topk_weights, stream)
 
 
 @moe_forward.register_fake

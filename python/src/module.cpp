@@ -23,6 +23,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -301,6 +303,26 @@ class Layer {
     layer_.forward(args, output, workspace_, workspace_bytes_, reinterpret_cast<cudaStream_t>(stream));
   }
 
+  // Host time of `iterations` C++ forwards (device routing), each timed on
+  // its own: the median in ns. For bench/python_bench.py, which compares it
+  // with a Python call's.
+  double host_forward_ns(const Array& hidden, OutArray& out, const Array& router_logits, uintptr_t stream,
+                         int iterations) const {
+    MoeForwardArgs args;
+    args.num_tokens = static_cast<int64_t>(hidden.shape(0));
+    args.hidden_states = hidden.data();
+    args.router_logits = static_cast<const float*>(router_logits.data());
+    DeviceGuard guard(device_);
+    std::vector<double> ns;
+    for (int i = 0; i < iterations; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      layer_.forward(args, out.data(), workspace_, workspace_bytes_, reinterpret_cast<cudaStream_t>(stream));
+      ns.push_back(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count());
+    }
+    std::sort(ns.begin(), ns.end());
+    return ns.empty() ? 0.0 : ns[ns.size() / 2];
+  }
+
   std::string device_errors(uintptr_t stream) const {
     DeviceGuard guard(device_);
     return layer_.device_errors(workspace_, reinterpret_cast<cudaStream_t>(stream));
@@ -533,6 +555,21 @@ nb::tuple quantize(const Array& weights, std::optional<float> global_scale) {
                         s2);
 }
 
+// Seconds MoeLayer::prepare (the host packer, then the upload) takes for
+// the stacked host arrays, on the current device; the layer is dropped.
+double time_host_prepare(const Array& w13, const Array& w13_scale, const Array& w13_scale_2, const Array& w2,
+                         const Array& w2_scale, const Array& w2_scale_2, int top_k) {
+  const MoeWeights w = weights_from_stacked(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                                            std::nullopt, std::nullopt);
+  MoeLayerOptions o;
+  o.routing.top_k = top_k;
+  nb::gil_scoped_release release;
+  const auto start = std::chrono::steady_clock::now();
+  MoeLayer layer = MoeLayer::prepare(w, o);
+  FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 int cuda_device_count() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
@@ -605,6 +642,8 @@ NB_MODULE(_fp4moe, m) {
            nb::arg("correction_bias").none(), nb::arg("topk_ids").none(), nb::arg("topk_weights").none(),
            nb::arg("stream"))
       .def("device_errors", &Layer::device_errors, nb::arg("stream"))
+      .def("host_forward_ns", &Layer::host_forward_ns, nb::arg("hidden_states"), nb::arg("out"),
+           nb::arg("router_logits"), nb::arg("stream"), nb::arg("iterations"))
       .def("plan", &Layer::plan, nb::arg("num_tokens"))
       .def_prop_ro("num_experts", [](const Layer& l) { return l.layer().num_experts(); })
       .def_prop_ro("hidden", [](const Layer& l) { return l.layer().hidden(); })
@@ -629,5 +668,8 @@ NB_MODULE(_fp4moe, m) {
   m.def("quantize", &quantize, nb::arg("weights"), nb::arg("global_scale").none() = nb::none(),
         "ModelOpt NVFP4 quantisation of a float32 [N, K] host array: (packed, scales, weight_scale_2); "
         "global_scale (gate and up share one) defaults to amax / 2688.");
+  m.def("time_host_prepare", &time_host_prepare, nb::arg("w13"), nb::arg("w13_scale"), nb::arg("w13_scale_2"),
+        nb::arg("w2"), nb::arg("w2_scale"), nb::arg("w2_scale_2"), nb::arg("top_k"),
+        "Seconds MoeLayer::prepare (host packer + upload) takes for stacked host arrays (benchmarks).");
   m.def("cuda_device_count", &cuda_device_count, "CUDA devices usable by the library (0 without a driver).");
 }

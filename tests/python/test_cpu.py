@@ -245,3 +245,37 @@ def test_verbose_errors_add_the_source_location(monkeypatch):
     monkeypatch.setenv("FP4MOE_VERBOSE", "1")
     with pytest.raises(fp4moe.Error, match=r"\.cpp:\d+\]"):
         fp4moe.pack_stacked(np.zeros((1, 16, 8), np.uint8), np.zeros((1, 16, 2), np.uint8), False)
+
+
+# ------------------------------------------------------------------ torch (when installed)
+
+
+def test_torch_compile_fullgraph_traces_the_op(monkeypatch):
+    """torch.compile(fullgraph=True) of a block calling a layer: the call
+    becomes fp4moe::moe_forward with its fake implementation. On the CPU the
+    layer's forward is replaced by a stand-in (out = hidden * 2)."""
+    torch = pytest.importorskip("torch")
+    from fp4moe import layer as layer_module
+    from fp4moe import torch_ops  # noqa: F401
+
+    class StandIn(layer_module.MoeLayer):
+        def __init__(self):
+            self._register()
+
+        def forward_into(self, hidden_states, out, router_logits=None, correction_bias=None, topk_ids=None,
+                         topk_weights=None, stream=None):
+            out.copy_(hidden_states * 2)
+
+    layer = StandIn()
+    gate = torch.randn(64, 8)
+
+    def block(x):
+        logits = x.float() @ gate
+        return layer(x, router_logits=logits) + x
+
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), x * 3, rtol=0, atol=0)
+    ids = torch.zeros(4, 2, dtype=torch.int64)
+    args = (layer._id, x, torch.empty_like(x), None, None, ids.int(), torch.ones(4, 2))
+    torch.library.opcheck(torch.ops.fp4moe.moe_forward.default, args)
