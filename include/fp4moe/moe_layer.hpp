@@ -130,8 +130,9 @@ struct MoeStageEvents {
 
 class MoeLayer {
  public:
-  // Validates the weights (shapes, shared gate/up global scale, biases) and
-  // uploads them, repacked, to the current device. Throws fp4moe::Error with
+  // Validates the weights (shapes, finite global scales, biases) and
+  // uploads them, repacked, to the current device. Gate and up may have
+  // different global scales: each is applied exactly. Throws fp4moe::Error with
   // what was wrong. This is the expensive one-time step.
   static MoeLayer prepare(const MoeWeights& weights, const MoeLayerOptions& options = {});
   // The same from weights already on the GPU (`weights`' device must be the

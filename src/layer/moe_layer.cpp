@@ -128,9 +128,9 @@ void validate_weights(const MoeWeights& w, const MoeLayerOptions& o) {
     check_matrix(x.gate, w.inter, w.hidden, e, "gate");
     check_matrix(x.up, w.inter, w.hidden, e, "up");
     check_matrix(x.down, w.hidden, w.inter, e, "down");
-    FP4MOE_CHECK(x.gate.global_scale == x.up.global_scale, "MoeLayer: expert ", e,
-                 " has different gate and up weight_scale_2 (", x.gate.global_scale, " vs ",
-                 x.up.global_scale, "); the fused SwiGLU needs the shared scale ModelOpt writes");
+    FP4MOE_CHECK(std::isfinite(x.gate.global_scale) && std::isfinite(x.up.global_scale),
+                 "MoeLayer: expert ", e, " has gate and up weight_scale_2 ", x.gate.global_scale, " and ",
+                 x.up.global_scale, "; expected finite");
     const std::pair<const std::vector<float>*, std::pair<const char*, int64_t>> biases[] = {
         {&x.gate_bias, {"gate_bias", w.inter}},
         {&x.up_bias, {"up_bias", w.inter}},
@@ -309,6 +309,15 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
   }
   impl->w13 = upload(packed13);
   impl->w2 = upload(packed2);
+  // Gate and up may carry different global scales (ModelOpt shares one;
+  // other exporters need not): the SwiGLU epilogue then scales each its own.
+  std::vector<float> up_scales;
+  bool shared = true;
+  for (const ExpertWeights& x : weights.experts) {
+    up_scales.push_back(x.up.global_scale);
+    shared = shared && x.up.global_scale == x.gate.global_scale;
+  }
+  if (!shared) impl->w13_up_scales = DeviceBuffer<float>(up_scales);
   if (impl->has_bias) {
     std::vector<float> b13, b2;
     for (const auto& x : weights.experts) {

@@ -1342,7 +1342,7 @@ TEST(MoeLayerPrepareDevice, EqualsPrepareOnTheHostBitForBit) {
 
 // Gate and up with different global scales ([E, 2]): each half is scaled by
 // its own in the SwiGLU epilogue, matching the reference, which dequantises
-// every matrix with its own scale.
+// every matrix with its own scale; prepare() on the host gives the same bits.
 TEST(MoeLayerPrepareDevice, GateAndUpWithDifferentGlobalScales) {
   FP4MOE_REQUIRE_GPU();
   const ModelShape& shape = shape_named("GptOss");
@@ -1352,6 +1352,7 @@ TEST(MoeLayerPrepareDevice, GateAndUpWithDifferentGlobalScales) {
   for (ExpertWeights& x : weights.experts) x.up.global_scale *= factor(rng);
   const StackedDeviceWeights stacked(weights, /*per_half=*/true);
   const MoeLayer layer = MoeLayer::prepare_device(stacked.view, layer_options(shape));
+  const MoeLayer from_host = MoeLayer::prepare(weights, layer_options(shape));
 
   Stream stream;
   const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
@@ -1362,8 +1363,11 @@ TEST(MoeLayerPrepareDevice, GateAndUpWithDifferentGlobalScales) {
     const std::vector<float> reference =
         reference_output(weights, batch.hidden_states, batch.routing, shape.activation);
     const DeviceInputs inputs(batch, model_data(shape).correction_bias);
-    expect_matches_reference(forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get()),
-                             reference, shape.hidden);
+    const std::vector<uint16_t> out = forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
+    expect_matches_reference(out, reference, shape.hidden);
+    EXPECT_EQ(first_difference(out, forward_bits(from_host, inputs.caller_routing(), output, workspace,
+                                                 stream.get())), -1)
+        << "host and device preparation differ";
   }
 }
 
