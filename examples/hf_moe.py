@@ -12,7 +12,13 @@ Both greedily generate --new-tokens tokens from the same prompt; the logits
 of the reference's sequence are compared (relative error, limit 1e-2) and the
 tokens/s of both printed. Exit status 1 when the logits disagree.
 
-    python examples/hf_moe.py [--model qwen3|mixtral] [--new-tokens 32] [--json results.json]
+The model runs in float32 by default, so that the reference holds the
+dequantised weights exactly and the comparison measures fp4moe (bf16
+activations in and out of each MoE layer, W4A16) rather than bf16 rounding
+in the reference; --dtype bfloat16 runs both in bf16 (what serving does).
+
+    python examples/hf_moe.py [--model qwen3|mixtral] [--dtype float32|bfloat16] [--new-tokens 32]
+                              [--json results.json]
 
 Needs a CUDA GPU, torch and transformers (5.x: experts held as 3-D
 gate_up_proj / down_proj tensors).
@@ -73,15 +79,17 @@ def quantize_experts(experts) -> dict:
 
 class Fp4moeExperts(torch.nn.Module):
     """Drop-in for transformers' experts module: (hidden [T, H], top_k_index,
-    top_k_weights) -> [T, H], computed by an fp4moe.MoeLayer."""
+    top_k_weights) -> [T, H], computed by an fp4moe.MoeLayer (bf16 in and
+    out; a float32 model converts around it)."""
 
     def __init__(self, layer: fp4moe.MoeLayer):
         super().__init__()
         self.layer = layer
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        return self.layer(hidden_states.contiguous(), topk_ids=top_k_index.to(torch.int32),
-                          topk_weights=top_k_weights.float())
+        out = self.layer(hidden_states.to(torch.bfloat16).contiguous(), topk_ids=top_k_index.to(torch.int32),
+                         topk_weights=top_k_weights.float())
+        return out.to(hidden_states.dtype)
 
 
 def timed_generate(model, prompt, new_tokens):
@@ -97,6 +105,7 @@ def timed_generate(model, prompt, new_tokens):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=["qwen3", "mixtral"], default="qwen3")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
@@ -108,7 +117,8 @@ def main() -> int:
 
     torch.manual_seed(args.seed)
     config = small_config(args.model)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).cuda().eval()
     blocks = moe_blocks(model)
     if not blocks:
         print(f"hf_moe: no MoE block with 3-D gate_up_proj experts in {type(model).__name__} "
@@ -116,7 +126,7 @@ def main() -> int:
         return 1
     top_k = config.num_experts_per_tok
     print(f"hf_moe: {type(model).__name__}, {len(blocks)} MoE blocks, "
-          f"{blocks[0][1].experts.gate_up_proj.shape[0]} experts, top-{top_k}, transformers "
+          f"{blocks[0][1].experts.gate_up_proj.shape[0]} experts, top-{top_k}, {args.dtype}, transformers "
           f"{transformers.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
 
     # Quantise; the reference gets the dequantised weights, fp4moe the codes.
@@ -150,7 +160,7 @@ def main() -> int:
     ok = rel < 1e-2
     print(f"logits over {ref_tokens.shape[1]} positions: rel err {rel:.2e} (limit 1e-02) {'PASS' if ok else 'FAIL'}")
     print(f"generated tokens equal to the reference's: {same} of {args.new_tokens}")
-    print(f"tokens/s: reference (torch, dequantised bf16 experts) {ref_tps:.1f}, fp4moe {fp4_tps:.1f}")
+    print(f"tokens/s: reference (torch, dequantised {args.dtype} experts) {ref_tps:.1f}, fp4moe {fp4_tps:.1f}")
     for i, layer in enumerate(layers):
         errors = layer.device_errors()
         if errors:
@@ -158,7 +168,7 @@ def main() -> int:
             ok = False
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "moe_blocks": len(blocks), "new_tokens": args.new_tokens,
+            json.dump({"model": args.model, "dtype": args.dtype, "moe_blocks": len(blocks), "new_tokens": args.new_tokens,
                        "logits_rel_err": rel, "pass": ok, "tokens_equal": same,
                        "tokens_per_s_reference": ref_tps, "tokens_per_s_fp4moe": fp4_tps,
                        "torch": torch.__version__, "transformers": transformers.__version__,
