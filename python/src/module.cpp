@@ -15,13 +15,12 @@
 // Every fp4moe::Error becomes fp4moe.Error (a ValueError) carrying the
 // library's one-line message (with the source location when FP4MOE_VERBOSE=1).
 // Tested by tests/python/ (CPU parts everywhere, GPU parts on a GPU).
+#include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
-
-#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <chrono>
@@ -44,8 +43,8 @@ namespace nb = nanobind;
 namespace fp4moe::python {
 namespace {
 
-using Array = nb::ndarray<nb::ro>;       // any dtype, device, shape: checked below
-using OutArray = nb::ndarray<>;          // written to
+using Array = nb::ndarray<nb::ro>;  // any dtype, device, shape: checked below
+using OutArray = nb::ndarray<>;     // written to
 using HostU8 = nb::ndarray<nb::numpy, uint8_t, nb::c_contig>;
 using HostF32 = nb::ndarray<nb::numpy, float, nb::c_contig>;
 
@@ -69,8 +68,9 @@ bool has_dtype(const nb::dlpack::dtype& t, DType d) {
   switch (d) {
     // Bytes: uint8, int8, or float8_e4m3fn for scales.
     case DType::kU8:
-      return t.bits == 8 && (t.code == static_cast<uint8_t>(Code::UInt) || t.code == static_cast<uint8_t>(Code::Int) ||
-                             t.code == static_cast<uint8_t>(Code::Float8_E4M3FN));
+      return t.bits == 8 &&
+             (t.code == static_cast<uint8_t>(Code::UInt) || t.code == static_cast<uint8_t>(Code::Int) ||
+              t.code == static_cast<uint8_t>(Code::Float8_E4M3FN));
     case DType::kBf16: return t.code == static_cast<uint8_t>(Code::Bfloat) && t.bits == 16;
     case DType::kF32: return t.code == static_cast<uint8_t>(Code::Float) && t.bits == 32;
     case DType::kI32: return t.code == static_cast<uint8_t>(Code::Int) && t.bits == 32;
@@ -178,9 +178,12 @@ MoeLayerOptions make_options(int top_k, const std::string& routing, bool renorma
   o.routing.num_groups = num_groups;
   o.routing.topk_groups = topk_groups;
   o.routing.routed_scaling_factor = routed_scaling_factor;
-  if (activation == "swiglu") o.activation = Activation::kSwiGLU;
-  else if (activation == "gptoss") o.activation = Activation::kGptOss;
-  else FP4MOE_THROW("unknown activation '", activation, "': expected swiglu or gptoss");
+  if (activation == "swiglu")
+    o.activation = Activation::kSwiGLU;
+  else if (activation == "gptoss")
+    o.activation = Activation::kGptOss;
+  else
+    FP4MOE_THROW("unknown activation '", activation, "': expected swiglu or gptoss");
   o.finalize = parse_finalize_mode(finalize);
   o.batch_invariant = batch_invariant;
   o.programmatic_launch = programmatic_launch;
@@ -245,7 +248,8 @@ class Layer {
     if (w13_bias) {
       w.w13_bias = static_cast<const float*>(
           checked(kWhere, "w13_bias", *w13_bias, DType::kF32, {{E, 2 * I}}, device));
-      w.w2_bias = static_cast<const float*>(checked(kWhere, "w2_bias", *w2_bias, DType::kF32, {{E, H}}, device));
+      w.w2_bias =
+          static_cast<const float*>(checked(kWhere, "w2_bias", *w2_bias, DType::kF32, {{E, H}}, device));
     }
     DeviceGuard guard(device);
     MoeLayer layer = MoeLayer::prepare_device(w, options, reinterpret_cast<cudaStream_t>(stream));
@@ -275,8 +279,10 @@ class Layer {
     FP4MOE_CHECK(hidden.ndim() == 2, kWhere, ": hidden_states has shape ", shape_string(shape_of(hidden)),
                  "; expected [num_tokens, ", H, "]");
     const int64_t T = static_cast<int64_t>(hidden.shape(0));
-    FP4MOE_CHECK(T <= max_tokens_, kWhere, ": ", T, " tokens, but the layer's workspace was sized for "
-                 "max_tokens = ", max_tokens_, "; construct the layer with a larger max_tokens");
+    FP4MOE_CHECK(T <= max_tokens_, kWhere, ": ", T,
+                 " tokens, but the layer's workspace was sized for "
+                 "max_tokens = ",
+                 max_tokens_, "; construct the layer with a larger max_tokens");
     MoeForwardArgs args;
     args.num_tokens = T;
     args.hidden_states = checked(kWhere, "hidden_states", hidden, DType::kBf16, {{T, H}}, device_);
@@ -293,8 +299,8 @@ class Layer {
             checked(kWhere, "correction_bias", *correction_bias, DType::kF32, {{E}}, device_));
     } else {
       FP4MOE_CHECK(!correction_bias, kWhere, ": correction_bias goes with router_logits");
-      args.topk_ids = static_cast<const int32_t*>(
-          checked(kWhere, "topk_ids", *topk_ids, DType::kI32, {{T, k}}, device_));
+      args.topk_ids =
+          static_cast<const int32_t*>(checked(kWhere, "topk_ids", *topk_ids, DType::kI32, {{T, k}}, device_));
       args.topk_weights = static_cast<const float*>(
           checked(kWhere, "topk_weights", *topk_weights, DType::kF32, {{T, k}}, device_));
     }
@@ -317,7 +323,8 @@ class Layer {
     for (int i = 0; i < iterations; ++i) {
       const auto start = std::chrono::steady_clock::now();
       layer_.forward(args, out.data(), workspace_, workspace_bytes_, reinterpret_cast<cudaStream_t>(stream));
-      ns.push_back(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count());
+      ns.push_back(
+          std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count());
     }
     std::sort(ns.begin(), ns.end());
     return ns.empty() ? 0.0 : ns[ns.size() / 2];
@@ -358,8 +365,10 @@ std::vector<Nvfp4Matrix> unstack(const char* where, const Array& packed, const A
                "; expected [E, n, k/2]");
   const int64_t E = static_cast<int64_t>(packed.shape(0)), n = static_cast<int64_t>(packed.shape(1));
   const int64_t k = static_cast<int64_t>(packed.shape(2)) * 2;
-  const auto* p = static_cast<const uint8_t*>(checked(where, "packed", packed, DType::kU8, {{E, n, k / 2}}, kHost));
-  const auto* s = static_cast<const uint8_t*>(checked(where, "scales", scales, DType::kU8, {{E, n, k / 16}}, kHost));
+  const auto* p =
+      static_cast<const uint8_t*>(checked(where, "packed", packed, DType::kU8, {{E, n, k / 2}}, kHost));
+  const auto* s =
+      static_cast<const uint8_t*>(checked(where, "scales", scales, DType::kU8, {{E, n, k / 16}}, kHost));
   std::vector<Nvfp4Matrix> out(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) {
     Nvfp4Matrix& m = out[static_cast<size_t>(e)];
@@ -378,7 +387,8 @@ Nvfp4Matrix row_slice(const Nvfp4Matrix& m, int64_t row_begin, int64_t rows, flo
   out.rows = rows;
   out.cols = m.cols;
   out.global_scale = global_scale;
-  out.packed.assign(m.packed.begin() + row_begin * m.cols / 2, m.packed.begin() + (row_begin + rows) * m.cols / 2);
+  out.packed.assign(m.packed.begin() + row_begin * m.cols / 2,
+                    m.packed.begin() + (row_begin + rows) * m.cols / 2);
   out.scales.assign(m.scales.begin() + row_begin * m.cols / 16,
                     m.scales.begin() + (row_begin + rows) * m.cols / 16);
   return out;
@@ -389,19 +399,25 @@ MoeWeights weights_from_stacked(const Array& w13, const Array& w13_scale, const 
                                 const Array& w2, const Array& w2_scale, const Array& w2_scale_2,
                                 const std::optional<Array>& w13_bias, const std::optional<Array>& w2_bias) {
   constexpr const char* kWhere = "fp4moe.reference_forward";
-  FP4MOE_CHECK(w13.ndim() == 3, kWhere, ": w13 has shape ", shape_string(shape_of(w13)), "; expected [E, 2*I, H/2]");
+  FP4MOE_CHECK(w13.ndim() == 3, kWhere, ": w13 has shape ", shape_string(shape_of(w13)),
+               "; expected [E, 2*I, H/2]");
   const int64_t E = static_cast<int64_t>(w13.shape(0)), I = static_cast<int64_t>(w13.shape(1)) / 2;
   const int64_t H = static_cast<int64_t>(w13.shape(2)) * 2;
   const auto* s13 = static_cast<const float*>(
       checked(kWhere, "w13_scale_2", w13_scale_2, DType::kF32, {{E}, {E, 1}, {E, 2}}, kHost));
   const int halves = w13_scale_2.ndim() == 2 && w13_scale_2.shape(1) == 2 ? 2 : 1;
-  const auto* s2 = static_cast<const float*>(checked(kWhere, "w2_scale_2", w2_scale_2, DType::kF32, {{E}, {E, 1}}, kHost));
+  const auto* s2 =
+      static_cast<const float*>(checked(kWhere, "w2_scale_2", w2_scale_2, DType::kF32, {{E}, {E, 1}}, kHost));
   const std::vector<Nvfp4Matrix> stacked13 = unstack(kWhere, w13, w13_scale, nullptr, 0, 0);
   std::vector<Nvfp4Matrix> down = unstack(kWhere, w2, w2_scale, s2, 1, 0);
   FP4MOE_CHECK(static_cast<int64_t>(down.size()) == E && down[0].rows == H && down[0].cols == I, kWhere,
                ": w2 has shape ", shape_string(shape_of(w2)), "; expected [", E, ", ", H, ", ", I / 2, "]");
-  const float* b13 = w13_bias ? static_cast<const float*>(checked(kWhere, "w13_bias", *w13_bias, DType::kF32, {{E, 2 * I}}, kHost)) : nullptr;
-  const float* b2 = w2_bias ? static_cast<const float*>(checked(kWhere, "w2_bias", *w2_bias, DType::kF32, {{E, H}}, kHost)) : nullptr;
+  const float* b13 = w13_bias ? static_cast<const float*>(
+                                    checked(kWhere, "w13_bias", *w13_bias, DType::kF32, {{E, 2 * I}}, kHost))
+                              : nullptr;
+  const float* b2 =
+      w2_bias ? static_cast<const float*>(checked(kWhere, "w2_bias", *w2_bias, DType::kF32, {{E, H}}, kHost))
+              : nullptr;
   FP4MOE_CHECK((b13 == nullptr) == (b2 == nullptr), kWhere, ": give both w13_bias and w2_bias, or neither");
   MoeWeights w;
   w.num_experts = E;
@@ -422,24 +438,29 @@ MoeWeights weights_from_stacked(const Array& w13, const Array& w13_scale, const 
   return w;
 }
 
-nb::ndarray<nb::numpy, float> reference_forward(const Array& w13, const Array& w13_scale, const Array& w13_scale_2,
-                                                const Array& w2, const Array& w2_scale, const Array& w2_scale_2,
+nb::ndarray<nb::numpy, float> reference_forward(const Array& w13, const Array& w13_scale,
+                                                const Array& w13_scale_2, const Array& w2,
+                                                const Array& w2_scale, const Array& w2_scale_2,
                                                 const std::optional<Array>& w13_bias,
                                                 const std::optional<Array>& w2_bias, const Array& hidden,
                                                 const Array& topk_ids, const Array& topk_weights,
                                                 const std::string& activation) {
   constexpr const char* kWhere = "fp4moe.reference_forward";
-  const MoeWeights w = weights_from_stacked(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, w13_bias, w2_bias);
+  const MoeWeights w =
+      weights_from_stacked(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, w13_bias, w2_bias);
   FP4MOE_CHECK(hidden.ndim() == 2 && topk_ids.ndim() == 2, kWhere,
                ": hidden_states and topk_ids must be 2-D ([T, H] and [T, k])");
   const int64_t T = static_cast<int64_t>(hidden.shape(0));
   const int64_t k = static_cast<int64_t>(topk_ids.shape(1));
-  const auto* x = static_cast<const float*>(checked(kWhere, "hidden_states", hidden, DType::kF32, {{T, w.hidden}}, kHost));
+  const auto* x = static_cast<const float*>(
+      checked(kWhere, "hidden_states", hidden, DType::kF32, {{T, w.hidden}}, kHost));
   Routing r;
   r.num_tokens = T;
   r.top_k = static_cast<int>(k);
-  const auto* ids = static_cast<const int32_t*>(checked(kWhere, "topk_ids", topk_ids, DType::kI32, {{T, k}}, kHost));
-  const auto* wts = static_cast<const float*>(checked(kWhere, "topk_weights", topk_weights, DType::kF32, {{T, k}}, kHost));
+  const auto* ids =
+      static_cast<const int32_t*>(checked(kWhere, "topk_ids", topk_ids, DType::kI32, {{T, k}}, kHost));
+  const auto* wts =
+      static_cast<const float*>(checked(kWhere, "topk_weights", topk_weights, DType::kF32, {{T, k}}, kHost));
   r.topk_ids.assign(ids, ids + T * k);
   r.topk_weights.assign(wts, wts + T * k);
   validate_routing(r, w.num_experts);
@@ -461,8 +482,10 @@ nb::tuple pack_stacked(const Array& packed, const Array& scales, bool gate_up) {
   const int64_t E = static_cast<int64_t>(packed.shape(0)), n = static_cast<int64_t>(packed.shape(1));
   const int64_t k = static_cast<int64_t>(packed.shape(2)) * 2;
   layout::StackedNvfp4 s;
-  s.packed = static_cast<const uint8_t*>(checked("fp4moe.pack_stacked", "packed", packed, DType::kU8, {{E, n, k / 2}}, kHost));
-  s.scales = static_cast<const uint8_t*>(checked("fp4moe.pack_stacked", "scales", scales, DType::kU8, {{E, n, k / 16}}, kHost));
+  s.packed = static_cast<const uint8_t*>(
+      checked("fp4moe.pack_stacked", "packed", packed, DType::kU8, {{E, n, k / 2}}, kHost));
+  s.scales = static_cast<const uint8_t*>(
+      checked("fp4moe.pack_stacked", "scales", scales, DType::kU8, {{E, n, k / 16}}, kHost));
   s.num_experts = E;
   s.n = n;
   s.k = k;
@@ -470,14 +493,16 @@ nb::tuple pack_stacked(const Array& packed, const Array& scales, bool gate_up) {
   FP4MOE_CHECK(n % 16 == 0 && k % 16 == 0 && (!gate_up || n % 32 == 0), "fp4moe.pack_stacked: n = ", n,
                ", k = ", k, "; expected multiples of 16 (n of 32 for a gate/up stack)");
   const int64_t frags = s.num_fragments();
-  std::vector<uint8_t> w(static_cast<size_t>(frags * kFragBytes)), sc(static_cast<size_t>(frags * kFragScaleBytes));
+  std::vector<uint8_t> w(static_cast<size_t>(frags * kFragBytes)),
+      sc(static_cast<size_t>(frags * kFragScaleBytes));
   {
     nb::gil_scoped_release release;
     for (int64_t i = 0; i < frags * layout::kWordsPerFragment; ++i) {
       const uint32_t word = layout::prepared_weight_word(s, i);
       std::memcpy(w.data() + i * 4, &word, 4);
     }
-    for (int64_t i = 0; i < frags * kFragScaleBytes; ++i) sc[static_cast<size_t>(i)] = layout::prepared_scale_byte(s, i);
+    for (int64_t i = 0; i < frags * kFragScaleBytes; ++i)
+      sc[static_cast<size_t>(i)] = layout::prepared_scale_byte(s, i);
   }
   const size_t wn = w.size(), sn = sc.size();
   return nb::make_tuple(numpy_array(std::move(w), {wn}), numpy_array(std::move(sc), {sn}));
@@ -488,7 +513,8 @@ nb::tuple pack_host(const Array& packed, const Array& scales, bool gate_up) {
   std::vector<Nvfp4Matrix> ms = unstack("fp4moe.pack_host", packed, scales, nullptr, 0, 0);
   if (gate_up) {
     for (Nvfp4Matrix& m : ms) {
-      FP4MOE_CHECK(m.rows % 16 == 0, "fp4moe.pack_host: a gate/up stack needs rows a multiple of 16, not ", m.rows);
+      FP4MOE_CHECK(m.rows % 16 == 0, "fp4moe.pack_host: a gate/up stack needs rows a multiple of 16, not ",
+                   m.rows);
       m = interleave_gate_up(row_slice(m, 0, m.rows / 2, 1.0f), row_slice(m, m.rows / 2, m.rows / 2, 1.0f));
     }
   }
@@ -506,7 +532,8 @@ nb::dict load_stacked(const std::string& path, const std::string& prefix) {
     nb::gil_scoped_release release;
     w = load_moe_weights(path, prefix);
   }
-  const size_t E = static_cast<size_t>(w.num_experts), H = static_cast<size_t>(w.hidden), I = static_cast<size_t>(w.inter);
+  const size_t E = static_cast<size_t>(w.num_experts), H = static_cast<size_t>(w.hidden),
+               I = static_cast<size_t>(w.inter);
   std::vector<uint8_t> w13, w13s, w2, w2s;
   std::vector<float> s13, s2, b13, b2;
   for (const ExpertWeights& x : w.experts) {
@@ -543,24 +570,25 @@ nb::tuple quantize(const Array& weights, std::optional<float> global_scale) {
   FP4MOE_CHECK(weights.ndim() == 2, "fp4moe.quantize: weights have shape ", shape_string(shape_of(weights)),
                "; expected [N, K]");
   const int64_t n = static_cast<int64_t>(weights.shape(0)), k = static_cast<int64_t>(weights.shape(1));
-  const auto* w = static_cast<const float*>(checked("fp4moe.quantize", "weights", weights, DType::kF32, {{n, k}}, kHost));
+  const auto* w =
+      static_cast<const float*>(checked("fp4moe.quantize", "weights", weights, DType::kF32, {{n, k}}, kHost));
   Nvfp4Matrix m;
   {
     nb::gil_scoped_release release;
     m = quantize_nvfp4(w, n, k, global_scale);
   }
   const float s2 = m.global_scale;
-  return nb::make_tuple(numpy_array(std::move(m.packed), {static_cast<size_t>(n), static_cast<size_t>(k / 2)}),
-                        numpy_array(std::move(m.scales), {static_cast<size_t>(n), static_cast<size_t>(k / 16)}),
-                        s2);
+  return nb::make_tuple(
+      numpy_array(std::move(m.packed), {static_cast<size_t>(n), static_cast<size_t>(k / 2)}),
+      numpy_array(std::move(m.scales), {static_cast<size_t>(n), static_cast<size_t>(k / 16)}), s2);
 }
 
 // Seconds MoeLayer::prepare (the host packer, then the upload) takes for
 // the stacked host arrays, on the current device; the layer is dropped.
 double time_host_prepare(const Array& w13, const Array& w13_scale, const Array& w13_scale_2, const Array& w2,
                          const Array& w2_scale, const Array& w2_scale_2, int top_k) {
-  const MoeWeights w = weights_from_stacked(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
-                                            std::nullopt, std::nullopt);
+  const MoeWeights w =
+      weights_from_stacked(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, std::nullopt, std::nullopt);
   MoeLayerOptions o;
   o.routing.top_k = top_k;
   nb::gil_scoped_release release;
@@ -610,37 +638,38 @@ NB_MODULE(_fp4moe, m) {
              int num_groups, int topk_groups, float routed_scaling_factor, const std::string& activation,
              const std::string& finalize, bool batch_invariant, bool programmatic_launch, int64_t max_tokens,
              uintptr_t stream) {
-            return Layer::from_device(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, w13_bias, w2_bias,
-                                      make_options(top_k, routing, renormalize, num_groups, topk_groups,
-                                                   routed_scaling_factor, activation, finalize,
-                                                   batch_invariant, programmatic_launch),
-                                      max_tokens, stream);
+            return Layer::from_device(
+                w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, w13_bias, w2_bias,
+                make_options(top_k, routing, renormalize, num_groups, topk_groups, routed_scaling_factor,
+                             activation, finalize, batch_invariant, programmatic_launch),
+                max_tokens, stream);
           },
           nb::arg("w13"), nb::arg("w13_scale"), nb::arg("w13_scale_2"), nb::arg("w2"), nb::arg("w2_scale"),
           nb::arg("w2_scale_2"), nb::arg("w13_bias").none(), nb::arg("w2_bias").none(), nb::kw_only(),
           nb::arg("top_k"), nb::arg("routing"), nb::arg("renormalize"), nb::arg("num_groups"),
-          nb::arg("topk_groups"), nb::arg("routed_scaling_factor"), nb::arg("activation"), nb::arg("finalize"),
-          nb::arg("batch_invariant"), nb::arg("programmatic_launch"), nb::arg("max_tokens"), nb::arg("stream"),
-          nb::rv_policy::take_ownership)
+          nb::arg("topk_groups"), nb::arg("routed_scaling_factor"), nb::arg("activation"),
+          nb::arg("finalize"), nb::arg("batch_invariant"), nb::arg("programmatic_launch"),
+          nb::arg("max_tokens"), nb::arg("stream"), nb::rv_policy::take_ownership)
       .def_static(
           "from_checkpoint",
           [](const std::string& path, const std::string& prefix, int top_k, const std::string& routing,
              bool renormalize, int num_groups, int topk_groups, float routed_scaling_factor,
              const std::string& activation, const std::string& finalize, bool batch_invariant,
              bool programmatic_launch, int64_t max_tokens, int device) {
-            return Layer::from_checkpoint(path, prefix,
-                                          make_options(top_k, routing, renormalize, num_groups, topk_groups,
-                                                       routed_scaling_factor, activation, finalize,
-                                                       batch_invariant, programmatic_launch),
-                                          max_tokens, device);
+            return Layer::from_checkpoint(
+                path, prefix,
+                make_options(top_k, routing, renormalize, num_groups, topk_groups, routed_scaling_factor,
+                             activation, finalize, batch_invariant, programmatic_launch),
+                max_tokens, device);
           },
           nb::arg("path"), nb::arg("prefix"), nb::kw_only(), nb::arg("top_k"), nb::arg("routing"),
-          nb::arg("renormalize"), nb::arg("num_groups"), nb::arg("topk_groups"), nb::arg("routed_scaling_factor"),
-          nb::arg("activation"), nb::arg("finalize"), nb::arg("batch_invariant"), nb::arg("programmatic_launch"),
-          nb::arg("max_tokens"), nb::arg("device"), nb::rv_policy::take_ownership)
-      .def("forward", &Layer::forward, nb::arg("hidden_states"), nb::arg("out"), nb::arg("router_logits").none(),
-           nb::arg("correction_bias").none(), nb::arg("topk_ids").none(), nb::arg("topk_weights").none(),
-           nb::arg("stream"))
+          nb::arg("renormalize"), nb::arg("num_groups"), nb::arg("topk_groups"),
+          nb::arg("routed_scaling_factor"), nb::arg("activation"), nb::arg("finalize"),
+          nb::arg("batch_invariant"), nb::arg("programmatic_launch"), nb::arg("max_tokens"),
+          nb::arg("device"), nb::rv_policy::take_ownership)
+      .def("forward", &Layer::forward, nb::arg("hidden_states"), nb::arg("out"),
+           nb::arg("router_logits").none(), nb::arg("correction_bias").none(), nb::arg("topk_ids").none(),
+           nb::arg("topk_weights").none(), nb::arg("stream"))
       .def("device_errors", &Layer::device_errors, nb::arg("stream"))
       .def("host_forward_ns", &Layer::host_forward_ns, nb::arg("hidden_states"), nb::arg("out"),
            nb::arg("router_logits"), nb::arg("stream"), nb::arg("iterations"))
@@ -658,7 +687,8 @@ NB_MODULE(_fp4moe, m) {
         nb::arg("w2"), nb::arg("w2_scale"), nb::arg("w2_scale_2"), nb::arg("w13_bias").none(),
         nb::arg("w2_bias").none(), nb::arg("hidden_states"), nb::arg("topk_ids"), nb::arg("topk_weights"),
         nb::arg("activation") = "swiglu",
-        "The CPU reference (double accumulation, bf16 intermediate as the GPU stores it) on stacked host arrays.");
+        "The CPU reference (double accumulation, bf16 intermediate as the GPU stores it) on stacked host "
+        "arrays.");
   m.def("pack_stacked", &pack_stacked, nb::arg("packed"), nb::arg("scales"), nb::arg("gate_up"),
         "The device packer's index mapping evaluated on the CPU: (weights, scales) uint8 arrays.");
   m.def("pack_host", &pack_host, nb::arg("packed"), nb::arg("scales"), nb::arg("gate_up"),
