@@ -45,8 +45,6 @@ namespace {
 
 using Array = nb::ndarray<nb::ro>;  // any dtype, device, shape: checked below
 using OutArray = nb::ndarray<>;     // written to
-using HostU8 = nb::ndarray<nb::numpy, uint8_t, nb::c_contig>;
-using HostF32 = nb::ndarray<nb::numpy, float, nb::c_contig>;
 
 // ---------------------------------------------------------------- checks
 
