@@ -1,8 +1,9 @@
 # Third-party dependencies, all from Debian packages:
-#   nlohmann-json3-dev (JSON), libcli11-dev (CLI parsing), googletest (tests).
+#   nlohmann-json3-dev (JSON; header-only, used inside the libraries),
+#   libcli11-dev (CLI parsing, FP4MOE_BUILD_CLI), googletest (tests).
 # On a machine without a package registry (the GPU machine), scripts/fetch-deps
 # unpacks the same packages into .deps/ beforehand; FP4MOE_DEPS_DIR points there.
-set(FP4MOE_DEPS_DIR "${CMAKE_SOURCE_DIR}/.deps" CACHE PATH "Unpacked Debian packages (optional)")
+set(FP4MOE_DEPS_DIR "${PROJECT_SOURCE_DIR}/.deps" CACHE PATH "Unpacked Debian packages (optional)")
 if(EXISTS "${FP4MOE_DEPS_DIR}/usr")
   list(PREPEND CMAKE_PREFIX_PATH "${FP4MOE_DEPS_DIR}/usr")
 endif()
@@ -14,12 +15,14 @@ if(NOT nlohmann_json_FOUND)
   target_include_directories(nlohmann_json::nlohmann_json INTERFACE ${NLOHMANN_JSON_INCLUDE})
 endif()
 
-find_path(CLI11_INCLUDE CLI/CLI.hpp HINTS "${FP4MOE_DEPS_DIR}/usr/include")
-if(NOT CLI11_INCLUDE)
-  message(FATAL_ERROR "CLI11 not found: apt-get install libcli11-dev (or run scripts/fetch-deps)")
+if(FP4MOE_BUILD_CLI)
+  find_path(CLI11_INCLUDE CLI/CLI.hpp HINTS "${FP4MOE_DEPS_DIR}/usr/include")
+  if(NOT CLI11_INCLUDE)
+    message(FATAL_ERROR "CLI11 not found: apt-get install libcli11-dev (or run scripts/fetch-deps)")
+  endif()
+  add_library(fp4moe_cli11 INTERFACE)
+  target_include_directories(fp4moe_cli11 SYSTEM INTERFACE ${CLI11_INCLUDE})
 endif()
-add_library(fp4moe_cli11 INTERFACE)
-target_include_directories(fp4moe_cli11 SYSTEM INTERFACE ${CLI11_INCLUDE})
 
 if(FP4MOE_BUILD_TESTS)
   find_package(GTest QUIET)

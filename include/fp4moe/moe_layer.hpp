@@ -92,6 +92,28 @@ struct MoeLayerPlan {
   std::string describe() const;  // multi-line, for the CLI
 };
 
+// A layer's weights already in GPU memory, stacked per expert as inference
+// engines hold a ModelOpt NVFP4 MoE (device pointers of the current device;
+// every tensor contiguous, row-major). Only read: prepare_device() packs its
+// own copy.
+struct MoeDeviceWeights {
+  int64_t num_experts = 0;
+  int64_t hidden = 0;  // H
+  int64_t inter = 0;   // I
+  const uint8_t* w13 = nullptr;        // u8 [E, 2 I, H/2]: gate rows, then up rows
+  const uint8_t* w13_scale = nullptr;  // e4m3 [E, 2 I, H/16]
+  // fp32 [E] (gate and up share it, as ModelOpt writes) or, with
+  // w13_scale_2_per_half, [E, 2] = {gate, up}: both are applied exactly.
+  const float* w13_scale_2 = nullptr;
+  bool w13_scale_2_per_half = false;
+  const uint8_t* w2 = nullptr;         // u8 [E, H, I/2]
+  const uint8_t* w2_scale = nullptr;   // e4m3 [E, H, I/16]
+  const float* w2_scale_2 = nullptr;   // fp32 [E]
+  // Optional biases (gpt-oss), both or neither.
+  const float* w13_bias = nullptr;     // fp32 [E, 2 I]: gate biases, then up biases
+  const float* w2_bias = nullptr;      // fp32 [E, H]
+};
+
 // One forward's inputs (device pointers).
 struct MoeForwardArgs {
   const void* hidden_states = nullptr;  // bf16 [num_tokens, hidden], 16-byte aligned
@@ -122,12 +144,19 @@ struct MoeStageEvents {
 
 class MoeLayer {
  public:
-  // Validates the weights (shapes, shared gate/up global scale, biases) and
-  // uploads them, repacked, to the current device. Throws fp4moe::Error with
-  // what was wrong. This is the expensive one-time step. When an allocation
-  // or upload fails (out of device memory), whatever was allocated is freed
-  // before the error propagates.
+  // Validates the weights (shapes, finite global scales, biases) and
+  // uploads them, repacked, to the current device. Gate and up may have
+  // different global scales: each is applied exactly. Throws fp4moe::Error
+  // with what was wrong. This is the expensive one-time step. When an
+  // allocation or upload fails (out of device memory), whatever was allocated
+  // is freed before the error propagates.
   static MoeLayer prepare(const MoeWeights& weights, const MoeLayerOptions& options = {});
+  // The same from weights already on the GPU (`weights`' device must be the
+  // current one): repacked there by GPU kernels, ordered on `stream`, which
+  // is synchronised once to check the block and global scales. The result
+  // equals prepare() on the same weights, byte for byte.
+  static MoeLayer prepare_device(const MoeDeviceWeights& weights, const MoeLayerOptions& options = {},
+                                 cudaStream_t stream = nullptr);
   // load_moe_weights(path, prefix) then prepare().
   static MoeLayer load(const std::string& path, const std::string& prefix,
                        const MoeLayerOptions& options = {});

@@ -144,6 +144,8 @@ void validate_args(const GroupedGemmArgs& a, bool for_launch, Epilogue epilogue)
     FP4MOE_CHECK(a.y != nullptr, "grouped_gemm: y is null but num_rows = ", a.num_rows);
     vectors[num_vectors++] = {a.y, "y"};
   }
+  FP4MOE_CHECK(epilogue == Epilogue::kSwiglu || a.up_global_scales == nullptr,
+               "grouped_gemm: up_global_scales is only applied by the swiglu epilogue");
   FP4MOE_CHECK(epilogue != Epilogue::kNone || a.bias == nullptr,
                "grouped_gemm: bias is only applied by the swiglu and finalize epilogues");
   for (int i = 0; i < num_vectors; ++i)
@@ -214,6 +216,7 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   p.weights = args.weights;
   p.scales = args.scales;
   p.global_scales = args.global_scales;
+  p.up_global_scales = args.up_global_scales;
   p.x = static_cast<const __nv_bfloat16*>(args.x);
   p.gather_rows = args.gather_rows;
   p.x_rows = static_cast<int>(args.gather_rows ? args.x_rows : args.num_rows);

@@ -49,8 +49,9 @@ PreparedGemmWeights prepare_gemm_weights(std::span<const Nvfp4Matrix* const> exp
 // The [2 inter, k] matrix the kSwiglu epilogue expects: rows in groups of 16,
 // 8 gate rows then the 8 up rows of the same features (row 16b + i is gate
 // row 8b + i for i < 8, up row 8b + i - 8 otherwise), so one MMA tile holds
-// both halves of each output feature. gate and up must have the same shape,
-// rows % 8 == 0 and the same global scale (ModelOpt shares weight_scale_2).
+// both halves of each output feature. gate and up must have the same shape
+// and rows % 8 == 0. The result carries gate's global scale; where up's
+// differs, pass it as GroupedGemmArgs::up_global_scales.
 Nvfp4Matrix interleave_gate_up(const Nvfp4Matrix& gate, const Nvfp4Matrix& up);
 
 // Device pointers and sizes of one grouped GEMM call.
@@ -59,6 +60,9 @@ struct GroupedGemmArgs {
   const uint8_t* weights = nullptr;
   const uint8_t* scales = nullptr;
   const float* global_scales = nullptr;
+  // kSwiglu only, optional: [E] global scales of the up rows, when they differ
+  // from the gate rows' (global_scales then holds the gate rows').
+  const float* up_global_scales = nullptr;
   int64_t num_experts = 0;
   int64_t n = 0;
   int64_t k = 0;

@@ -31,6 +31,7 @@ struct GroupedGemmParams {
   const uint8_t* weights;         // [E][n_pad/16][k_pad/64][512] fragment-ordered fp4
   const uint8_t* scales;          // [E][n_pad/16][k_pad/64][64] scale codes
   const float* global_scales;     // [E] weight_scale_2
+  const float* up_global_scales;  // kSwiglu: [E] the up rows' weight_scale_2; null: global_scales
   const __nv_bfloat16* x;         // [x_rows, k] activations
   const int32_t* gather_rows;     // [num_rows] x row of each problem row; null: identity
   int x_rows;                     // rows of x (gather bound)
@@ -188,12 +189,20 @@ __device__ __forceinline__ float activate(int activation, float gate, float up) 
   return gate / (1.0f + __expf(-gate)) * up;
 }
 
+// The up rows' epilogue scale of expert e (the gate rows' is `gate_scale`):
+// gate and up may carry different weight_scale_2 (an engine's w13_scale_2
+// [E, 2]); ModelOpt's exports share one, and the array is then absent.
+__device__ __forceinline__ float up_epilogue_scale(const GroupedGemmParams& p, int e, float gate_scale) {
+  return p.up_global_scales ? __ldg(p.up_global_scales + e) * layout::kEpilogueScale : gate_scale;
+}
+
 // The kSwiglu epilogue of output feature `feature` (< n/2) of expert e from
 // the gate and up sums: scaled, biases added, activated, rounded to bf16.
 __device__ __forceinline__ __nv_bfloat16 swiglu_output(const GroupedGemmParams& p, int e, int feature,
-                                                       float gate_sum, float up_sum, float out_scale) {
-  float gate = gate_sum * out_scale;
-  float up = up_sum * out_scale;
+                                                       float gate_sum, float up_sum, float gate_scale,
+                                                       float up_scale) {
+  float gate = gate_sum * gate_scale;
+  float up = up_sum * up_scale;
   const int n_half = p.n / 2;
   if (p.bias && feature < n_half) {
     gate += __ldg(p.bias + static_cast<size_t>(e) * p.n + feature);

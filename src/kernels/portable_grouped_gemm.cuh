@@ -272,11 +272,12 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
     const int g = lane / 4;
     const int t = lane % 4;
     const float out_scale = __ldg(p.global_scales + e) * layout::kEpilogueScale;
+    const float up_scale = detail::up_epilogue_scale(p, e, out_scale);  // kSwiglu's up rows
     // kSwiglu: feature f of the tile (0 .. BLOCK_N/2) from its scaled gate
     // and up sums, biases added, activated.
     const int n_half = p.n / 2;
     auto swiglu = [&](int f, float gate_sum, float up_sum) {
-      return detail::swiglu_output(p, e, n_tile * (BLOCK_N / 2) + f, gate_sum, up_sum, out_scale);
+      return detail::swiglu_output(p, e, n_tile * (BLOCK_N / 2) + f, gate_sum, up_sum, out_scale, up_scale);
     };
     // Staging writes of one result, tile row f (weight row) and token tok.
     auto stage = [&](int f, int tok, float sum) {

@@ -115,9 +115,6 @@ Nvfp4Matrix interleave_gate_up(const Nvfp4Matrix& gate, const Nvfp4Matrix& up) {
   FP4MOE_CHECK(gate.rows > 0 && gate.rows % 8 == 0 && gate.cols % 16 == 0,
                "interleave_gate_up: [", gate.rows, ", ", gate.cols,
                "]; expected rows a positive multiple of 8 and cols of 16");
-  FP4MOE_CHECK(gate.global_scale == up.global_scale, "interleave_gate_up: gate and up have different "
-               "weight_scale_2 (", gate.global_scale, " vs ", up.global_scale,
-               "); the fused SwiGLU applies one global scale to both, as ModelOpt shares it");
   const size_t row_bytes = static_cast<size_t>(gate.cols / 2);
   const size_t row_scales = static_cast<size_t>(gate.cols / 16);
   FP4MOE_CHECK(gate.packed.size() == row_bytes * gate.rows && up.packed.size() == row_bytes * up.rows &&

@@ -400,6 +400,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
 
       // ---- epilogue, CHUNK tokens at a time through this warpgroup's staging.
       const float out_scale = __ldg(p.global_scales + e) * layout::kEpilogueScale;
+      const float up_scale = detail::up_epilogue_scale(p, e, out_scale);  // kSwiglu's up rows
       uint8_t* stage_base = s_epilogue + consumer * (CHUNK * L.epi_row_elems * L.epi_elem_bytes);
       auto* s_out = reinterpret_cast<__nv_bfloat16*>(stage_base);  // (CHUNK, epi_row_elems) bf16
       auto* s_out_f32 = reinterpret_cast<float*>(stage_base);      // kFinalize: (CHUNK, epi_row_elems) fp32
@@ -417,7 +418,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
                 // Rows g (gate) and g + 8 (up) of the warp's 16-row group are one feature.
                 const int f = consumer * (kSm90WarpgroupRows / 2) + warp * 8 + g;  // in the tile's 64
                 s_out[tok * L.epi_row_elems + warp * 8 + g] = detail::swiglu_output(
-                    p, e, u.n_tile * (BLOCK_N / 2) + f, acc[4 * j + i], acc[4 * j + 2 + i], out_scale);
+                    p, e, u.n_tile * (BLOCK_N / 2) + f, acc[4 * j + i], acc[4 * j + 2 + i], out_scale,
+                    up_scale);
               } else {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {

@@ -30,6 +30,7 @@
 #include "fp4moe/error.hpp"
 #include "kernels/grouped_gemm.hpp"
 #include "kernels/moe_ops.hpp"
+#include "kernels/prepare_device.hpp"
 #include "layer/plan_cache.hpp"
 #include "plan/smem_model.hpp"
 #include "util/device_buffer.hpp"
@@ -116,37 +117,40 @@ void check_matrix(const Nvfp4Matrix& m, int64_t rows, int64_t cols, int64_t expe
 }
 
 // Everything prepare() checks before touching the GPU.
-void validate_weights(const MoeWeights& w, const MoeLayerOptions& o) {
-  FP4MOE_CHECK(w.num_experts >= 1 && w.num_experts <= kMaxExperts, "MoeLayer: ", w.num_experts,
+// The rules on a layer's shape and options, whichever way its weights come.
+void validate_shape(int64_t num_experts, int64_t hidden, int64_t inter, const MoeLayerOptions& o) {
+  FP4MOE_CHECK(num_experts >= 1 && num_experts <= kMaxExperts, "MoeLayer: ", num_experts,
                " experts; expected 1..", kMaxExperts);
-  FP4MOE_CHECK(static_cast<int64_t>(w.experts.size()) == w.num_experts, "MoeLayer: num_experts = ",
-               w.num_experts, " but ", w.experts.size(), " experts are given");
-  FP4MOE_CHECK(w.hidden >= 16 && w.hidden % 16 == 0, "MoeLayer: hidden = ", w.hidden,
+  FP4MOE_CHECK(hidden >= 16 && hidden % 16 == 0, "MoeLayer: hidden = ", hidden,
                "; expected a positive multiple of 16 (the NVFP4 block)");
-  FP4MOE_CHECK(w.inter >= 16 && w.inter % 16 == 0, "MoeLayer: inter = ", w.inter,
+  FP4MOE_CHECK(inter >= 16 && inter % 16 == 0, "MoeLayer: inter = ", inter,
                "; expected a positive multiple of 16 (the NVFP4 block)");
   // Before any product of the two is formed: GEMM1's N is 2 * inter, and the
   // grouped GEMM indexes N and K with int and refuses N * K >= 2^40.
-  FP4MOE_CHECK(w.hidden <= kMaxLayerDim && w.inter <= kMaxLayerDim / 2 &&
-                   2 * w.inter * w.hidden < (int64_t{1} << 40),
-               "MoeLayer: hidden = ", w.hidden, ", inter = ", w.inter,
-               "; expected hidden <= ", kMaxLayerDim, ", inter <= ", kMaxLayerDim / 2,
-               " and 2 * inter * hidden < 2^40 (the grouped GEMM's 32-bit indexing)");
+  FP4MOE_CHECK(hidden <= kMaxLayerDim && inter <= kMaxLayerDim / 2 && 2 * inter * hidden < (int64_t{1} << 40),
+               "MoeLayer: hidden = ", hidden, ", inter = ", inter, "; expected hidden <= ", kMaxLayerDim,
+               ", inter <= ", kMaxLayerDim / 2, " and 2 * inter * hidden < 2^40 (the grouped GEMM's 32-bit indexing)");
   FP4MOE_CHECK(!o.batch_invariant || o.finalize == FinalizeMode::kDeterministic,
                "MoeLayer: batch_invariant needs the deterministic finalize (atomic adds sum the "
                "top-k rows in a different order on every run)");
   const int k = o.routing.top_k;
-  FP4MOE_CHECK(k >= 1 && k <= w.num_experts && k <= kernels::kMaxTopK, "MoeLayer: top_k = ", k,
-               "; expected 1..", std::min<int64_t>(w.num_experts, kernels::kMaxTopK));
+  FP4MOE_CHECK(k >= 1 && k <= num_experts && k <= kernels::kMaxTopK, "MoeLayer: top_k = ", k,
+               "; expected 1..", std::min<int64_t>(num_experts, kernels::kMaxTopK));
+}
+
+void validate_weights(const MoeWeights& w, const MoeLayerOptions& o) {
+  validate_shape(w.num_experts, w.hidden, w.inter, o);
+  FP4MOE_CHECK(static_cast<int64_t>(w.experts.size()) == w.num_experts, "MoeLayer: num_experts = ",
+               w.num_experts, " but ", w.experts.size(), " experts are given");
   const bool bias = w.has_bias();
   for (int64_t e = 0; e < w.num_experts; ++e) {
     const ExpertWeights& x = w.experts[static_cast<size_t>(e)];
     check_matrix(x.gate, w.inter, w.hidden, e, "gate");
     check_matrix(x.up, w.inter, w.hidden, e, "up");
     check_matrix(x.down, w.hidden, w.inter, e, "down");
-    FP4MOE_CHECK(x.gate.global_scale == x.up.global_scale, "MoeLayer: expert ", e,
-                 " has different gate and up weight_scale_2 (", x.gate.global_scale, " vs ",
-                 x.up.global_scale, "); the fused SwiGLU needs the shared scale ModelOpt writes");
+    FP4MOE_CHECK(std::isfinite(x.gate.global_scale) && std::isfinite(x.up.global_scale),
+                 "MoeLayer: expert ", e, " has gate and up weight_scale_2 ", x.gate.global_scale, " and ",
+                 x.up.global_scale, "; expected finite");
     const std::pair<const std::vector<float>*, std::pair<const char*, int64_t>> biases[] = {
         {&x.gate_bias, {"gate_bias", w.inter}},
         {&x.up_bias, {"up_bias", w.inter}},
@@ -178,6 +182,9 @@ struct MoeLayer::Impl {
   MoeLayerOptions options;
   GatherMode gather = GatherMode::kFused;
   DeviceGemmWeights w13;  // interleaved gate/up, [E][2 inter, hidden]
+  // [E] the up rows' weight_scale_2 where it differs from the gate rows' (in
+  // w13.global_scales); empty when they share it, as ModelOpt's exports do.
+  DeviceBuffer<float> w13_up_scales;
   DeviceGemmWeights w2;   // down, [E][hidden, inter]
   DeviceBuffer<float> bias13;  // [E][2 inter]: gate biases then up biases
   DeviceBuffer<float> bias2;   // [E][hidden]
@@ -318,6 +325,15 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
   FP4MOE_CUDA_CHECK(cudaGetDevice(&impl->device));
   impl->w13 = upload(packed13);
   impl->w2 = upload(packed2);
+  // Gate and up may carry different global scales (ModelOpt shares one;
+  // other exporters need not): the SwiGLU epilogue then scales each its own.
+  std::vector<float> up_scales;
+  bool shared = true;
+  for (const ExpertWeights& x : weights.experts) {
+    up_scales.push_back(x.up.global_scale);
+    shared = shared && x.up.global_scale == x.gate.global_scale;
+  }
+  if (!shared) impl->w13_up_scales = DeviceBuffer<float>(up_scales);
   if (impl->has_bias) {
     std::vector<float> b13, b2;
     for (const auto& x : weights.experts) {
@@ -328,6 +344,102 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
     impl->bias13 = DeviceBuffer<float>(b13);
     impl->bias2 = DeviceBuffer<float>(b2);
   }
+  return MoeLayer(std::move(impl));
+}
+
+namespace {
+
+// Throws unless `ptr` is device (or managed) memory of device `device`.
+void check_device_pointer(const void* ptr, int device, const char* name) {
+  FP4MOE_CHECK(ptr != nullptr, "MoeLayer::prepare_device: ", name, " is null");
+  cudaPointerAttributes attr{};
+  FP4MOE_CUDA_CHECK(cudaPointerGetAttributes(&attr, ptr));
+  FP4MOE_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged,
+               "MoeLayer::prepare_device: ", name, " is not GPU memory");
+  FP4MOE_CHECK(attr.device == device, "MoeLayer::prepare_device: ", name, " is on GPU ", attr.device,
+               " but the current device is GPU ", device);
+}
+
+std::vector<float> download_floats(const float* device_ptr, size_t count, cudaStream_t stream) {
+  std::vector<float> host(count);
+  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(host.data(), device_ptr, count * sizeof(float), cudaMemcpyDeviceToHost, stream));
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return host;
+}
+
+void check_finite(const std::vector<float>& values, const char* name, int per_expert) {
+  for (size_t i = 0; i < values.size(); ++i)
+    FP4MOE_CHECK(std::isfinite(values[i]), "MoeLayer::prepare_device: ", name, "[", i / per_expert,
+                 per_expert > 1 ? (i % 2 ? ", 1" : ", 0") : "", "] is ", values[i],
+                 "; expected a finite weight_scale_2");
+}
+
+}  // namespace
+
+MoeLayer MoeLayer::prepare_device(const MoeDeviceWeights& w, const MoeLayerOptions& options,
+                                  cudaStream_t stream) {
+  validate_shape(w.num_experts, w.hidden, w.inter, options);
+  const int k = options.routing.top_k;
+  FP4MOE_CHECK((w.w13_bias == nullptr) == (w.w2_bias == nullptr),
+               "MoeLayer::prepare_device: give both w13_bias and w2_bias, or neither");
+  int device = 0;
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
+  const std::pair<const void*, const char*> tensors[] = {
+      {w.w13, "w13"}, {w.w13_scale, "w13_scale"}, {w.w13_scale_2, "w13_scale_2"},
+      {w.w2, "w2"},   {w.w2_scale, "w2_scale"},   {w.w2_scale_2, "w2_scale_2"}};
+  for (const auto& [ptr, name] : tensors) check_device_pointer(ptr, device, name);
+  if (w.w13_bias) {
+    check_device_pointer(w.w13_bias, device, "w13_bias");
+    check_device_pointer(w.w2_bias, device, "w2_bias");
+  }
+
+  const int64_t E = w.num_experts;
+  auto impl = std::make_unique<MoeLayer::Impl>();
+  impl->device = device;
+  impl->gather = GatherMode::kFused;
+  impl->num_experts = E;
+  impl->hidden = w.hidden;
+  impl->inter = w.inter;
+  impl->top_k = k;
+  impl->has_bias = w.w13_bias != nullptr;
+  impl->options = options;
+
+  // Global scales: few, checked on the host.
+  const int halves = w.w13_scale_2_per_half ? 2 : 1;
+  const std::vector<float> s13 = download_floats(w.w13_scale_2, static_cast<size_t>(E * halves), stream);
+  const std::vector<float> s2 = download_floats(w.w2_scale_2, static_cast<size_t>(E), stream);
+  check_finite(s13, "w13_scale_2", halves);
+  check_finite(s2, "w2_scale_2", 1);
+  std::vector<float> gate_scales(static_cast<size_t>(E)), up_scales(static_cast<size_t>(E));
+  bool shared = true;
+  for (int64_t e = 0; e < E; ++e) {
+    gate_scales[static_cast<size_t>(e)] = s13[static_cast<size_t>(e * halves)];
+    up_scales[static_cast<size_t>(e)] = s13[static_cast<size_t>(e * halves + halves - 1)];
+    shared = shared && gate_scales[static_cast<size_t>(e)] == up_scales[static_cast<size_t>(e)];
+  }
+
+  const layout::StackedNvfp4 src13{w.w13, w.w13_scale, E, 2 * w.inter, w.hidden, /*gate_up=*/true};
+  const layout::StackedNvfp4 src2{w.w2, w.w2_scale, E, w.hidden, w.inter, /*gate_up=*/false};
+  DevicePackedGemm packed13 = prepare_gemm_weights_device(src13, "w13_scale", stream);
+  DevicePackedGemm packed2 = prepare_gemm_weights_device(src2, "w2_scale", stream);
+  impl->w13.weights = std::move(packed13.weights);
+  impl->w13.scales = std::move(packed13.scales);
+  impl->w13.global_scales = DeviceBuffer<float>(gate_scales);
+  if (!shared) impl->w13_up_scales = DeviceBuffer<float>(up_scales);
+  impl->w2.weights = std::move(packed2.weights);
+  impl->w2.scales = std::move(packed2.scales);
+  impl->w2.global_scales = DeviceBuffer<float>(s2);
+  if (impl->has_bias) {
+    // The layer's bias layouts are the engines': [E][gate; up] and [E][H].
+    impl->bias13 = DeviceBuffer<float>(static_cast<size_t>(E * 2 * w.inter));
+    impl->bias2 = DeviceBuffer<float>(static_cast<size_t>(E * w.hidden));
+    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(impl->bias13.get(), w.w13_bias, impl->bias13.bytes(),
+                                      cudaMemcpyDeviceToDevice, stream));
+    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(impl->bias2.get(), w.w2_bias, impl->bias2.bytes(),
+                                      cudaMemcpyDeviceToDevice, stream));
+  }
+  // Complete on return, like prepare(): the caller may free its tensors.
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return MoeLayer(std::move(impl));
 }
 
@@ -345,7 +457,8 @@ size_t MoeLayer::cached_plans() const { return impl_->plans.size(); }
 size_t MoeLayer::plan_cache_capacity() { return kPlanCacheCapacity; }
 const MoeLayerOptions& MoeLayer::options() const { return impl_->options; }
 size_t MoeLayer::device_weight_bytes() const {
-  return impl_->w13.bytes() + impl_->w2.bytes() + impl_->bias13.bytes() + impl_->bias2.bytes();
+  return impl_->w13.bytes() + impl_->w13_up_scales.bytes() + impl_->w2.bytes() + impl_->bias13.bytes() +
+         impl_->bias2.bytes();
 }
 
 MoeLayerPlan MoeLayer::plan(int64_t num_tokens) const {
@@ -470,6 +583,7 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   g1.weights = m.w13.weights.get();
   g1.scales = m.w13.scales.get();
   g1.global_scales = m.w13.global_scales.get();
+  g1.up_global_scales = m.w13_up_scales.get();  // null when gate and up share one
   g1.num_experts = m.num_experts;
   g1.n = 2 * m.inter;
   g1.k = m.hidden;

@@ -1260,5 +1260,145 @@ TEST(MoeLayerLoad, CheckpointFileEqualsPrepareFromMemory) {
   }
 }
 
+// ---------------------------------------------------------------- prepare_device
+
+// A layer's weights as the stacked device tensors of MoeDeviceWeights.
+struct StackedDeviceWeights {
+  DeviceBuffer<uint8_t> w13, w13_scale, w2, w2_scale;
+  DeviceBuffer<float> w13_scale_2, w2_scale_2, w13_bias, w2_bias;
+  MoeDeviceWeights view;
+
+  // per_half: w13_scale_2 as [E, 2] = {gate, up}, else [E] (gate's).
+  StackedDeviceWeights(const MoeWeights& w, bool per_half) {
+    std::vector<uint8_t> h13, h13s, h2, h2s;
+    std::vector<float> s13, s2, b13, b2;
+    for (const ExpertWeights& x : w.experts) {
+      for (const Nvfp4Matrix* m : {&x.gate, &x.up}) {
+        h13.insert(h13.end(), m->packed.begin(), m->packed.end());
+        h13s.insert(h13s.end(), m->scales.begin(), m->scales.end());
+      }
+      h2.insert(h2.end(), x.down.packed.begin(), x.down.packed.end());
+      h2s.insert(h2s.end(), x.down.scales.begin(), x.down.scales.end());
+      s13.push_back(x.gate.global_scale);
+      if (per_half) s13.push_back(x.up.global_scale);
+      s2.push_back(x.down.global_scale);
+      b13.insert(b13.end(), x.gate_bias.begin(), x.gate_bias.end());
+      b13.insert(b13.end(), x.up_bias.begin(), x.up_bias.end());
+      b2.insert(b2.end(), x.down_bias.begin(), x.down_bias.end());
+    }
+    w13 = DeviceBuffer<uint8_t>(h13);
+    w13_scale = DeviceBuffer<uint8_t>(h13s);
+    w2 = DeviceBuffer<uint8_t>(h2);
+    w2_scale = DeviceBuffer<uint8_t>(h2s);
+    w13_scale_2 = DeviceBuffer<float>(s13);
+    w2_scale_2 = DeviceBuffer<float>(s2);
+    view.num_experts = w.num_experts;
+    view.hidden = w.hidden;
+    view.inter = w.inter;
+    view.w13 = w13.get();
+    view.w13_scale = w13_scale.get();
+    view.w13_scale_2 = w13_scale_2.get();
+    view.w13_scale_2_per_half = per_half;
+    view.w2 = w2.get();
+    view.w2_scale = w2_scale.get();
+    view.w2_scale_2 = w2_scale_2.get();
+    if (w.has_bias()) {
+      w13_bias = DeviceBuffer<float>(b13);
+      w2_bias = DeviceBuffer<float>(b2);
+      view.w13_bias = w13_bias.get();
+      view.w2_bias = w2_bias.get();
+    }
+  }
+};
+
+// Device-prepared equals host-prepared, bit for bit, for every model shape
+// (biases, gpt-oss activation and all routing modes included); the source
+// tensors are left as they were.
+TEST(MoeLayerPrepareDevice, EqualsPrepareOnTheHostBitForBit) {
+  FP4MOE_REQUIRE_GPU();
+  for (const ModelShape& shape : model_shapes()) {
+    SCOPED_TRACE(shape.name);
+    ModelData& data = model_data(shape);
+    const MoeLayerOptions options = layer_options(shape);
+    const StackedDeviceWeights stacked(data.weights, /*per_half=*/false);
+    const std::vector<uint8_t> w13_before = stacked.w13.download();
+    const MoeLayer from_host = MoeLayer::prepare(data.weights, options);
+    const MoeLayer from_device = MoeLayer::prepare_device(stacked.view, options);
+    EXPECT_EQ(stacked.w13.download(), w13_before) << "prepare_device changed its source";
+    EXPECT_EQ(from_device.device_weight_bytes(), from_host.device_weight_bytes());
+
+    Stream stream;
+    const DeviceBuffer<uint8_t> workspace = make_workspace(from_host, kMaxTokens);
+    DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
+    const TokenBatch& batch = data.batch(kMaxTokens);
+    const DeviceInputs inputs(batch, data.correction_bias);
+    const std::vector<uint16_t> host_out =
+        forward_bits(from_host, inputs.device_routing(), output, workspace, stream.get());
+    const std::vector<uint16_t> device_out =
+        forward_bits(from_device, inputs.device_routing(), output, workspace, stream.get());
+    EXPECT_EQ(first_difference(host_out, device_out), -1);
+  }
+}
+
+// Gate and up with different global scales ([E, 2]): each half is scaled by
+// its own in the SwiGLU epilogue, matching the reference, which dequantises
+// every matrix with its own scale; prepare() on the host gives the same bits.
+TEST(MoeLayerPrepareDevice, GateAndUpWithDifferentGlobalScales) {
+  FP4MOE_REQUIRE_GPU();
+  const ModelShape& shape = shape_named("GptOss");
+  MoeWeights weights = model_data(shape).weights;
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> factor(0.25f, 4.0f);
+  for (ExpertWeights& x : weights.experts) x.up.global_scale *= factor(rng);
+  const StackedDeviceWeights stacked(weights, /*per_half=*/true);
+  const MoeLayer layer = MoeLayer::prepare_device(stacked.view, layer_options(shape));
+  const MoeLayer from_host = MoeLayer::prepare(weights, layer_options(shape));
+
+  Stream stream;
+  const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
+  DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
+  for (int64_t num_tokens : {int64_t{1}, int64_t{7}, kMaxTokens}) {
+    SCOPED_TRACE("T=" + std::to_string(num_tokens));
+    const TokenBatch& batch = model_data(shape).batch(num_tokens);
+    const std::vector<float> reference =
+        reference_output(weights, batch.hidden_states, batch.routing, shape.activation);
+    const DeviceInputs inputs(batch, model_data(shape).correction_bias);
+    const std::vector<uint16_t> out = forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
+    expect_matches_reference(out, reference, shape.hidden);
+    EXPECT_EQ(first_difference(out, forward_bits(from_host, inputs.caller_routing(), output, workspace,
+                                                 stream.get())), -1)
+        << "host and device preparation differ";
+  }
+}
+
+TEST(MoeLayerPrepareDevice, RefusesBadScalesAndHostPointers) {
+  FP4MOE_REQUIRE_GPU();
+  const ModelShape& shape = shape_named("GptOss");
+  const MoeLayerOptions options = layer_options(shape);
+  {
+    StackedDeviceWeights stacked(model_data(shape).weights, false);
+    const uint8_t nan = 0x7F;
+    const size_t at = static_cast<size_t>(shape.hidden * (shape.inter / 16) + 3);  // expert 1, row 0, block 3
+    FP4MOE_CUDA_CHECK(cudaMemcpy(stacked.w2_scale.get() + at, &nan, 1, cudaMemcpyHostToDevice));
+    try {
+      (void)MoeLayer::prepare_device(stacked.view, options);
+      ADD_FAILURE() << "a NaN block scale was accepted";
+    } catch (const Error& e) {
+      EXPECT_THAT(e.message(), HasSubstr("w2_scale[1, 0, 3]"));
+    }
+  }
+  {
+    StackedDeviceWeights stacked(model_data(shape).weights, false);
+    const std::vector<float> host_scales(static_cast<size_t>(shape.num_experts), 1.0f);
+    stacked.view.w2_scale_2 = host_scales.data();
+    try {
+      (void)MoeLayer::prepare_device(stacked.view, options);
+      ADD_FAILURE() << "a host pointer was accepted";
+    } catch (const Error& e) {
+      EXPECT_THAT(e.message(), HasSubstr("w2_scale_2 is not GPU memory"));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fp4moe

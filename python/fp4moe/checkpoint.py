@@ -1,0 +1,131 @@
+"""What a checkpoint says about its MoE layers, without loading weights:
+the expert-tensor prefixes (from safetensors headers or the shard index) and
+the routing/activation from a Hugging Face config.json.
+
+    prefixes = find_moe_prefixes("Qwen3-30B-A3B-NVFP4/")    # ["model.layers.0.mlp.", ...]
+    cfg = layer_config_from_hf(json.load(open(".../config.json")))
+
+Tested in tests/python/test_cpu.py (configs of each routing family, a small
+checkpoint written there).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import struct
+
+_EXPERT_TENSOR = re.compile(r"^(.*)experts\.(\d+)\.gate_proj\.weight$")
+
+
+@dataclasses.dataclass
+class LayerConfig:
+    """MoeLayer's options (the keyword arguments of fp4moe.MoeLayer)."""
+
+    top_k: int
+    routing: str = "softmax"  # "softmax", "noaux_tc" or "gptoss"
+    renormalize: bool = True
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    activation: str = "swiglu"  # "swiglu" or "gptoss"
+
+    def as_kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def layer_config_from_hf(config: dict) -> LayerConfig:
+    """Routing and activation of a Hugging Face MoE config (DeepSeek-V3,
+    Kimi K2, GLM-4.5+, Qwen2/3-MoE, Mixtral, gpt-oss). A multimodal config's
+    text_config is used when present. Raises ValueError for a config without
+    MoE routing fields."""
+    config = config.get("text_config", config)
+    model_type = config.get("model_type", "")
+    top_k = config.get("num_experts_per_tok", config.get("experts_per_token"))
+    if top_k is None:
+        raise ValueError(f"config.json (model_type '{model_type}') has no num_experts_per_tok or "
+                         "experts_per_token: not an MoE config")
+    if model_type == "gpt_oss":
+        return LayerConfig(top_k=int(top_k), routing="gptoss", activation="gptoss")
+    if config.get("topk_method") == "noaux_tc" or config.get("scoring_func") == "sigmoid" or \
+            "n_group" in config:
+        return LayerConfig(
+            top_k=int(top_k),
+            routing="noaux_tc",
+            num_groups=int(config.get("n_group") or 1),
+            topk_groups=int(config.get("topk_group") or 1),
+            routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+        )
+    # Softmax top-k. Mixtral always renormalises over the chosen k; Qwen
+    # follows norm_topk_prob.
+    renormalize = True if model_type == "mixtral" else bool(config.get("norm_topk_prob", True))
+    return LayerConfig(top_k=int(top_k), routing="softmax", renormalize=renormalize)
+
+
+def _safetensors_names(path: str) -> list[str]:
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    return [name for name in header if name != "__metadata__"]
+
+
+def tensor_names(path: str) -> list[str]:
+    """Tensor names of a .safetensors file or a checkpoint directory (through
+    model.safetensors.index.json, else its single .safetensors file)."""
+    if os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                return list(json.load(f)["weight_map"])
+        files = sorted(p for p in os.listdir(path) if p.endswith(".safetensors"))
+        if not files:
+            raise ValueError(f"{path}: no model.safetensors.index.json and no .safetensors file")
+        return [n for p in files for n in _safetensors_names(os.path.join(path, p))]
+    return _safetensors_names(path)
+
+
+def find_moe_prefixes(path: str) -> list[str]:
+    """The prefixes (e.g. 'model.layers.3.mlp.') under which the checkpoint
+    holds per-expert ModelOpt tensors '<prefix>experts.<e>.gate_proj.weight',
+    in layer order."""
+    prefixes = {m.group(1) for n in tensor_names(path) if (m := _EXPERT_TENSOR.match(n))}
+
+    def layer_key(prefix: str):
+        numbers = [int(x) for x in re.findall(r"\d+", prefix)]
+        return numbers, prefix
+
+    return sorted(prefixes, key=layer_key)
+
+
+def prefix_for_layer(path: str, layer: int | None) -> str:
+    """The one prefix of decoder layer `layer` ('layers.<layer>.'), or the
+    checkpoint's only MoE prefix when layer is None."""
+    prefixes = find_moe_prefixes(path)
+    if not prefixes:
+        raise ValueError(f"{path}: no ModelOpt expert tensors ('<prefix>experts.<e>.gate_proj.weight')")
+    if layer is None:
+        if len(prefixes) > 1:
+            raise ValueError(f"{path}: {len(prefixes)} MoE layers ({prefixes[0]} ... {prefixes[-1]}); "
+                             "pass layer=N")
+        return prefixes[0]
+    matching = [p for p in prefixes if re.search(rf"(^|\.)layers\.{int(layer)}\.", p)]
+    if len(matching) != 1:
+        raise ValueError(f"{path}: layer {layer} has {len(matching)} MoE prefixes {matching}; the "
+                         f"checkpoint's MoE layers are {[_layer_number(p) for p in prefixes]}")
+    return matching[0]
+
+
+def _layer_number(prefix: str):
+    m = re.search(r"layers\.(\d+)\.", prefix)
+    return int(m.group(1)) if m else prefix
+
+
+def read_hf_config(path: str) -> dict | None:
+    """config.json beside a checkpoint (the directory, or the file's folder)."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    candidate = os.path.join(folder, "config.json")
+    if not os.path.exists(candidate):
+        return None
+    with open(candidate) as f:
+        return json.load(f)

@@ -1,0 +1,190 @@
+"""fp4moe.MoeLayer: the GPU MoE layer for torch (or any DLPack) tensors.
+
+    layer = fp4moe.MoeLayer(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                            top_k=8, max_tokens=4096)
+    out = layer(hidden_states, router_logits=logits)            # device routing
+    layer(hidden_states, topk_ids=ids, topk_weights=w, out=out)  # caller's routing
+
+Weights are the stacked tensors inference engines hold for a ModelOpt NVFP4
+MoE (w13 = [gate; up] rows per expert). They are repacked on their GPU by
+GPU kernels into the layer's own copy; the caller's tensors are untouched.
+The workspace is allocated once, for max_tokens; a forward launches on the
+current torch stream and neither allocates (given `out`) nor synchronises,
+so it can be captured in a CUDA graph. Under torch.compile the call goes
+through the torch.library op fp4moe::moe_forward (fp4moe/torch_ops.py).
+
+Tested in tests/python/test_gpu.py (against the CPU reference, graphs,
+torch.compile, opcheck, bad input) and tests/python/test_cpu.py.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+
+from . import _fp4moe
+from .checkpoint import LayerConfig, layer_config_from_hf, prefix_for_layer, read_hf_config
+
+# Layers by id, for the torch op (which can only carry an int). Weak: a layer
+# that is garbage collected frees its GPU memory.
+_LAYERS: "weakref.WeakValueDictionary[int, MoeLayer]" = weakref.WeakValueDictionary()
+_NEXT_ID = itertools.count(1)
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def _is_torch_tensor(x) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _as_u8(t):
+    """float8_e4m3fn torch tensors as their bytes: DLPack exports of float8
+    are not supported by every torch version."""
+    if _is_torch_tensor(t) and t.dtype == _torch().float8_e4m3fn:
+        return t.view(_torch().uint8)
+    return t
+
+
+def _as_f32(t):
+    if _is_torch_tensor(t) and t.dtype != _torch().float32:
+        return t.to(_torch().float32)
+    return t
+
+
+def _as_i32(t):
+    if _is_torch_tensor(t) and t.dtype != _torch().int32:
+        return t.to(_torch().int32)
+    return t
+
+
+def _current_stream(device_index: int) -> int:
+    torch = _torch()
+    if torch is None:
+        return 0  # the legacy default stream
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+class MoeLayer:
+    """An NVFP4 MoE layer on one GPU. See the module docstring."""
+
+    def __init__(self, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, w13_bias=None, w2_bias=None,
+                 *, top_k: int, routing: str = "softmax", renormalize: bool = True, num_groups: int = 1,
+                 topk_groups: int = 1, routed_scaling_factor: float = 1.0, activation: str = "swiglu",
+                 finalize: str = "deterministic", batch_invariant: bool = False,
+                 programmatic_launch: bool = True, max_tokens: int = 8192):
+        """w13 u8 [E, 2I, H/2], w13_scale e4m3 [E, 2I, H/16], w13_scale_2 fp32 [E]
+        or [E, 2] (gate, up), w2 u8 [E, H, I/2], w2_scale e4m3 [E, H, I/16],
+        w2_scale_2 fp32 [E]; optional w13_bias [E, 2I] and w2_bias [E, H]
+        (converted to fp32). All on one CUDA device."""
+        on_gpu = _is_torch_tensor(w13) and w13.is_cuda
+        stream = _current_stream(w13.device.index) if on_gpu else 0
+        self._impl = _fp4moe.Layer.from_device(
+            w13, _as_u8(w13_scale), _as_f32(w13_scale_2), w2, _as_u8(w2_scale), _as_f32(w2_scale_2),
+            _as_f32(w13_bias), _as_f32(w2_bias), top_k=top_k, routing=routing, renormalize=renormalize,
+            num_groups=num_groups, topk_groups=topk_groups, routed_scaling_factor=routed_scaling_factor,
+            activation=activation, finalize=finalize, batch_invariant=batch_invariant,
+            programmatic_launch=programmatic_launch, max_tokens=max_tokens, stream=stream)
+        self._register()
+
+    @classmethod
+    def from_checkpoint(cls, path: str, layer: int | None = None, *, prefix: str | None = None,
+                        max_tokens: int = 8192, device: int | None = None, finalize: str = "deterministic",
+                        batch_invariant: bool = False, programmatic_launch: bool = True,
+                        **routing) -> "MoeLayer":
+        """Layer `layer` of a ModelOpt NVFP4 checkpoint (a directory with
+        model.safetensors.index.json, or one .safetensors file), as the C++
+        loader reads it ('<prefix>experts.<e>.{gate,up,down}_proj.*').
+
+        The prefix is found from the tensor names (or given); top_k, routing
+        and activation come from config.json beside the checkpoint unless
+        given as keywords (top_k, routing, renormalize, num_groups,
+        topk_groups, routed_scaling_factor, activation)."""
+        if prefix is None:
+            prefix = prefix_for_layer(path, layer)
+        hf = read_hf_config(path)
+        if hf is not None:
+            config = layer_config_from_hf(hf).as_kwargs()
+        elif "top_k" in routing:
+            config = LayerConfig(top_k=routing["top_k"]).as_kwargs()
+        else:
+            raise ValueError(f"{path}: no config.json beside the checkpoint; pass top_k= (and routing=...)")
+        unknown = set(routing) - set(config)
+        if unknown:
+            raise TypeError(f"MoeLayer.from_checkpoint: unknown keyword(s) {sorted(unknown)}")
+        config.update(routing)
+        if device is None:
+            torch = _torch()
+            device = torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else 0
+        self = cls.__new__(cls)
+        self._impl = _fp4moe.Layer.from_checkpoint(
+            str(path), prefix, finalize=finalize, batch_invariant=batch_invariant,
+            programmatic_launch=programmatic_launch, max_tokens=max_tokens, device=device, **config)
+        self._register()
+        return self
+
+    def _register(self):
+        self._id = next(_NEXT_ID)
+        _LAYERS[self._id] = self
+        if _torch() is not None:
+            from . import torch_ops  # noqa: F401  (registers fp4moe::moe_forward)
+
+    # ------------------------------------------------------------------ forward
+
+    def __call__(self, hidden_states, router_logits=None, topk_ids=None, topk_weights=None, out=None,
+                 correction_bias=None):
+        """bf16 [T, H] -> bf16 [T, H] (written into `out` when given).
+
+        Routing: router_logits fp32 [T, E] (+ correction_bias [E] for
+        noaux_tc), routed on the device with the layer's mode; or topk_ids
+        int32 [T, k] with topk_weights fp32 [T, k]. Other dtypes of these are
+        converted first (an allocation)."""
+        router_logits = _as_f32(router_logits)
+        correction_bias = _as_f32(correction_bias)
+        topk_ids = _as_i32(topk_ids)
+        topk_weights = _as_f32(topk_weights)
+        if out is None:
+            out = hidden_states.new_empty(hidden_states.shape)
+        torch = _torch()
+        if torch is not None and torch.compiler.is_compiling():
+            torch.ops.fp4moe.moe_forward(self._id, hidden_states, out, router_logits, correction_bias,
+                                         topk_ids, topk_weights)
+        else:
+            self.forward_into(hidden_states, out, router_logits, correction_bias, topk_ids, topk_weights)
+        return out
+
+    def forward_into(self, hidden_states, out, router_logits=None, correction_bias=None, topk_ids=None,
+                     topk_weights=None, stream: int | None = None):
+        """The forward with nothing converted or allocated: every array as the
+        layer takes it; `stream` defaults to the current torch stream."""
+        if stream is None:
+            stream = _current_stream(self._impl.device)
+        self._impl.forward(hidden_states, out, router_logits, correction_bias, topk_ids, topk_weights, stream)
+
+    # ------------------------------------------------------------------ info
+
+    num_experts = property(lambda self: self._impl.num_experts)
+    hidden = property(lambda self: self._impl.hidden)
+    inter = property(lambda self: self._impl.inter)
+    top_k = property(lambda self: self._impl.top_k)
+    device = property(lambda self: self._impl.device, doc="CUDA device index")
+    max_tokens = property(lambda self: self._impl.max_tokens)
+    workspace_bytes = property(lambda self: self._impl.workspace_bytes)
+    device_weight_bytes = property(lambda self: self._impl.device_weight_bytes)
+
+    def plan(self, num_tokens: int) -> str:
+        """The kernels a forward of num_tokens tokens launches, and why."""
+        return self._impl.plan(num_tokens)
+
+    def device_errors(self) -> str:
+        """Expert ids out of range seen by earlier forwards (synchronises)."""
+        return self._impl.device_errors(_current_stream(self._impl.device))
+
+    def __repr__(self):
+        return (f"fp4moe.MoeLayer(experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, "
+                f"top_k={self.top_k}, device=cuda:{self.device}, max_tokens={self.max_tokens})")

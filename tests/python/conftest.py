@@ -1,0 +1,116 @@
+"""Shared helpers of the Python tests: random NVFP4 layers in the engines'
+stacked layout, a minimal safetensors writer (no dependency beyond NumPy), and
+the GPU marker that skips visibly where there is no CUDA device or no torch.
+
+The package under test is the installed one, or a build tree's
+(PYTHONPATH=<build>/python, as scripts/run-tests sets it).
+"""
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+import fp4moe
+
+
+def _gpu_skip_reason():
+    try:
+        import torch
+    except ImportError:
+        return "GPU test skipped: torch is not installed"
+    if fp4moe.cuda_device_count() == 0 or not torch.cuda.is_available():
+        return "GPU test skipped: no CUDA device"
+    return None
+
+
+GPU_SKIP_REASON = _gpu_skip_reason()
+gpu = pytest.mark.skipif(GPU_SKIP_REASON is not None, reason=GPU_SKIP_REASON or "")
+
+
+def random_stacked(rng: np.random.Generator, num_experts: int, hidden: int, inter: int,
+                   scale_2_shape: str = "E", bias: bool = False) -> dict:
+    """A random layer drawn in the quantised domain: every fp4 code, e4m3
+    block scales 0.125 .. 2 (codes 0x28..0x48), global scales near 1/64."""
+    E, H, I = num_experts, hidden, inter
+
+    def codes(*shape):
+        return rng.integers(0, 256, size=shape, dtype=np.uint8)
+
+    def scales(*shape):
+        return rng.integers(0x28, 0x49, size=shape, dtype=np.uint8)
+
+    w = {
+        "w13": codes(E, 2 * I, H // 2),
+        "w13_scale": scales(E, 2 * I, H // 16),
+        "w2": codes(E, H, I // 2),
+        "w2_scale": scales(E, H, I // 16),
+        "w2_scale_2": rng.uniform(0.01, 0.02, size=E).astype(np.float32),
+    }
+    if scale_2_shape == "E2":
+        w["w13_scale_2"] = rng.uniform(0.01, 0.02, size=(E, 2)).astype(np.float32)
+    else:
+        w["w13_scale_2"] = rng.uniform(0.01, 0.02, size=E).astype(np.float32)
+    if bias:
+        w["w13_bias"] = rng.normal(0, 0.1, size=(E, 2 * I)).astype(np.float32)
+        w["w2_bias"] = rng.normal(0, 0.1, size=(E, H)).astype(np.float32)
+    return w
+
+
+def random_routing(rng: np.random.Generator, num_tokens: int, num_experts: int, top_k: int):
+    ids = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(num_tokens)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, size=(num_tokens, top_k)).astype(np.float32)
+    return ids, weights
+
+
+_DTYPES = {np.dtype(np.uint8): "U8", np.dtype(np.float32): "F32", np.dtype(np.int32): "I32"}
+
+
+def write_safetensors(path, tensors: dict) -> None:
+    """tensors: name -> np.ndarray, or (dtype name, np.ndarray) to force a
+    dtype such as 'F8_E4M3' for uint8 bytes."""
+    header, blobs, offset = {}, [], 0
+    for name, value in tensors.items():
+        dtype, array = value if isinstance(value, tuple) else (_DTYPES[value.dtype], value)
+        data = np.ascontiguousarray(array).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for blob in blobs:
+            f.write(blob)
+
+
+def checkpoint_tensors(stacked: dict, prefix: str) -> dict:
+    """The stacked layer as ModelOpt's per-expert tensors under `prefix`."""
+    E, two_i, _ = stacked["w13"].shape
+    I = two_i // 2
+    s13 = stacked["w13_scale_2"].reshape(E, -1)
+    out = {}
+    for e in range(E):
+        parts = {
+            "gate_proj": (stacked["w13"][e, :I], stacked["w13_scale"][e, :I], s13[e, 0]),
+            "up_proj": (stacked["w13"][e, I:], stacked["w13_scale"][e, I:], s13[e, -1]),
+            "down_proj": (stacked["w2"][e], stacked["w2_scale"][e], stacked["w2_scale_2"][e]),
+        }
+        for proj, (w, s, s2) in parts.items():
+            base = f"{prefix}experts.{e}.{proj}."
+            out[base + "weight"] = np.ascontiguousarray(w)
+            out[base + "weight_scale"] = ("F8_E4M3", np.ascontiguousarray(s))
+            out[base + "weight_scale_2"] = np.array(s2, dtype=np.float32)
+        if "w13_bias" in stacked:
+            b = stacked["w13_bias"][e]
+            out[f"{prefix}experts.{e}.gate_proj.bias"] = np.ascontiguousarray(b[:I])
+            out[f"{prefix}experts.{e}.up_proj.bias"] = np.ascontiguousarray(b[I:])
+            out[f"{prefix}experts.{e}.down_proj.bias"] = np.ascontiguousarray(stacked["w2_bias"][e])
+    return out
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(got.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-30))

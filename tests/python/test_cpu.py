@@ -1,0 +1,281 @@
+"""CPU tests of the Python package (run everywhere, CI included): import and
+packaging, the device packer's index mapping against the host packer, the
+CPU reference against a NumPy evaluation on dequantised weights, NVFP4
+(de)quantisation, checkpoint prefix discovery and loading, routing inferred
+from Hugging Face configs, and one-line error messages."""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+import fp4moe
+from conftest import checkpoint_tensors, random_routing, random_stacked, rel_err, write_safetensors
+
+
+def test_import_exposes_the_api():
+    assert issubclass(fp4moe.Error, ValueError)
+    for name in ("MoeLayer", "reference_forward", "pack_stacked", "pack_host", "quantize", "dequantize",
+                 "load_stacked", "layer_config_from_hf", "find_moe_prefixes", "cuda_device_count"):
+        assert hasattr(fp4moe, name), name
+    assert re.fullmatch(r"\d+\.\d+\.\d+", fp4moe.__version__)
+    assert fp4moe.cuda_device_count() >= 0
+
+
+def test_package_version_matches_the_cmake_project():
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    with open(os.path.join(root, "CMakeLists.txt")) as f:
+        cmake_version = re.search(r"project\(fp4moe VERSION (\S+)", f.read()).group(1)
+    assert fp4moe.__version__ == cmake_version
+
+
+# (E, n, k, gate_up): N and K at and off the 128/256 padding, gate/up stacks
+# whose halves are not multiples of 128.
+PACK_SHAPES = [(1, 16, 16, False), (3, 128, 256, False), (2, 144, 272, False), (2, 32, 16, True),
+               (3, 96, 80, True), (2, 256, 512, True), (4, 320, 48, True)]
+
+
+@pytest.mark.parametrize("E,n,k,gate_up", PACK_SHAPES)
+def test_device_packer_mapping_equals_host_packer(E, n, k, gate_up):
+    rng = np.random.default_rng(E * 1000 + n + k)
+    packed = rng.integers(0, 256, size=(E, n, k // 2), dtype=np.uint8)
+    scales = rng.integers(0, 0x7F, size=(E, n, k // 16), dtype=np.uint8)  # zero scales included
+    scales.reshape(-1)[::5] = 0
+    w_dev, s_dev = fp4moe.pack_stacked(packed, scales, gate_up)
+    w_host, s_host = fp4moe.pack_host(packed, scales, gate_up)
+    assert w_dev.shape == w_host.shape and s_dev.shape == s_host.shape
+    bad = np.flatnonzero(w_dev != w_host)
+    assert bad.size == 0, f"weight bytes differ first at {bad[:5]}"
+    bad = np.flatnonzero(s_dev != s_host)
+    assert bad.size == 0, f"scale bytes differ first at {bad[:5]}"
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bf16 (nearest even), kept as float32."""
+    bits = x.astype(np.float32).view(np.uint32)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def numpy_moe(w: dict, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, activation="swiglu") -> np.ndarray:
+    """The MoE layer on dequantised weights, in float64."""
+    E, two_i, _ = w["w13"].shape
+    I = two_i // 2
+    s13 = w["w13_scale_2"].reshape(E, -1)
+    gate = fp4moe.dequantize(w["w13"][:, :I], w["w13_scale"][:, :I], s13[:, 0]).astype(np.float64)
+    up = fp4moe.dequantize(w["w13"][:, I:], w["w13_scale"][:, I:], s13[:, -1]).astype(np.float64)
+    down = fp4moe.dequantize(w["w2"], w["w2_scale"], w["w2_scale_2"]).astype(np.float64)
+    out = np.zeros((x.shape[0], down.shape[1]))
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            g, u = gate[e] @ x[t], up[e] @ x[t]
+            if "w13_bias" in w:
+                g, u = g + w["w13_bias"][e, :I], u + w["w13_bias"][e, I:]
+            if activation == "gptoss":
+                g = np.minimum(g, 7.0)
+                u = np.clip(u, -7.0, 7.0)
+                act = g / (1 + np.exp(-1.702 * g)) * (u + 1)
+            else:
+                act = g / (1 + np.exp(-g)) * u
+            act = bf16_round(act.astype(np.float32)).astype(np.float64)
+            y = down[e] @ act
+            if "w2_bias" in w:
+                y = y + w["w2_bias"][e]
+            out[t] += weights[t, j] * y
+    return out
+
+
+@pytest.mark.parametrize("scale_2_shape,bias,activation",
+                         [("E", False, "swiglu"), ("E2", False, "swiglu"), ("E", True, "gptoss")])
+def test_reference_forward_matches_numpy_on_dequantised_weights(scale_2_shape, bias, activation):
+    rng = np.random.default_rng(3)
+    E, H, I, T, k = 6, 64, 48, 5, 2
+    w = random_stacked(rng, E, H, I, scale_2_shape, bias)
+    x = bf16_round(rng.normal(size=(T, H)).astype(np.float32))
+    ids, weights = random_routing(rng, T, E, k)
+    got = fp4moe.reference_forward(w["w13"], w["w13_scale"], w["w13_scale_2"], w["w2"], w["w2_scale"],
+                                   w["w2_scale_2"], w.get("w13_bias"), w.get("w2_bias"), x, ids, weights,
+                                   activation)
+    ref = numpy_moe(w, x, ids, weights, activation)
+    assert got.shape == (T, H)
+    assert rel_err(got, ref) < 1e-5
+
+
+def test_quantize_then_dequantize_is_close():
+    rng = np.random.default_rng(5)
+    w = rng.normal(size=(32, 64)).astype(np.float32)
+    packed, scales, s2 = fp4moe.quantize(w)
+    assert packed.shape == (32, 32) and scales.shape == (32, 4)
+    assert s2 == pytest.approx(np.abs(w).max() / 2688, rel=1e-6)
+    back = fp4moe.dequantize(packed, scales, s2)
+    assert rel_err(back, w) < 0.15  # 4-bit codes: ~10 % RMS error
+    # A given global scale is used as it is (gate and up share one).
+    _, _, shared = fp4moe.quantize(w, 0.5)
+    assert shared == 0.5
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def test_checkpoint_prefixes_and_loading(tmp_path):
+    rng = np.random.default_rng(11)
+    layers = {1: random_stacked(rng, 3, 32, 16), 3: random_stacked(rng, 3, 32, 16, bias=True)}
+    tensors = {"model.embed_tokens.weight": np.zeros((4, 4), np.float32)}
+    for n, w in layers.items():
+        tensors.update(checkpoint_tensors(w, f"model.layers.{n}.mlp."))
+    path = tmp_path / "layers.safetensors"
+    write_safetensors(path, tensors)
+
+    assert fp4moe.find_moe_prefixes(str(path)) == ["model.layers.1.mlp.", "model.layers.3.mlp."]
+    from fp4moe.checkpoint import prefix_for_layer
+    assert prefix_for_layer(str(path), 3) == "model.layers.3.mlp."
+    with pytest.raises(ValueError, match="pass layer=N"):
+        prefix_for_layer(str(path), None)
+    with pytest.raises(ValueError, match=r"MoE layers are \[1, 3\]"):
+        prefix_for_layer(str(path), 2)
+
+    got = fp4moe.load_stacked(str(path), "model.layers.3.mlp.")
+    want = layers[3]
+    for name in ("w13", "w13_scale", "w2", "w2_scale", "w2_scale_2", "w13_bias", "w2_bias"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    np.testing.assert_array_equal(got["w13_scale_2"], np.stack([want["w13_scale_2"]] * 2, axis=1))
+
+
+def test_sharded_checkpoint_directory(tmp_path):
+    rng = np.random.default_rng(12)
+    w = random_stacked(rng, 2, 32, 16)
+    tensors = checkpoint_tensors(w, "model.layers.0.mlp.")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    weight_map = {}
+    for shard, shard_names in shards.items():
+        write_safetensors(tmp_path / shard, {n: tensors[n] for n in shard_names})
+        weight_map.update({n: shard for n in shard_names})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts_per_tok": 2,
+                                                      "norm_topk_prob": False}))
+    assert fp4moe.find_moe_prefixes(str(tmp_path)) == ["model.layers.0.mlp."]
+    np.testing.assert_array_equal(fp4moe.load_stacked(str(tmp_path), "model.layers.0.mlp.")["w2"], w["w2"])
+    from fp4moe.checkpoint import read_hf_config
+    cfg = fp4moe.layer_config_from_hf(read_hf_config(str(tmp_path)))
+    assert (cfg.top_k, cfg.routing, cfg.renormalize) == (2, "softmax", False)
+
+
+def test_loader_errors_are_one_line_and_name_the_tensor(tmp_path):
+    rng = np.random.default_rng(13)
+    tensors = checkpoint_tensors(random_stacked(rng, 2, 32, 16), "model.layers.0.mlp.")
+    del tensors["model.layers.0.mlp.experts.1.down_proj.weight_scale"]
+    path = tmp_path / "broken.safetensors"
+    write_safetensors(path, tensors)
+    with pytest.raises(fp4moe.Error) as info:
+        fp4moe.load_stacked(str(path), "model.layers.0.mlp.")
+    message = str(info.value)
+    assert "model.layers.0.mlp.experts.1.down_proj.weight_scale" in message
+    assert "\n" not in message and ".cpp:" not in message
+
+
+HF_CONFIGS = [
+    ({"model_type": "deepseek_v3", "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+      "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
+     dict(top_k=8, routing="noaux_tc", num_groups=8, topk_groups=4, routed_scaling_factor=2.5)),
+    ({"model_type": "glm4_moe", "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+      "routed_scaling_factor": 2.5}, dict(top_k=8, routing="noaux_tc", routed_scaling_factor=2.5)),
+    ({"model_type": "qwen3_moe", "num_experts_per_tok": 8, "norm_topk_prob": True},
+     dict(top_k=8, routing="softmax", renormalize=True)),
+    ({"model_type": "mixtral", "num_experts_per_tok": 2}, dict(top_k=2, routing="softmax", renormalize=True)),
+    ({"model_type": "gpt_oss", "experts_per_token": 4, "num_local_experts": 128},
+     dict(top_k=4, routing="gptoss", activation="gptoss")),
+    ({"model_type": "llava", "text_config": {"model_type": "qwen3_moe", "num_experts_per_tok": 4}},
+     dict(top_k=4, routing="softmax")),
+]
+
+
+@pytest.mark.parametrize("config,expected", HF_CONFIGS, ids=[c[0]["model_type"] for c in HF_CONFIGS])
+def test_routing_from_hf_config(config, expected):
+    got = fp4moe.layer_config_from_hf(config).as_kwargs()
+    for key, value in expected.items():
+        assert got[key] == value, key
+
+
+def test_dense_config_is_refused():
+    with pytest.raises(ValueError, match="not an MoE config"):
+        fp4moe.layer_config_from_hf({"model_type": "llama"})
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_errors_are_fp4moe_errors_with_one_line_messages():
+    rng = np.random.default_rng(17)
+    packed = rng.integers(0, 256, size=(2, 32, 8), dtype=np.uint8)
+    with pytest.raises(fp4moe.Error) as info:
+        fp4moe.pack_stacked(packed, np.zeros((2, 32, 3), np.uint8), False)
+    assert str(info.value) == "fp4moe.pack_stacked: scales has shape [2, 32, 3]; expected [2, 32, 1]"
+    with pytest.raises(fp4moe.Error, match="packed has dtype float32; expected uint8"):
+        fp4moe.pack_stacked(packed.astype(np.float32), np.zeros((2, 32, 1), np.uint8), False)
+    with pytest.raises(fp4moe.Error, match="not contiguous"):
+        fp4moe.pack_stacked(np.zeros((2, 8, 32), np.uint8).transpose(0, 2, 1), np.zeros((2, 32, 1), np.uint8), False)
+
+
+def test_reference_refuses_out_of_range_expert_ids():
+    rng = np.random.default_rng(19)
+    w = random_stacked(rng, 4, 32, 16)
+    ids = np.array([[0, 4]], np.int32)
+    with pytest.raises(fp4moe.Error) as info:
+        fp4moe.reference_forward(w["w13"], w["w13_scale"], w["w13_scale_2"], w["w2"], w["w2_scale"],
+                                 w["w2_scale_2"], None, None, np.zeros((1, 32), np.float32), ids,
+                                 np.ones((1, 2), np.float32))
+    assert "4" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_layer_refuses_host_arrays():
+    rng = np.random.default_rng(23)
+    w = random_stacked(rng, 2, 32, 16)
+    with pytest.raises(fp4moe.Error, match="w13 is not on a CUDA device"):
+        fp4moe.MoeLayer(w["w13"], w["w13_scale"], w["w13_scale_2"], w["w2"], w["w2_scale"], w["w2_scale_2"],
+                        top_k=1)
+
+
+def test_verbose_errors_add_the_source_location(monkeypatch):
+    monkeypatch.setenv("FP4MOE_VERBOSE", "1")
+    with pytest.raises(fp4moe.Error, match=r"\.cpp:\d+\]"):
+        fp4moe.pack_stacked(np.zeros((1, 16, 8), np.uint8), np.zeros((1, 16, 2), np.uint8), False)
+
+
+# ------------------------------------------------------------------ torch (when installed)
+
+
+def test_torch_compile_fullgraph_traces_the_op(monkeypatch):
+    """torch.compile(fullgraph=True) of a block calling a layer: the call
+    becomes fp4moe::moe_forward with its fake implementation. On the CPU the
+    layer's forward is replaced by a stand-in (out = hidden * 2)."""
+    torch = pytest.importorskip("torch")
+    from fp4moe import layer as layer_module
+    from fp4moe import torch_ops  # noqa: F401
+
+    class StandIn(layer_module.MoeLayer):
+        def __init__(self):
+            self._register()
+
+        def forward_into(self, hidden_states, out, router_logits=None, correction_bias=None, topk_ids=None,
+                         topk_weights=None, stream=None):
+            out.copy_(hidden_states * 2)
+
+    layer = StandIn()
+    gate = torch.randn(64, 8)
+
+    def block(x):
+        logits = x.float() @ gate
+        return layer(x, router_logits=logits) + x
+
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), x * 3, rtol=0, atol=0)
+    ids = torch.zeros(4, 2, dtype=torch.int64)
+    args = (layer._id, x, torch.empty_like(x), None, None, ids.int(), torch.ones(4, 2))
+    torch.library.opcheck(torch.ops.fp4moe.moe_forward.default, args)

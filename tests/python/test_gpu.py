@@ -1,0 +1,205 @@
+"""GPU tests of the Python package (skip visibly without a CUDA device or
+torch): the layer from stacked device tensors against the CPU reference and
+against the host-prepared layer of the same checkpoint (byte-equal outputs),
+[E, 2] global scales, biases, device routing, the caller's tensors left
+untouched, CUDA-graph capture, torch.compile(fullgraph=True),
+torch.library.opcheck, and bad input refused with one-line messages."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fp4moe
+from conftest import checkpoint_tensors, gpu, random_routing, random_stacked, rel_err, write_safetensors
+
+pytestmark = gpu
+
+if fp4moe.cuda_device_count() > 0:
+    import torch
+
+
+def to_cuda(w: dict) -> dict:
+    out = {k: torch.from_numpy(v).cuda() for k, v in w.items()}
+    for k in ("w13_scale", "w2_scale"):
+        out[k] = out[k].view(torch.float8_e4m3fn)  # as engines hold them
+    return out
+
+
+def make_layer(w: dict, **kwargs):
+    d = to_cuda(w)
+    return fp4moe.MoeLayer(d["w13"], d["w13_scale"], d["w13_scale_2"], d["w2"], d["w2_scale"],
+                           d["w2_scale_2"], d.get("w13_bias"), d.get("w2_bias"), **kwargs), d
+
+
+def reference(w, x_bf16, ids, weights, activation="swiglu"):
+    return fp4moe.reference_forward(w["w13"], w["w13_scale"], w["w13_scale_2"], w["w2"], w["w2_scale"],
+                                    w["w2_scale_2"], w.get("w13_bias"), w.get("w2_bias"),
+                                    x_bf16.float().cpu().numpy(), ids, weights, activation)
+
+
+CASES = [  # E, H, I, top_k, T, scale_2 shape, bias/activation
+    (8, 256, 128, 2, 1, "E", False),
+    (8, 256, 128, 2, 37, "E2", False),
+    (16, 512, 384, 4, 130, "E", False),
+    (4, 2880 // 16 * 16, 256, 2, 9, "E", True),
+]
+
+
+@pytest.mark.parametrize("E,H,I,k,T,s2,bias", CASES)
+def test_layer_matches_the_cpu_reference(E, H, I, k, T, s2, bias):
+    rng = np.random.default_rng(E + H + T)
+    w = random_stacked(rng, E, H, I, s2, bias)
+    activation = "gptoss" if bias else "swiglu"
+    layer, _ = make_layer(w, top_k=k, activation=activation, max_tokens=256)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    ids, weights = random_routing(rng, T, E, k)
+    out = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)  # poisoned
+    got = layer(x, topk_ids=torch.from_numpy(ids).cuda(), topk_weights=torch.from_numpy(weights).cuda(), out=out)
+    assert got is out
+    torch.cuda.synchronize()
+    ref = reference(w, x, ids, weights, activation)
+    assert rel_err(out.float().cpu().numpy(), ref) < 1e-2
+    assert layer.device_errors() == ""
+
+
+def test_device_prepared_equals_host_prepared(tmp_path):
+    rng = np.random.default_rng(1)
+    E, H, I, k, T = 8, 384, 256, 2, 20
+    w = random_stacked(rng, E, H, I)
+    path = tmp_path / "layer.safetensors"
+    write_safetensors(path, checkpoint_tensors(w, "model.layers.0.mlp."))
+    from_device, _ = make_layer(w, top_k=k, max_tokens=64)
+    from_host = fp4moe.MoeLayer.from_checkpoint(str(path), layer=0, top_k=k, max_tokens=64)
+    assert from_host.device_weight_bytes == from_device.device_weight_bytes
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    ids, weights = random_routing(rng, T, E, k)
+    ids_d, weights_d = torch.from_numpy(ids).cuda(), torch.from_numpy(weights).cuda()
+    a = from_device(x, topk_ids=ids_d, topk_weights=weights_d)
+    b = from_host(x, topk_ids=ids_d, topk_weights=weights_d)
+    assert torch.equal(a, b)
+
+
+def test_caller_tensors_are_untouched():
+    rng = np.random.default_rng(2)
+    w = random_stacked(rng, 4, 256, 128, "E2", bias=True)
+    d = to_cuda(w)
+    before = {k: v.clone() for k, v in d.items()}
+    fp4moe.MoeLayer(d["w13"], d["w13_scale"], d["w13_scale_2"], d["w2"], d["w2_scale"], d["w2_scale_2"],
+                    d["w13_bias"], d["w2_bias"], top_k=2, activation="gptoss", max_tokens=8)
+    for k in d:
+        assert torch.equal(d[k].view(torch.uint8) if d[k].dtype == torch.float8_e4m3fn else d[k],
+                           before[k].view(torch.uint8) if before[k].dtype == torch.float8_e4m3fn else before[k]), k
+
+
+def test_device_routing_softmax():
+    rng = np.random.default_rng(4)
+    E, H, I, k, T = 16, 256, 128, 4, 33
+    w = random_stacked(rng, E, H, I)
+    layer, _ = make_layer(w, top_k=k, routing="softmax", renormalize=True, max_tokens=64)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(T, E, device="cuda")
+    out = layer(x, router_logits=logits)
+    p = torch.softmax(logits.double(), dim=-1)
+    top, ids = torch.topk(p, k, dim=-1)
+    weights = (top / top.sum(-1, keepdim=True)).float()
+    ref = reference(w, x, ids.int().cpu().numpy(), weights.cpu().numpy())
+    assert rel_err(out.float().cpu().numpy(), ref) < 1e-2
+
+
+def test_cuda_graph_capture_and_replay():
+    rng = np.random.default_rng(5)
+    E, H, I, k, T = 8, 256, 128, 2, 16
+    w = random_stacked(rng, E, H, I)
+    layer, _ = make_layer(w, top_k=k, max_tokens=T)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(T, E, device="cuda")
+    out = torch.empty_like(x)
+    layer(x, router_logits=logits, out=out)  # warm-up: plans the token count
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(x, router_logits=logits, out=out)
+    x.copy_(torch.randn_like(x))
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    expected = layer(x, router_logits=logits)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
+def test_torch_compile_fullgraph():
+    rng = np.random.default_rng(6)
+    E, H, I, k, T = 8, 256, 128, 2, 8
+    w = random_stacked(rng, E, H, I)
+    layer, _ = make_layer(w, top_k=k, max_tokens=T)
+
+    # Logits come in, so that routing is bitwise the same in both runs.
+    def block(x, logits):
+        y = layer(x, router_logits=logits)
+        return y, y.float() * 2 + x.float()
+
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(T, E, device="cuda")
+    compiled = torch.compile(block, fullgraph=True)
+    (y_compiled, z_compiled), (y_eager, z_eager) = compiled(x, logits), block(x, logits)
+    assert torch.equal(y_compiled, y_eager)
+    torch.testing.assert_close(z_compiled, z_eager)
+
+
+def test_opcheck():
+    rng = np.random.default_rng(7)
+    E, H, I, k, T = 8, 256, 128, 2, 4
+    w = random_stacked(rng, E, H, I)
+    layer, _ = make_layer(w, top_k=k, max_tokens=T)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    ids, weights = random_routing(rng, T, E, k)
+    args = (layer._id, x, torch.empty_like(x), None, None, torch.from_numpy(ids).cuda(),
+            torch.from_numpy(weights).cuda())
+    torch.library.opcheck(torch.ops.fp4moe.moe_forward.default, args)
+    args = (layer._id, x, torch.empty_like(x), torch.randn(T, E, device="cuda"), None, None, None)
+    torch.library.opcheck(torch.ops.fp4moe.moe_forward.default, args)
+
+
+def test_bad_input_raises_one_line_errors():
+    rng = np.random.default_rng(8)
+    E, H, I, k = 8, 256, 128, 2
+    w = random_stacked(rng, E, H, I)
+    layer, _ = make_layer(w, top_k=k, max_tokens=16)
+    x = torch.randn(4, H, device="cuda").to(torch.bfloat16)
+    ids = torch.from_numpy(random_routing(rng, 4, E, k)[0]).cuda()
+    wts = torch.ones(4, k, device="cuda")
+    cases = [
+        (lambda: layer(x.float(), topk_ids=ids, topk_weights=wts), "hidden_states has dtype float32; expected bfloat16"),
+        (lambda: layer(x.cpu(), topk_ids=ids, topk_weights=wts), "not on a CUDA device"),
+        (lambda: layer(x[:, :128], topk_ids=ids, topk_weights=wts), "expected [4, 256]"),
+        (lambda: layer(torch.randn(H, 4, device="cuda").to(torch.bfloat16).t(), topk_ids=ids, topk_weights=wts),
+         "not contiguous"),
+        (lambda: layer(torch.randn(17, H, device="cuda").to(torch.bfloat16),
+                       router_logits=torch.randn(17, E, device="cuda")), "max_tokens = 16"),
+        (lambda: layer(x, topk_ids=ids[:, :1], topk_weights=wts), "topk_ids has shape [4, 1]"),
+        (lambda: layer(x), "give either router_logits or topk_ids"),
+    ]
+    for call, text in cases:
+        with pytest.raises(fp4moe.Error) as info:
+            call()
+        assert text in str(info.value)
+        assert "\n" not in str(info.value)
+    # Bad weights: NaN block scale, wrong scale shape.
+    d = to_cuda(w)
+    d["w2_scale"].view(torch.uint8)[3, 5, 1] = 0x7F
+    with pytest.raises(fp4moe.Error, match=r"w2_scale\[3, 5, 1\]"):
+        fp4moe.MoeLayer(d["w13"], d["w13_scale"], d["w13_scale_2"], d["w2"], d["w2_scale"], d["w2_scale_2"],
+                        top_k=k)
+    with pytest.raises(fp4moe.Error, match="w13_scale has shape"):
+        fp4moe.MoeLayer(d["w13"], d["w13_scale"][:, :8], d["w13_scale_2"], d["w2"], d["w2_scale"],
+                        d["w2_scale_2"], top_k=k)
+
+
+@pytest.mark.skipif(fp4moe.cuda_device_count() < 2, reason="GPU test skipped: needs two CUDA devices")
+def test_tensor_on_another_gpu_is_refused():
+    rng = np.random.default_rng(9)
+    w = random_stacked(rng, 4, 256, 128)
+    layer, _ = make_layer(w, top_k=2, max_tokens=4)
+    x = torch.randn(2, 256, device="cuda:1").to(torch.bfloat16)
+    with pytest.raises(fp4moe.Error, match="is on cuda:1 but the layer is on cuda:0"):
+        layer(x, router_logits=torch.randn(2, 4, device="cuda:1"))
