@@ -461,14 +461,20 @@ size_t MoeLayer::device_weight_bytes() const {
          impl_->bias2.bytes();
 }
 
+namespace {
+// Token counts are limited to T * top_k < 2^31 (rows are int on the device);
+// compared as T < ceil(2^31 / top_k) so that no product can overflow.
+int64_t max_tokens_for(int top_k) { return ((int64_t{1} << 31) + top_k - 1) / top_k; }
+}  // namespace
+
 MoeLayerPlan MoeLayer::plan(int64_t num_tokens) const {
-  FP4MOE_CHECK(num_tokens >= 1 && num_tokens * impl_->top_k < (int64_t{1} << 31),
+  FP4MOE_CHECK(num_tokens >= 1 && num_tokens < max_tokens_for(impl_->top_k),
                "MoeLayer::plan: num_tokens = ", num_tokens, "; expected 1 .. 2^31 / top_k");
   return *impl_->plan(num_tokens);
 }
 
 size_t MoeLayer::workspace_bytes(int64_t max_tokens) const {
-  FP4MOE_CHECK(max_tokens >= 1 && max_tokens * impl_->top_k < (int64_t{1} << 31),
+  FP4MOE_CHECK(max_tokens >= 1 && max_tokens < max_tokens_for(impl_->top_k),
                "MoeLayer::workspace_bytes: max_tokens = ", max_tokens,
                "; expected 1 .. 2^31 / top_k");
   return impl_->workspace_bytes(max_tokens);
@@ -511,7 +517,7 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
                    size_t workspace_bytes, cudaStream_t stream, const MoeStageEvents* events) const {
   const Impl& m = *impl_;
   const int64_t T = args.num_tokens;
-  FP4MOE_CHECK(T >= 0 && T * m.top_k < (int64_t{1} << 31), "MoeLayer::forward: num_tokens = ", T,
+  FP4MOE_CHECK(T >= 0 && T < max_tokens_for(m.top_k), "MoeLayer::forward: num_tokens = ", T,
                "; expected 0 .. 2^31 / top_k");
   if (T == 0) return;
   FP4MOE_CHECK(args.hidden_states && aligned16(args.hidden_states),
