@@ -28,4 +28,19 @@ inline void expect_error(const std::function<void()>& fn, const std::vector<std:
                 << "'";
 }
 
+// Runs fn and returns the message of the fp4moe::Error it throws, for
+// matchers; a test failure (and "") when it throws nothing or another type.
+inline std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.message();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw a std::exception that is not fp4moe::Error: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "expected fp4moe::Error";
+  return {};
+}
+
 }  // namespace fp4moe

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "expect_error.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/safetensors.hpp"
 
@@ -38,19 +39,6 @@ void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   ASSERT_TRUE(out.good()) << path;
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.message();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw a std::exception that is not fp4moe::Error: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "did not throw";
-  return {};
 }
 
 class SafetensorsRobust : public ::testing::Test {

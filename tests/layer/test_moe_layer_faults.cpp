@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "expect_error.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/moe_layer.hpp"
 #include "gpu_test_util.hpp"
@@ -89,16 +90,6 @@ std::vector<uint16_t> run_forward(const MoeLayer& layer, const MoeForwardArgs& a
   out.fill_bytes(0xFF);
   layer.forward(args, out.get(), ws.get(), ws.bytes(), nullptr);
   return out.download();
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.message();
-  }
-  ADD_FAILURE() << "expected fp4moe::Error";
-  return {};
 }
 
 size_t free_device_bytes() {
