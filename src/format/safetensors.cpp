@@ -343,7 +343,9 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   SafetensorsFile file;
   file.path_ = path;
 
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO (or device) at `path` must not block open() forever;
+  // it is refused below as not a regular file. Regular files ignore the flag.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) FP4MOE_THROW(path, ": cannot open: ", errno_message(errno));
   FdCloser fd_closer(fd);
   struct stat file_stat {};
