@@ -5,7 +5,8 @@
 //
 // Tested in tests/format/test_modelopt.cpp: quantise/dequantise error bounds
 // on random data, idempotence, hand-computed bytes, save/load round trips
-// (single file, sharded directory) and one test per error message.
+// (single file, sharded directory) and one test per error message. Loading
+// is fuzzed by fuzz/fuzz_modelopt.cpp.
 #include "fp4moe/modelopt.hpp"
 
 #include <algorithm>

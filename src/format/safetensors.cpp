@@ -11,7 +11,7 @@
 // Tested in tests/format/test_safetensors.cpp: round trips of every dtype,
 // a table of malformed headers, deterministic fuzzing of a valid file's bytes
 // and failing writes; the same tests also run under ASan/UBSan
-// (test_safetensors_asan).
+// (test_safetensors_asan). Fuzzed by fuzz/fuzz_safetensors.cpp.
 #include "fp4moe/safetensors.hpp"
 
 #include <fcntl.h>
