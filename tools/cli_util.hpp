@@ -1,7 +1,8 @@
-// Helpers shared by the fp4moe subcommands: reading float tensors whatever
-// their dtype, a progress indicator and a wall-clock timer on stderr, the
-// --device choice, and the one place that runs an MoE layer on a backend (the
-// CPU reference or the CUDA layer, fp4moe::MoeLayer).
+// Helpers shared by the fp4moe subcommands: a progress indicator and a
+// wall-clock timer on stderr, the --device choice, and the one place that
+// runs an MoE layer on a backend (the CPU reference or the CUDA layer,
+// fp4moe::MoeLayer). Reading float tensors whatever their dtype lives in
+// tensors.hpp (host-only, so the fuzz targets can compile it).
 // Tested through the CLI in tests/tools/test_cli.cpp.
 #pragma once
 
@@ -15,25 +16,11 @@
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/safetensors.hpp"
+#include "tensors.hpp"
 
 namespace fp4moe::cli {
 
-// ------------------------------------------------------------------ tensors
-
-bool is_float_dtype(DType dtype);  // F32, BF16, F16
-
-// The tensor converted to float (row-major, same element order). Throws
-// naming the tensor unless its dtype is F32, BF16 or F16.
-std::vector<float> tensor_to_float(const TensorView& view);
-
-// Largest |x| over the float elements [begin, begin + count) of the tensor
-// (NaN ignored), without materialising a float copy.
-float tensor_abs_max(const TensorView& view, int64_t begin, int64_t count);
-
-// Checks name's dtype and shape; the message names the tensor, the file and
-// what was expected. An expected extent of -1 matches any extent.
-void expect_tensor(const TensorView& view, const std::string& file,
-                   std::initializer_list<DType> dtypes, std::initializer_list<int64_t> shape);
+// ------------------------------------------------------------------ files
 
 // Checks up front, before any long work, that `path` can be written: its
 // directory exists and it is not itself a directory.

@@ -5,7 +5,7 @@
 //   --input X    hidden_states [T, H] (BF16 or F32), and either
 //                  topk_ids [T, k] I32 + topk_weights [T, k] F32   (routing given)
 //                  router_logits [T, E] F32 (+ e_score_correction_bias [E])
-//                                                     (routed here, by the flags)
+//                                         (routed by the flags; read by moe_input.cpp)
 //   --output Y   output [T, H] BF16 (rounded to nearest even)
 //   --device     auto (the GPU when there is one), cpu (the reference), cuda
 //   --finalize   CUDA: deterministic (fixed summation order) or atomic
@@ -15,9 +15,7 @@
 // on success (atomically), so a failed run leaves no file behind.
 // Tested in tests/tools/test_cli.cpp against a float reference and for each
 // rejected input.
-#include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <memory>
 #include <optional>
 #include <regex>
@@ -31,6 +29,7 @@
 #include "fp4moe/nvfp4.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/safetensors.hpp"
+#include "moe_input.hpp"
 
 namespace fp4moe::cli {
 namespace {
@@ -86,75 +85,6 @@ std::string detect_prefix(const std::string& path) {
   return *prefixes.begin();
 }
 
-// Reads topk_ids/topk_weights and checks them against the layer.
-Routing read_given_routing(const SafetensorsFile& in, int64_t num_tokens, int64_t num_experts) {
-  const TensorView& ids = in.get("topk_ids");
-  FP4MOE_CHECK(ids.dtype == DType::I32, in.path(), ": topk_ids has dtype ", dtype_name(ids.dtype),
-               "; expected I32");
-  FP4MOE_CHECK(ids.shape.size() == 2 && ids.shape[0] == num_tokens, in.path(), ": topk_ids has shape ",
-               shape_to_string(ids.shape), "; expected [", num_tokens, ", k] (T = ", num_tokens,
-               " from hidden_states)");
-  const int64_t top_k = ids.shape[1];
-  FP4MOE_CHECK(top_k >= 1 && top_k <= num_experts, in.path(), ": topk_ids has k = ", top_k,
-               " experts per token; expected 1 <= k <= ", num_experts, " (the layer's expert count)");
-  FP4MOE_CHECK(in.contains("topk_weights"), in.path(),
-               ": has topk_ids but no topk_weights [", num_tokens, ", ", top_k, "] F32");
-  const TensorView& weights = in.get("topk_weights");
-  expect_tensor(weights, in.path(), {DType::F32}, {num_tokens, top_k});
-
-  Routing routing;
-  routing.num_tokens = num_tokens;
-  routing.top_k = static_cast<int>(top_k);
-  routing.topk_ids.resize(static_cast<size_t>(num_tokens * top_k));
-  routing.topk_weights.resize(routing.topk_ids.size());
-  std::memcpy(routing.topk_ids.data(), ids.data, ids.nbytes);
-  std::memcpy(routing.topk_weights.data(), weights.data, weights.nbytes);
-  for (size_t i = 0; i < routing.topk_ids.size(); ++i) {
-    const int32_t id = routing.topk_ids[i];
-    FP4MOE_CHECK(id >= 0 && id < num_experts, in.path(), ": topk_ids[", i / top_k, "][", i % top_k,
-                 "] = ", id, " is not an expert of the layer; expected 0 <= id < ", num_experts);
-    FP4MOE_CHECK(std::isfinite(routing.topk_weights[i]), in.path(), ": topk_weights[", i / top_k,
-                 "][", i % top_k, "] = ", routing.topk_weights[i], " is not finite");
-  }
-  validate_routing(routing, num_experts);  // duplicates within a token, etc.
-  return routing;
-}
-
-// Routes router_logits by the command-line flags.
-Routing route_from_logits(const SafetensorsFile& in, const MoeOptions& opts, int64_t num_tokens,
-                          int64_t num_experts) {
-  const TensorView& logits = in.get("router_logits");
-  expect_tensor(logits, in.path(), {DType::F32, DType::BF16, DType::F16}, {num_tokens, num_experts});
-  FP4MOE_CHECK(opts.top_k.has_value(), "routing from router_logits needs --topk K (1 <= K <= ",
-               num_experts, ")");
-  FP4MOE_CHECK(*opts.top_k >= 1 && *opts.top_k <= num_experts, "--topk ", *opts.top_k,
-               ": expected 1 <= K <= ", num_experts, " (the layer's expert count)");
-  std::vector<float> bias;
-  if (in.contains("e_score_correction_bias")) {
-    const TensorView& view = in.get("e_score_correction_bias");
-    expect_tensor(view, in.path(), {DType::F32, DType::BF16, DType::F16}, {num_experts});
-    bias = tensor_to_float(view);
-    if (opts.routing != "noaux_tc")
-      std::fprintf(stderr, "moe: note: e_score_correction_bias is used by --routing noaux_tc only; ignored\n");
-  }
-  RoutingParams params;
-  params.mode = parse_routing_mode(opts.routing);
-  params.top_k = *opts.top_k;
-  params.renormalize = !opts.no_renormalize;
-  params.num_groups = opts.num_groups;
-  params.topk_groups = opts.topk_groups;
-  params.routed_scaling_factor = opts.routed_scaling_factor;
-  const std::vector<float> logit_values = tensor_to_float(logits);
-  Routing routing =
-      route(logit_values.data(), num_tokens, num_experts, bias.empty() ? nullptr : bias.data(), params);
-  if (routing.tokens_with_nonfinite_logits > 0)
-    std::fprintf(stderr,
-                 "moe: note: %lld token(s) have non-finite router logits; their experts were excluded "
-                 "(docs/design.md, non-finite inputs)\n",
-                 static_cast<long long>(routing.tokens_with_nonfinite_logits));
-  return routing;
-}
-
 void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   Timer total_timer;
   // Refuse an unavailable backend before any loading.
@@ -177,39 +107,25 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   FP4MOE_CHECK(num_experts > 0, opts.weights, ": no experts under prefix '", prefix, "'");
 
   const SafetensorsFile in = SafetensorsFile::open(opts.input);
-  FP4MOE_CHECK(in.contains("hidden_states"), in.path(), ": no tensor 'hidden_states' [T, ", hidden, "]");
-  const TensorView& hidden_view = in.get("hidden_states");
-  FP4MOE_CHECK(hidden_view.dtype == DType::BF16 || hidden_view.dtype == DType::F32, in.path(),
-               ": hidden_states has dtype ", dtype_name(hidden_view.dtype), "; expected BF16 or F32");
-  FP4MOE_CHECK(hidden_view.shape.size() == 2 && hidden_view.shape[1] == hidden, in.path(),
-               ": hidden_states has shape ", shape_to_string(hidden_view.shape), "; expected [T, ",
-               hidden, "] (H = ", hidden, " from the weights)");
-  const int64_t num_tokens = hidden_view.shape[0];
-  FP4MOE_CHECK(num_tokens > 0, in.path(), ": hidden_states has T = 0 tokens; expected at least one");
-
-  Routing routing;
-  std::string routing_source;
-  if (in.contains("topk_ids")) {
-    routing = read_given_routing(in, num_tokens, num_experts);
-    routing_source = "topk_ids";
+  LogitRoutingFlags flags;
+  flags.mode = opts.routing;
+  flags.top_k = opts.top_k;
+  flags.renormalize = !opts.no_renormalize;
+  flags.num_groups = opts.num_groups;
+  flags.topk_groups = opts.topk_groups;
+  flags.routed_scaling_factor = opts.routed_scaling_factor;
+  const MoeInput input = read_moe_input(in, hidden, num_experts, flags);
+  const int64_t num_tokens = input.num_tokens;
+  const Routing& routing = input.routing;
+  if (input.routing_source == "topk_ids") {
     for (const char* flag : {"--routing", "--topk", "--no-renormalize", "--n-group", "--topk-group",
                              "--routed-scaling-factor"}) {
       if (cmd.count(flag) > 0)
         std::fprintf(stderr, "moe: note: %s is ignored: the input gives topk_ids\n", flag);
     }
-    if (in.contains("router_logits"))
-      std::fprintf(stderr, "moe: note: the input has both topk_ids and router_logits; using topk_ids\n");
-  } else if (in.contains("router_logits")) {
-    routing = route_from_logits(in, opts, num_tokens, num_experts);
-    routing_source = opts.routing;
-  } else {
-    std::string present;
-    for (const std::string& name : in.names()) present += (present.empty() ? "" : ", ") + name;
-    FP4MOE_THROW(in.path(), ": no routing; expected topk_ids [T, k] I32 + topk_weights [T, k] F32, "
-                 "or router_logits [T, E] F32 (tensors present: ", present, ")");
   }
+  for (const std::string& note : input.notes) std::fprintf(stderr, "moe: note: %s\n", note.c_str());
 
-  const std::vector<float> hidden_states = tensor_to_float(hidden_view);
   std::vector<float> output(static_cast<size_t>(num_tokens * hidden));
   MoeLayerOptions layer_options;
   layer_options.activation = parse_activation(opts.activation);
@@ -217,9 +133,9 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   if (device == Device::kCpu && cmd.count("--finalize") > 0)
     std::fprintf(stderr, "moe: note: --finalize applies to the CUDA backend only; ignored\n");
   const MoeRunStats stats =
-      opts.ep > 0 ? run_moe_layer_expert_parallel(weights, hidden_states.data(), routing, layer_options, opts.ep,
+      opts.ep > 0 ? run_moe_layer_expert_parallel(weights, input.hidden_states.data(), routing, layer_options, opts.ep,
                                                   output.data())
-                  : run_moe_layer(device, weights, hidden_states.data(), routing, layer_options, output.data());
+                  : run_moe_layer(device, weights, input.hidden_states.data(), routing, layer_options, output.data());
   if (opts.ep > 0) std::fprintf(stderr, "moe: %s", stats.plan.c_str());
 
   std::vector<uint16_t> output_bf16(output.size());
@@ -240,7 +156,7 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
                "layer %.3f ms, total %.2f ms\n",
                static_cast<long long>(num_tokens), static_cast<long long>(num_experts), routing.top_k,
                static_cast<long long>(hidden), static_cast<long long>(weights.inter),
-               routing_source.c_str(), opts.activation.c_str(), stats.backend.c_str(),
+               input.routing_source.c_str(), opts.activation.c_str(), stats.backend.c_str(),
                backend_detail.c_str(), stats.time_ms, total_timer.elapsed_ms());
 }
 

@@ -5,7 +5,8 @@
 //
 // Tested in tests/format/test_modelopt.cpp: quantise/dequantise error bounds
 // on random data, idempotence, hand-computed bytes, save/load round trips
-// (single file, sharded directory) and one test per error message.
+// (single file, sharded directory) and one test per error message. Loading
+// is fuzzed by fuzz/fuzz_modelopt.cpp.
 #include "fp4moe/modelopt.hpp"
 
 #include <algorithm>
@@ -146,7 +147,15 @@ std::map<std::string, std::string> read_safetensors_index(const fs::path& index_
   for (const auto& [name, file] : index["weight_map"].items()) {
     FP4MOE_CHECK(file.is_string(), where, ": weight_map[\"", name, "\"] is ", file.dump(),
                  "; expected a shard file name");
-    shard_of.emplace(name, (index_path.parent_path() / file.get<std::string>()).string());
+    // The index comes with the checkpoint: it may only name files inside the
+    // checkpoint's directory, never make the loader open one elsewhere.
+    const fs::path shard = file.get<std::string>();
+    const bool inside = !shard.empty() && shard.is_relative() &&
+                        std::none_of(shard.begin(), shard.end(),
+                                     [](const fs::path& part) { return part == ".."; });
+    FP4MOE_CHECK(inside, where, ": weight_map[\"", name, "\"] is ", file.dump(),
+                 "; expected the name of a shard file inside the checkpoint directory");
+    shard_of.emplace(name, (index_path.parent_path() / shard).string());
   }
   return shard_of;
 }
@@ -262,12 +271,14 @@ std::string exact(float value) {
   return os.str();
 }
 
-// A 0-d or [1] F32 tensor (dtype and shape already checked).
-float read_f32_scalar(const TensorView& view, const std::string& path) {
+// A 0-d or [1] F32 scale (dtype and shape already checked). ModelOpt's
+// scales are amax / constant: finite and never negative (0 for an all-zero
+// tensor).
+float read_f32_scale(const TensorView& view, const std::string& path) {
   float value;
   std::memcpy(&value, view.data, sizeof value);  // safetensors data is little-endian, as is the host
-  FP4MOE_CHECK(std::isfinite(value), path, ": tensor '", view.name, "' is ", value,
-               "; expected a finite scale");
+  FP4MOE_CHECK(std::isfinite(value) && value >= 0.0f, path, ": tensor '", view.name, "' is ", value,
+               "; expected a finite, non-negative scale");
   return value;
 }
 
@@ -351,6 +362,12 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
   FP4MOE_CHECK(gate0.dtype == DType::U8 && gate0.shape.size() == 2, path, ": tensor '",
                shape_source, "' is ", describe(gate0.dtype, gate0.shape),
                "; expected U8 [inter, hidden / 2] (packed fp4)");
+  // A non-empty tensor's extents are bounded by the file's size (its bytes
+  // are in it), so 2 * shape[1] below cannot overflow; an empty one may
+  // claim any extent.
+  FP4MOE_CHECK(gate0.shape[0] > 0 && gate0.shape[1] > 0, path, ": tensor '", shape_source, "' ",
+               shape_to_string(gate0.shape), " is empty; expected U8 [inter, hidden / 2] with inter "
+               "and hidden positive multiples of ", kNvfp4BlockSize);
   MoeWeights weights;
   weights.num_experts = num_experts;
   weights.inter = gate0.shape[0];
@@ -405,13 +422,13 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
       }
       // ModelOpt writes 0-d scalars; other exporters write shape [1].
       if (const TensorView* v = checked(name("weight_scale_2"), {DType::F32}, {{}, {1}})) {
-        m.global_scale = read_f32_scalar(*v, path);
+        m.global_scale = read_f32_scale(*v, path);
         scale_2[p] = m.global_scale;
       }
       // input_scale is optional: 1.0 (no activation scaling) when absent.
       if (source.contains(name("input_scale"))) {
         if (const TensorView* v = checked(name("input_scale"), {DType::F32}, {{}, {1}}))
-          m.input_scale = read_f32_scalar(*v, path);
+          m.input_scale = read_f32_scale(*v, path);
       }
       if (any_bias) {
         if (const TensorView* v = checked(name("bias"), {DType::F32, DType::BF16}, {{m.rows}})) {
@@ -426,6 +443,13 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
               out = bf16_to_float(h);
             }
           }
+          // A NaN or infinite bias would poison every token routed to the
+          // expert without a word; report the first.
+          const auto bad = std::find_if(biases[p]->begin(), biases[p]->end(),
+                                        [](float b) { return !std::isfinite(b); });
+          if (bad != biases[p]->end())
+            problems.add("'", name("bias"), "': element ", bad - biases[p]->begin(), " is ", *bad,
+                         "; expected finite biases");
         }
       }
     }

@@ -18,7 +18,8 @@
 // a table of malformed headers, deterministic fuzzing of a valid file's bytes
 // and failing writes; the same tests also run under ASan/UBSan
 // (test_safetensors_asan); tests/format/test_safetensors_robust.cpp: unread
-// dtypes, truncation and replacement after open, release().
+// dtypes, truncation and replacement after open, release(). Fuzzed by
+// fuzz/fuzz_safetensors.cpp.
 #include "fp4moe/safetensors.hpp"
 
 #include <fcntl.h>
@@ -379,7 +380,9 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   SafetensorsFile file;
   file.path_ = path;
 
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO (or device) at `path` must not block open() forever;
+  // it is refused below as not a regular file. Regular files ignore the flag.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) FP4MOE_THROW(path, ": cannot open: ", errno_message(errno));
   file.fd_ = fd;  // from here on, file's destructor closes it on any error
   struct stat file_stat {};

@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <random>
 #include <string>
@@ -860,6 +861,82 @@ TEST_F(ModeloptCheckpoint, AddRejectsInconsistentWeights) {
   const std::string msg = error_message([&] { add_moe_weights(writer, w, kPrefix); });
   EXPECT_CONTAINS(msg, "expert 2 down_proj");
   EXPECT_CONTAINS(msg, "[64, 16], expected [64, 32]");
+}
+
+// ------------------------------------------------- hostile checkpoints
+// Inputs found by fuzzing the loader (fuzz/fuzz_modelopt.cpp; the raw
+// inputs are kept in fuzz/regressions/modelopt/ and replayed by ctest).
+
+// An empty gate weight may claim any extent: [0, 2^62] once made
+// 2 * shape[1] overflow (UBSan) before the emptiness was noticed.
+TEST_F(ModeloptCheckpoint, EmptyGateWeightOfHugeExtentIsRefused) {
+  const std::string path = write_checkpoint("layer.safetensors", weights_);
+  const std::string gate0 = expert_tensor_name(kPrefix, 0, "gate_proj", "weight");
+  const std::string edited = dir_ / "edited.safetensors";
+  rewrite(path, edited, [&](const TensorView& v, SafetensorsWriter& out) {
+    if (v.name != gate0) return true;
+    out.add(v.name, DType::U8, {0, int64_t{1} << 62}, nullptr, 0);
+    return false;
+  });
+  const std::string msg = error_message([&] { load_moe_weights(edited, kPrefix); });
+  EXPECT_CONTAINS(msg, "'" + gate0 + "' [0, 4611686018427387904] is empty");
+}
+
+// A NaN or infinite bias is named instead of loading silently.
+TEST_F(ModeloptCheckpoint, NonFiniteBiasIsNamed) {
+  const std::string path = write_checkpoint("bias.safetensors", make_weights(kExperts, kHidden, kInter, 5, true));
+  const std::string bad = expert_tensor_name(kPrefix, 1, "up_proj", "bias");
+  const std::string edited = dir_ / "edited.safetensors";
+  rewrite(path, edited, [&](const TensorView& v, SafetensorsWriter& out) {
+    if (v.name != bad) return true;
+    std::vector<float> bias(static_cast<size_t>(v.numel()), 0.5f);
+    bias[7] = std::numeric_limits<float>::infinity();
+    out.add(v.name, DType::F32, v.shape, bias.data(), bias.size() * sizeof(float));
+    return false;
+  });
+  const std::string msg = error_message([&] { load_moe_weights(edited, kPrefix); });
+  EXPECT_CONTAINS(msg, "'" + bad + "': element 7 is inf; expected finite biases");
+}
+
+// ModelOpt's scales are amax / constant: a negative one is not a checkpoint.
+TEST_F(ModeloptCheckpoint, NegativeScaleIsNamed) {
+  const std::string path = write_checkpoint("layer.safetensors", weights_);
+  const std::string bad = expert_tensor_name(kPrefix, 2, "down_proj", "weight_scale_2");
+  const std::string edited = dir_ / "edited.safetensors";
+  rewrite(path, edited, [&](const TensorView& v, SafetensorsWriter& out) {
+    if (v.name != bad) return true;
+    const float negative = -0.25f;
+    out.add(v.name, DType::F32, {}, &negative, sizeof negative);
+    return false;
+  });
+  const std::string msg = error_message([&] { load_moe_weights(edited, kPrefix); });
+  EXPECT_CONTAINS(msg, "'" + bad + "' is -0.25; expected a finite, non-negative scale");
+}
+
+// The index may name shard files inside the checkpoint directory only:
+// absolute paths and ".." would make the loader open any file.
+TEST_F(ModeloptCheckpoint, IndexMayNotNameFilesOutsideTheCheckpoint) {
+  TempDir ckpt;
+  const std::string dir = ckpt.path().string();
+  const SafetensorsFile whole = SafetensorsFile::open(write_checkpoint("layer.safetensors", weights_));
+  for (const std::string& shard : {std::string("../layer.safetensors"), dir_ / "layer.safetensors",
+                                   std::string("sub/../../layer.safetensors"), std::string("")}) {
+    WeightMap weight_map;
+    for (const std::string& name : whole.names()) weight_map[name] = shard;
+    write_text(ckpt / "model.safetensors.index.json", index_json(weight_map));
+    for (const std::string& msg : {error_message([&] { load_moe_weights(dir, kPrefix); }),
+                                   error_message([&] { checkpoint_tensor_names(dir); })}) {
+      EXPECT_CONTAINS(msg, "model.safetensors.index.json");
+      EXPECT_CONTAINS(msg, "expected the name of a shard file inside the checkpoint directory");
+    }
+  }
+  // A subdirectory of the checkpoint is inside it.
+  std::filesystem::create_directory(ckpt / "sub");
+  std::filesystem::copy_file(dir_ / "layer.safetensors", ckpt / "sub/layer.safetensors");
+  WeightMap weight_map;
+  for (const std::string& name : whole.names()) weight_map[name] = "sub/layer.safetensors";
+  write_text(ckpt / "model.safetensors.index.json", index_json(weight_map));
+  expect_same_weights(weights_, load_moe_weights(dir, kPrefix));
 }
 
 }  // namespace

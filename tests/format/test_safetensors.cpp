@@ -15,10 +15,12 @@
 
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
@@ -367,6 +369,15 @@ TEST_F(SafetensorsTest, OpenReportsMissingFilesAndDirectories) {
   EXPECT_NE(message.find("No such file"), std::string::npos) << message;
 
   message = error_message_of([&] { SafetensorsFile::open(dir_.string()); });
+  EXPECT_NE(message.find("not a regular file"), std::string::npos) << message;
+}
+
+// A FIFO is refused like a directory, without blocking in open() for a
+// writer that never comes (a shard named by a checkpoint's index could be one).
+TEST_F(SafetensorsTest, OpenRefusesAFifoWithoutBlocking) {
+  const std::string fifo = path_in_dir("pipe.safetensors");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  const std::string message = error_message_of([&] { SafetensorsFile::open(fifo); });
   EXPECT_NE(message.find("not a regular file"), std::string::npos) << message;
 }
 
