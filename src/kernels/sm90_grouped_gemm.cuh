@@ -8,10 +8,11 @@
 //   producer   per k-tile of a unit: waits for a free stage, one thread sets
 //              the stage barrier's transaction count and issues two bulk
 //              copies, the stage's weight fragments and scale codes (each one
-//              contiguous block of the prepared layout); all 128 threads cp.async the
-//              gathered activation rows into 128-byte-swizzled atoms (zero
-//              past k and past the expert's rows, none past the wgmmas'
-//              width) and arrive on the barrier when their copies land. It runs ahead across work units.
+//              contiguous block of the prepared layout); all 128 threads
+//              cp.async the gathered activation rows into 128-byte-swizzled
+//              atoms (zero past k and past the expert's rows, none past the
+//              wgmmas' width) and arrive on the barrier when their copies
+//              land. It runs ahead across work units.
 //   consumers  each owns 64 weight rows (one 16-row fragment group per warp):
 //              per 64-wide K fragment, one 16-byte shared load of fp4 codes per
 //              lane, dequantised in registers into four m16k16 A fragments
