@@ -140,11 +140,5 @@ void run(const uint8_t* data, size_t size) {
 }  // namespace fp4moe::fuzz
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  try {
-    fp4moe::fuzz::run(data, size);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "unexpected exception (not fp4moe::Error): %s\n", e.what());
-    std::abort();
-  }
-  return 0;
+  return fp4moe::fuzz::run_guarded(fp4moe::fuzz::run, data, size);
 }

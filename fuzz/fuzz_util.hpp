@@ -6,6 +6,8 @@
 
 #include <unistd.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -79,6 +81,19 @@ inline std::vector<std::string_view> split(std::string_view input, std::string_v
   parts.push_back(input);
   parts.resize(max_parts);
   return parts;
+}
+
+// libFuzzer's entry for a target whose run() may throw only fp4moe::Error
+// (handled inside run): anything else is a finding.
+template <class Run>
+int run_guarded(Run run, const uint8_t* data, size_t size) {
+  try {
+    run(data, size);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "unexpected exception (not fp4moe::Error): %s\n", e.what());
+    std::abort();
+  }
+  return 0;
 }
 
 }  // namespace fp4moe::fuzz

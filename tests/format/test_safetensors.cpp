@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "expect_error.hpp"
 #include "fp4moe/error.hpp"
 
 namespace fp4moe {
@@ -75,24 +76,6 @@ std::vector<uint8_t> random_bytes(std::mt19937_64& rng, size_t nbytes) {
   std::vector<uint8_t> bytes(nbytes);
   for (uint8_t& byte : bytes) byte = static_cast<uint8_t>(rng());
   return bytes;
-}
-
-// Runs fn and returns the message of the fp4moe::Error it throws; records a
-// failure if it throws anything else or nothing.
-std::string error_message_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.message();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw a std::exception that is not fp4moe::Error: " << e.what();
-    return {};
-  } catch (...) {
-    ADD_FAILURE() << "threw something that is not a std::exception";
-    return {};
-  }
-  ADD_FAILURE() << "did not throw";
-  return {};
 }
 
 enum class OpenOutcome { kOpened, kRejected };
@@ -191,7 +174,7 @@ TEST(SafetensorsHelpers, DTypeNamesSizesAndParsing) {
   }
   EXPECT_EQ(dtype_name(DType::F8_E4M3), "F8_E4M3");
   for (const char* unsupported : {"F64", "f32", "", "F8_E5M2", "BOOL", "BF16 "}) {
-    const std::string message = error_message_of([&] { parse_dtype(unsupported); });
+    const std::string message = error_of([&] { parse_dtype(unsupported); });
     EXPECT_NE(message.find(std::string("unsupported dtype '") + unsupported + "'"), std::string::npos)
         << message;
   }
@@ -204,9 +187,9 @@ TEST(SafetensorsHelpers, ShapeNumelAndToString) {
   EXPECT_EQ(shape_numel(std::vector<int64_t>{2, 0, 4}), 0);
   // A zero dimension wins even over dimensions whose product would overflow.
   EXPECT_EQ(shape_numel(std::vector<int64_t>{int64_t{1} << 40, int64_t{1} << 40, 0}), 0);
-  EXPECT_NE(error_message_of([] { shape_numel(std::vector<int64_t>{3, -1}); }).find("negative"),
+  EXPECT_NE(error_of([] { shape_numel(std::vector<int64_t>{3, -1}); }).find("negative"),
             std::string::npos);
-  EXPECT_NE(error_message_of([] {
+  EXPECT_NE(error_of([] {
               shape_numel(std::vector<int64_t>{int64_t{1} << 32, int64_t{1} << 32});
             }).find("64 bits"),
             std::string::npos);
@@ -357,18 +340,18 @@ TEST_F(SafetensorsTest, GetOfAMissingTensorNamesTheFileAndTheTensor) {
   write_seed_file(path);
   const SafetensorsFile file = SafetensorsFile::open(path);
   EXPECT_FALSE(file.contains("experts.1.up_proj.weight"));
-  const std::string message = error_message_of([&] { file.get("experts.1.up_proj.weight"); });
+  const std::string message = error_of([&] { file.get("experts.1.up_proj.weight"); });
   EXPECT_NE(message.find(path), std::string::npos) << message;
   EXPECT_NE(message.find("'experts.1.up_proj.weight'"), std::string::npos) << message;
 }
 
 TEST_F(SafetensorsTest, OpenReportsMissingFilesAndDirectories) {
   const std::string missing = path_in_dir("missing.safetensors");
-  std::string message = error_message_of([&] { SafetensorsFile::open(missing); });
+  std::string message = error_of([&] { SafetensorsFile::open(missing); });
   EXPECT_NE(message.find(missing), std::string::npos) << message;
   EXPECT_NE(message.find("No such file"), std::string::npos) << message;
 
-  message = error_message_of([&] { SafetensorsFile::open(dir_.string()); });
+  message = error_of([&] { SafetensorsFile::open(dir_.string()); });
   EXPECT_NE(message.find("not a regular file"), std::string::npos) << message;
 }
 
@@ -377,7 +360,7 @@ TEST_F(SafetensorsTest, OpenReportsMissingFilesAndDirectories) {
 TEST_F(SafetensorsTest, OpenRefusesAFifoWithoutBlocking) {
   const std::string fifo = path_in_dir("pipe.safetensors");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
-  const std::string message = error_message_of([&] { SafetensorsFile::open(fifo); });
+  const std::string message = error_of([&] { SafetensorsFile::open(fifo); });
   EXPECT_NE(message.find("not a regular file"), std::string::npos) << message;
 }
 
@@ -406,20 +389,20 @@ TEST_F(SafetensorsTest, WriterRejectsBadTensors) {
   SafetensorsWriter writer;
   writer.add("w", DType::BF16, {2, 3}, bytes.data(), 12);
 
-  std::string message = error_message_of([&] { writer.add("x", DType::F32, {2, 3}, bytes.data(), 12); });
+  std::string message = error_of([&] { writer.add("x", DType::F32, {2, 3}, bytes.data(), 12); });
   EXPECT_NE(message.find("tensor 'x': 12 bytes given but shape [2, 3] of F32 needs 24 bytes"),
             std::string::npos)
       << message;
-  message = error_message_of([&] { writer.add("w", DType::BF16, {2, 3}, bytes.data(), 12); });
+  message = error_of([&] { writer.add("w", DType::BF16, {2, 3}, bytes.data(), 12); });
   EXPECT_NE(message.find("tensor 'w' was already added"), std::string::npos) << message;
-  message = error_message_of([&] { writer.add("n", DType::U8, {-1, 2}, bytes.data(), 0); });
+  message = error_of([&] { writer.add("n", DType::U8, {-1, 2}, bytes.data(), 0); });
   EXPECT_NE(message.find("negative dimension"), std::string::npos) << message;
-  message = error_message_of(
+  message = error_of(
       [&] { writer.add("o", DType::F32, {int64_t{1} << 31, int64_t{1} << 31}, bytes.data(), 0); });
   EXPECT_NE(message.find("overflows"), std::string::npos) << message;
-  message = error_message_of([&] { writer.add("null", DType::U8, {4}, nullptr, 4); });
+  message = error_of([&] { writer.add("null", DType::U8, {4}, nullptr, 4); });
   EXPECT_NE(message.find("data is null"), std::string::npos) << message;
-  message = error_message_of([&] { writer.add("__metadata__", DType::U8, {1}, bytes.data(), 1); });
+  message = error_of([&] { writer.add("__metadata__", DType::U8, {1}, bytes.data(), 1); });
   EXPECT_NE(message.find("reserved"), std::string::npos) << message;
   // The rejected adds left the writer as it was.
   EXPECT_EQ(writer.num_tensors(), 1u);
@@ -430,7 +413,7 @@ TEST_F(SafetensorsTest, WriterRejectsInvalidUtf8Names) {
   SafetensorsWriter writer;
   writer.add("bad \xff name", DType::U8, {1}, &byte, 1);
   const std::string path = path_in_dir("utf8.safetensors");
-  const std::string message = error_message_of([&] { writer.write(path); });
+  const std::string message = error_of([&] { writer.write(path); });
   EXPECT_NE(message.find("not valid UTF-8"), std::string::npos) << message;
   EXPECT_FALSE(fs::exists(path));
   EXPECT_TRUE(temp_files_left().empty());
@@ -454,7 +437,7 @@ TEST_F(SafetensorsTest, WriteIntoAMissingDirectoryThrowsAndLeavesNoFile) {
   SafetensorsWriter writer;
   writer.add("t", DType::U8, {1}, &byte, 1);
   const std::string path = path_in_dir("no/such/dir/out.safetensors");
-  const std::string message = error_message_of([&] { writer.write(path); });
+  const std::string message = error_of([&] { writer.write(path); });
   EXPECT_NE(message.find(path), std::string::npos) << message;
   EXPECT_NE(message.find("No such file"), std::string::npos) << message;
   EXPECT_FALSE(fs::exists(path));
@@ -470,7 +453,7 @@ TEST_F(SafetensorsTest, FailedRenameRemovesTheTempFile) {
   const uint8_t byte = 1;
   SafetensorsWriter writer;
   writer.add("t", DType::U8, {1}, &byte, 1);
-  const std::string message = error_message_of([&] { writer.write(path); });
+  const std::string message = error_of([&] { writer.write(path); });
   EXPECT_NE(message.find("cannot rename"), std::string::npos) << message;
   EXPECT_TRUE(fs::is_directory(path));
   EXPECT_TRUE(temp_files_left().empty());
@@ -506,7 +489,7 @@ TEST_F(SafetensorsTest, FailedWriteRemovesTheTempFileAndKeepsTheOldFile) {
   std::string message;
   {
     const FileSizeLimit limit(1000);
-    message = error_message_of([&] { writer.write(path); });
+    message = error_of([&] { writer.write(path); });
   }
   EXPECT_NE(message.find("write failed"), std::string::npos) << message;
   EXPECT_EQ(read_file_bytes(path), old_bytes);
@@ -625,7 +608,7 @@ TEST_F(SafetensorsTest, MalformedHeadersRaiseOneClearError) {
   for (const MalformedCase& test_case : cases) {
     SCOPED_TRACE("header: " + test_case.header);
     write_file_bytes(path, file_image(test_case.header, data));
-    const std::string message = error_message_of([&] { SafetensorsFile::open(path); });
+    const std::string message = error_of([&] { SafetensorsFile::open(path); });
     EXPECT_EQ(message.rfind(path + ": ", 0), 0u) << "message does not start with the path: " << message;
     EXPECT_NE(message.find(test_case.expected_message), std::string::npos) << message;
   }
@@ -647,13 +630,13 @@ TEST_F(SafetensorsTest, LyingLengthPrefixesAreRejected) {
   for (const auto& [header_bytes, expected] : cases) {
     SCOPED_TRACE("header length " + std::to_string(header_bytes));
     write_file_bytes(path, length_prefix(header_bytes) + body);
-    const std::string message = error_message_of([&] { SafetensorsFile::open(path); });
+    const std::string message = error_of([&] { SafetensorsFile::open(path); });
     EXPECT_NE(message.find(expected), std::string::npos) << message;
   }
   // The file exactly as long as the prefix says, with no data section: the
   // tensor then runs past the end of the (empty) data section.
   write_file_bytes(path, length_prefix(body.size() - 1) + body.substr(0, body.size() - 1));
-  EXPECT_NE(error_message_of([&] { SafetensorsFile::open(path); }).find("run past the end of the data section (0 bytes)"),
+  EXPECT_NE(error_of([&] { SafetensorsFile::open(path); }).find("run past the end of the data section (0 bytes)"),
             std::string::npos);
 }
 
@@ -667,7 +650,7 @@ TEST_F(SafetensorsTest, FuzzEveryTruncationIsRejected) {
     const std::string what = "truncated to " + std::to_string(length) + " bytes";
     EXPECT_EQ(open_untrusted(truncated_path, what), OpenOutcome::kRejected) << what;
     if (length < 8) {
-      EXPECT_NE(error_message_of([&] { SafetensorsFile::open(truncated_path); })
+      EXPECT_NE(error_of([&] { SafetensorsFile::open(truncated_path); })
                     .find("shorter than the 8-byte header length prefix"),
                 std::string::npos);
     }
