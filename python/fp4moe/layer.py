@@ -30,12 +30,25 @@ _LAYERS: "weakref.WeakValueDictionary[int, MoeLayer]" = weakref.WeakValueDiction
 _NEXT_ID = itertools.count(1)
 
 
+# torch, imported when the first layer is made (not by `import fp4moe`), or
+# None without it; __call__ reads it from here rather than importing.
+_TORCH = None
+_TORCH_LOOKED_UP = False
+
+
 def _torch():
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch
+    global _TORCH, _TORCH_LOOKED_UP
+    if not _TORCH_LOOKED_UP:
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        _TORCH, _TORCH_LOOKED_UP = torch, True
+        # A forward given stream=None takes the current stream from the
+        # arrays' own framework (DLPack's C exchange API, torch >= 2.10); for
+        # arrays without one, torch's current stream when torch is present.
+        _fp4moe.set_current_stream_fallback(_current_stream if torch is not None else None)
+    return _TORCH
 
 
 def _is_torch_tensor(x) -> bool:
@@ -46,20 +59,20 @@ def _is_torch_tensor(x) -> bool:
 def _as_u8(t):
     """float8_e4m3fn torch tensors as their bytes: DLPack exports of float8
     are not supported by every torch version."""
-    if _is_torch_tensor(t) and t.dtype == _torch().float8_e4m3fn:
-        return t.view(_torch().uint8)
+    if _is_torch_tensor(t) and t.dtype == _TORCH.float8_e4m3fn:
+        return t.view(_TORCH.uint8)
     return t
 
 
 def _as_f32(t):
-    if _is_torch_tensor(t) and t.dtype != _torch().float32:
-        return t.to(_torch().float32)
+    if _is_torch_tensor(t) and t.dtype != _TORCH.float32:
+        return t.to(_TORCH.float32)
     return t
 
 
 def _as_i32(t):
-    if _is_torch_tensor(t) and t.dtype != _torch().int32:
-        return t.to(_torch().int32)
+    if _is_torch_tensor(t) and t.dtype != _TORCH.int32:
+        return t.to(_TORCH.int32)
     return t
 
 
@@ -144,26 +157,28 @@ class MoeLayer:
         noaux_tc), routed on the device with the layer's mode; or topk_ids
         int32 [T, k] with topk_weights fp32 [T, k]. Other dtypes of these are
         converted first (an allocation)."""
-        router_logits = _as_f32(router_logits)
-        correction_bias = _as_f32(correction_bias)
-        topk_ids = _as_i32(topk_ids)
-        topk_weights = _as_f32(topk_weights)
+        torch = _TORCH  # looked up when this layer was made
+        if torch is not None:
+            if router_logits is not None:
+                router_logits = _as_f32(router_logits)
+                correction_bias = _as_f32(correction_bias)
+            else:
+                topk_ids = _as_i32(topk_ids)
+                topk_weights = _as_f32(topk_weights)
         if out is None:
             out = hidden_states.new_empty(hidden_states.shape)
-        torch = _torch()
         if torch is not None and torch.compiler.is_compiling():
             torch.ops.fp4moe.moe_forward(self._id, hidden_states, out, router_logits, correction_bias,
-                                         topk_ids, topk_weights)
+                                          topk_ids, topk_weights)
         else:
-            self.forward_into(hidden_states, out, router_logits, correction_bias, topk_ids, topk_weights)
+            self._impl.forward(hidden_states, out, router_logits, correction_bias, topk_ids, topk_weights, None)
         return out
 
     def forward_into(self, hidden_states, out, router_logits=None, correction_bias=None, topk_ids=None,
                      topk_weights=None, stream: int | None = None):
         """The forward with nothing converted or allocated: every array as the
-        layer takes it; `stream` defaults to the current torch stream."""
-        if stream is None:
-            stream = _current_stream(self._impl.device)
+        layer takes it; `stream` defaults to the current stream of the
+        arrays' framework (torch's current stream for torch tensors)."""
         self._impl.forward(hidden_states, out, router_logits, correction_bias, topk_ids, topk_weights, stream)
 
     # ------------------------------------------------------------------ info

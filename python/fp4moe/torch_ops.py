@@ -28,9 +28,8 @@ def moe_forward(layer_id: int, hidden_states: torch.Tensor, out: torch.Tensor,
     layer = _layer._LAYERS.get(layer_id)
     if layer is None:
         raise ValueError(f"fp4moe::moe_forward: no live fp4moe.MoeLayer with id {layer_id}")
-    # A CPU tensor is refused by the layer's checks, with their message.
-    stream = torch.cuda.current_stream(hidden_states.device).cuda_stream if hidden_states.is_cuda else 0
-    layer.forward_into(hidden_states, out, router_logits, correction_bias, topk_ids, topk_weights, stream)
+    # On the current stream; a CPU tensor is refused by the layer's checks.
+    layer.forward_into(hidden_states, out, router_logits, correction_bias, topk_ids, topk_weights)
 
 
 @moe_forward.register_fake

@@ -2,6 +2,10 @@
 // boundary as nb::ndarray (DLPack, or the buffer protocol for NumPy) without
 // copies; the module links neither libtorch nor Python's torch, so any torch
 // version (or none) works. The Python package (python/fp4moe/) wraps it.
+// Layer.forward, called per forward, reads arrays whose type publishes
+// DLPack's C exchange API (torch >= 2.10) through it instead: a borrowed
+// view and the current stream in tens of nanoseconds, where __dlpack__()
+// costs microseconds per array (bench/python_bench.py, docs/perf-notes.md).
 //
 //   Layer        a MoeLayer plus its workspace (sized for max_tokens at
 //                construction); forward() validates every array (dtype,
@@ -164,6 +168,107 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
+// ---------------------------------------------------------------- fast views
+
+// DLPack's C exchange API (DLPack 1.3): an array type publishes, as the
+// PyCapsule "dlpack_exchange_api" in its `__dlpack_c_exchange_api__`
+// attribute, a table of C functions. Only the two used here are typed; the
+// layout is the standard's.
+struct DLPackVersion {
+  uint32_t major;
+  uint32_t minor;
+};
+struct DLPackExchangeAPIHeader {
+  DLPackVersion version;
+  DLPackExchangeAPIHeader* prev_api;
+};
+struct DLPackExchangeAPI {
+  DLPackExchangeAPIHeader header;
+  void* managed_tensor_allocator;
+  void* managed_tensor_from_py_object_no_sync;
+  void* managed_tensor_to_py_object_no_sync;
+  // Fills a borrowed view (valid while the object lives; no stream sync).
+  int (*dltensor_from_py_object_no_sync)(void* py_object, nb::dlpack::dltensor* out);
+  // The framework's current stream of a device (torch.cuda.current_stream).
+  int (*current_work_stream)(int32_t device_type, int32_t device_id, void** out_stream);
+};
+constexpr uint32_t kDLPackMajor = 1;
+
+// The exchange API of `type`, or null when it has none (or one of another
+// major version): looked up once per type, the type kept alive.
+const DLPackExchangeAPI* exchange_api(PyTypeObject* type) {
+  static std::vector<std::pair<PyTypeObject*, const DLPackExchangeAPI*>> known;
+  for (const auto& [t, api] : known)
+    if (t == type) return api;
+  const DLPackExchangeAPI* api = nullptr;
+  PyObject* capsule = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type), "__dlpack_c_exchange_api__");
+  if (capsule != nullptr && PyCapsule_IsValid(capsule, "dlpack_exchange_api")) {
+    const auto* candidate = static_cast<const DLPackExchangeAPI*>(PyCapsule_GetPointer(capsule, "dlpack_exchange_api"));
+    if (candidate != nullptr && candidate->header.version.major == kDLPackMajor &&
+        candidate->dltensor_from_py_object_no_sync != nullptr && candidate->current_work_stream != nullptr)
+      api = candidate;
+  }
+  Py_XDECREF(capsule);
+  PyErr_Clear();  // no such attribute: the type has no API
+  Py_INCREF(reinterpret_cast<PyObject*>(type));
+  known.emplace_back(type, api);
+  return api;
+}
+
+// One array argument of a call, borrowed for the call's duration, with the
+// accessors checked() reads: through the exchange API where the type has
+// one, otherwise as an nb::ndarray (held here).
+class ArrayView {
+ public:
+  ArrayView(const char* where, const char* name, nb::handle object) {
+    api_ = exchange_api(Py_TYPE(object.ptr()));
+    if (api_ != nullptr) {
+      if (api_->dltensor_from_py_object_no_sync(object.ptr(), &t_) != 0) throw nb::python_error();
+      if (t_.strides == nullptr) compact_strides();
+      return;
+    }
+    Array array;
+    FP4MOE_CHECK(nb::try_cast(object, array), where, ": ", name, " is a ",
+                 nb::inst_name(object).c_str(), "; expected an array (DLPack or buffer protocol)");
+    owner_ = std::move(array);
+    t_.data = const_cast<void*>(owner_->data());
+    t_.device = {owner_->device_type(), owner_->device_id()};
+    t_.ndim = static_cast<int32_t>(owner_->ndim());
+    t_.dtype = owner_->dtype();
+    t_.shape = const_cast<int64_t*>(owner_->shape_ptr());
+    t_.strides = const_cast<int64_t*>(owner_->stride_ptr());
+    if (t_.strides == nullptr) compact_strides();
+  }
+  ArrayView(const ArrayView&) = delete;
+  ArrayView& operator=(const ArrayView&) = delete;
+
+  nb::dlpack::dtype dtype() const { return t_.dtype; }
+  int32_t device_type() const { return t_.device.device_type; }
+  int32_t device_id() const { return t_.device.device_id; }
+  size_t ndim() const { return static_cast<size_t>(t_.ndim); }
+  int64_t shape(size_t i) const { return t_.shape[i]; }
+  int64_t stride(size_t i) const { return t_.strides[i]; }
+  const void* data() const { return static_cast<const char*>(t_.data) + t_.byte_offset; }
+  // The exchange API the array came through, or null.
+  const DLPackExchangeAPI* api() const { return api_; }
+
+ private:
+  void compact_strides() {
+    compact_.resize(ndim());
+    int64_t stride = 1;
+    for (size_t i = ndim(); i-- > 0;) {
+      compact_[i] = stride;
+      stride *= t_.shape[i];
+    }
+    t_.strides = compact_.data();
+  }
+
+  nb::dlpack::dltensor t_;
+  const DLPackExchangeAPI* api_ = nullptr;
+  std::optional<Array> owner_;
+  std::vector<int64_t> compact_;
+};
+
 // ---------------------------------------------------------------- options
 
 MoeLayerOptions make_options(int top_k, const std::string& routing, bool renormalize, int num_groups,
@@ -186,6 +291,28 @@ MoeLayerOptions make_options(int top_k, const std::string& routing, bool renorma
   o.batch_invariant = batch_invariant;
   o.programmatic_launch = programmatic_launch;
   return o;
+}
+
+// Python's current-stream query for arrays without the exchange API
+// (fp4moe/layer.py sets it to torch's when torch is present): device -> int.
+nb::object& current_stream_fallback() {
+  static nb::object* fallback = new nb::object();  // leaked: outlives the interpreter's teardown order
+  return *fallback;
+}
+
+// The stream a forward launches on: `stream` when it is an int; for None the
+// current stream of the array's framework on its device.
+cudaStream_t stream_for(nb::handle stream, const ArrayView& array) {
+  if (!stream.is_none()) return reinterpret_cast<cudaStream_t>(nb::cast<uintptr_t>(stream));
+  if (array.api() != nullptr) {
+    void* current = nullptr;
+    if (array.api()->current_work_stream(array.device_type(), array.device_id(), &current) != 0)
+      throw nb::python_error();
+    return static_cast<cudaStream_t>(current);
+  }
+  const nb::object& fallback = current_stream_fallback();
+  if (!fallback.is_valid() || fallback.is_none()) return nullptr;  // the legacy default stream
+  return reinterpret_cast<cudaStream_t>(nb::cast<uintptr_t>(fallback(array.device_id())));
 }
 
 // ---------------------------------------------------------------- Layer
@@ -268,15 +395,20 @@ class Layer {
   }
 
   // output = the layer applied to hidden_states, routed by router_logits (on
-  // the device) or by the given topk_ids/topk_weights.
-  void forward(const Array& hidden, OutArray& out, const std::optional<Array>& router_logits,
-               const std::optional<Array>& correction_bias, const std::optional<Array>& topk_ids,
-               const std::optional<Array>& topk_weights, uintptr_t stream) const {
+  // the device) or by the given topk_ids/topk_weights; None for an absent
+  // one. Launched on `stream` (an int), or with None on the current stream
+  // of hidden_states' framework (its exchange API, else
+  // current_stream_fallback(device)).
+  void forward(nb::handle hidden_object, nb::handle out_object, nb::handle logits_object,
+               nb::handle bias_object, nb::handle ids_object, nb::handle weights_object,
+               nb::handle stream_object) const {
     constexpr const char* kWhere = "fp4moe.MoeLayer.forward";
+    const ArrayView hidden(kWhere, "hidden_states", hidden_object);
+    const ArrayView out(kWhere, "out", out_object);
     const int64_t H = layer_.hidden(), E = layer_.num_experts(), k = layer_.top_k();
     FP4MOE_CHECK(hidden.ndim() == 2, kWhere, ": hidden_states has shape ", shape_string(shape_of(hidden)),
                  "; expected [num_tokens, ", H, "]");
-    const int64_t T = static_cast<int64_t>(hidden.shape(0));
+    const int64_t T = hidden.shape(0);
     FP4MOE_CHECK(T <= max_tokens_, kWhere, ": ", T,
                  " tokens, but the layer's workspace was sized for "
                  "max_tokens = ",
@@ -285,26 +417,29 @@ class Layer {
     args.num_tokens = T;
     args.hidden_states = checked(kWhere, "hidden_states", hidden, DType::kBf16, {{T, H}}, device_);
     void* output = checked(kWhere, "out", out, DType::kBf16, {{T, H}}, device_);
-    FP4MOE_CHECK(router_logits.has_value() != topk_ids.has_value(), kWhere,
-                 ": give either router_logits or topk_ids + topk_weights");
-    FP4MOE_CHECK(topk_ids.has_value() == topk_weights.has_value(), kWhere,
-                 ": topk_ids and topk_weights go together");
-    if (router_logits) {
-      args.router_logits = static_cast<const float*>(
-          checked(kWhere, "router_logits", *router_logits, DType::kF32, {{T, E}}, device_));
-      if (correction_bias)
-        args.correction_bias = static_cast<const float*>(
-            checked(kWhere, "correction_bias", *correction_bias, DType::kF32, {{E}}, device_));
+    const bool has_logits = !logits_object.is_none(), has_ids = !ids_object.is_none();
+    FP4MOE_CHECK(has_logits != has_ids, kWhere, ": give either router_logits or topk_ids + topk_weights");
+    FP4MOE_CHECK(has_ids == !weights_object.is_none(), kWhere, ": topk_ids and topk_weights go together");
+    if (has_logits) {
+      const ArrayView logits(kWhere, "router_logits", logits_object);
+      args.router_logits =
+          static_cast<const float*>(checked(kWhere, "router_logits", logits, DType::kF32, {{T, E}}, device_));
+      if (!bias_object.is_none()) {
+        const ArrayView bias(kWhere, "correction_bias", bias_object);
+        args.correction_bias =
+            static_cast<const float*>(checked(kWhere, "correction_bias", bias, DType::kF32, {{E}}, device_));
+      }
     } else {
-      FP4MOE_CHECK(!correction_bias, kWhere, ": correction_bias goes with router_logits");
-      args.topk_ids =
-          static_cast<const int32_t*>(checked(kWhere, "topk_ids", *topk_ids, DType::kI32, {{T, k}}, device_));
-      args.topk_weights = static_cast<const float*>(
-          checked(kWhere, "topk_weights", *topk_weights, DType::kF32, {{T, k}}, device_));
+      FP4MOE_CHECK(bias_object.is_none(), kWhere, ": correction_bias goes with router_logits");
+      const ArrayView ids(kWhere, "topk_ids", ids_object), weights(kWhere, "topk_weights", weights_object);
+      args.topk_ids = static_cast<const int32_t*>(checked(kWhere, "topk_ids", ids, DType::kI32, {{T, k}}, device_));
+      args.topk_weights =
+          static_cast<const float*>(checked(kWhere, "topk_weights", weights, DType::kF32, {{T, k}}, device_));
     }
     if (T == 0) return;
+    const cudaStream_t stream = stream_for(stream_object, hidden);
     DeviceGuard guard(device_);
-    layer_.forward(args, output, workspace_, workspace_bytes_, reinterpret_cast<cudaStream_t>(stream));
+    layer_.forward(args, output, workspace_, workspace_bytes_, stream);
   }
 
   // Host time of `iterations` C++ forwards (device routing), each timed on
@@ -665,9 +800,8 @@ NB_MODULE(_fp4moe, m) {
           nb::arg("routed_scaling_factor"), nb::arg("activation"), nb::arg("finalize"),
           nb::arg("batch_invariant"), nb::arg("programmatic_launch"), nb::arg("max_tokens"),
           nb::arg("device"), nb::rv_policy::take_ownership)
-      .def("forward", &Layer::forward, nb::arg("hidden_states"), nb::arg("out"),
-           nb::arg("router_logits").none(), nb::arg("correction_bias").none(), nb::arg("topk_ids").none(),
-           nb::arg("topk_weights").none(), nb::arg("stream"))
+      .def("forward", &Layer::forward, nb::arg("hidden_states"), nb::arg("out"), nb::arg("router_logits"),
+           nb::arg("correction_bias"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("stream"))
       .def("device_errors", &Layer::device_errors, nb::arg("stream"))
       .def("host_forward_ns", &Layer::host_forward_ns, nb::arg("hidden_states"), nb::arg("out"),
            nb::arg("router_logits"), nb::arg("stream"), nb::arg("iterations"))
@@ -700,4 +834,12 @@ NB_MODULE(_fp4moe, m) {
         nb::arg("w2"), nb::arg("w2_scale"), nb::arg("w2_scale_2"), nb::arg("top_k"),
         "Seconds MoeLayer::prepare (host packer + upload) takes for stacked host arrays (benchmarks).");
   m.def("cuda_device_count", &cuda_device_count, "CUDA devices usable by the library (0 without a driver).");
+  m.def(
+      "set_current_stream_fallback", [](nb::object fn) { current_stream_fallback() = std::move(fn); },
+      nb::arg("fn").none(),
+      "fn(device) -> the current CUDA stream (int) for forwards given stream=None on arrays whose type has "
+      "no DLPack C exchange API; None: the legacy default stream.");
+  m.def(
+      "has_exchange_api", [](nb::handle array) { return exchange_api(Py_TYPE(array.ptr())) != nullptr; },
+      nb::arg("array"), "Whether forward reads arrays of this type through DLPack's C exchange API.");
 }

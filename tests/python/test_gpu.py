@@ -178,6 +178,7 @@ def test_bad_input_raises_one_line_errors():
                        router_logits=torch.randn(17, E, device="cuda")), "max_tokens = 16"),
         (lambda: layer(x, topk_ids=ids[:, :1], topk_weights=wts), "topk_ids has shape [4, 1]"),
         (lambda: layer(x), "give either router_logits or topk_ids"),
+        (lambda: layer(x, topk_ids=[[0, 1]] * 4, topk_weights=wts), "topk_ids is a list; expected an array"),
     ]
     for call, text in cases:
         with pytest.raises(fp4moe.Error) as info:
@@ -193,6 +194,48 @@ def test_bad_input_raises_one_line_errors():
     with pytest.raises(fp4moe.Error, match="w13_scale has shape"):
         fp4moe.MoeLayer(d["w13"], d["w13_scale"][:, :8], d["w13_scale_2"], d["w2"], d["w2_scale"],
                         d["w2_scale_2"], top_k=k)
+
+
+class DLPackOnly:
+    """A CUDA array that offers only __dlpack__ (no C exchange API), as
+    other array libraries do."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __dlpack__(self, **kwargs):
+        return self.tensor.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+def test_torch_tensors_take_the_exchange_api_and_other_arrays_dlpack():
+    """torch (>= 2.10) tensors are read through DLPack's C exchange API, other
+    arrays through __dlpack__; both give the same bits, on the current
+    stream (a side stream here) when no stream is given."""
+    from fp4moe import _fp4moe
+
+    rng = np.random.default_rng(10)
+    E, H, I, k, T = 8, 256, 128, 2, 5
+    w = random_stacked(rng, E, H, I)
+    layer, _ = make_layer(w, top_k=k, max_tokens=T)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(T, E, device="cuda")
+    torch_version = tuple(int(p) for p in torch.__version__.split(".")[:2])
+    if torch_version >= (2, 10):
+        assert _fp4moe.has_exchange_api(x)
+    assert not _fp4moe.has_exchange_api(DLPackOnly(x))
+    expected = layer(x, router_logits=logits)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fast, slow = torch.empty_like(x), torch.empty_like(x)
+        layer.forward_into(x, fast, router_logits=logits)
+        layer.forward_into(DLPackOnly(x), DLPackOnly(slow), router_logits=DLPackOnly(logits))
+    side.synchronize()
+    assert torch.equal(fast, expected)
+    assert torch.equal(slow, expected)
 
 
 @pytest.mark.skipif(fp4moe.cuda_device_count() < 2, reason="GPU test skipped: needs two CUDA devices")
