@@ -45,6 +45,10 @@ struct ExpertParallelStats {
   int64_t sent_pairs = 0;      // (token, slot) pairs those rows serve = tokens * top_k
   int64_t received_rows = 0;   // rows this rank computed for all ranks
   int64_t received_pairs = 0;  // fp32 result rows it returned
+  // Router logits given and some token had a non-finite one: those experts
+  // were excluded, as MoeLayer does (docs/design.md §3), which reports the
+  // same through device_errors().
+  bool nonfinite_router_logits = false;
 };
 
 // Where one forward's time went on this rank, from CUDA events between the

@@ -81,6 +81,7 @@ struct ExpertParallelMoeLayer::Impl {
 
   // Per-forward buffers, grown on demand (DeviceBuffer::grow) and kept.
   DeviceBuffer<int32_t> ids;                    // home routing [T, k] (router-logits forwards)
+  DeviceBuffer<int32_t> route_errors;           // [1] the routing kernel's error bits
   DeviceBuffer<float> weights;                  //   and its weights [T, k]
   DeviceBuffer<int32_t> row_count;              // {0, n}: the rows of the current gather
   DeviceBuffer<int32_t> send_token_idx;         // [S] home token of each sent row
@@ -191,8 +192,10 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
   if (device_routing && T > 0) {
     m.ids.grow(static_cast<size_t>(T * k));
     m.weights.grow(static_cast<size_t>(T * k));
+    m.route_errors.grow(1);
+    FP4MOE_CUDA_CHECK(cudaMemsetAsync(m.route_errors.get(), 0, sizeof(int32_t), stream));
     kernels::launch_route(args.router_logits, args.correction_bias, T, m.num_experts, m.routing,
-                          m.ids.get(), m.weights.get(), stream);
+                          m.ids.get(), m.weights.get(), stream, /*programmatic=*/false, m.route_errors.get());
     home_ids = m.ids.get();
     home_weights = m.weights.get();
   }
@@ -203,6 +206,10 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
     FP4MOE_CUDA_CHECK(cudaMemcpyAsync(host_weights.data(), home_weights, host_weights.size() * 4,
                                       cudaMemcpyDeviceToHost, stream));
   }
+  int32_t route_errors = 0;  // read with the ids (download synchronises)
+  if (device_routing && T > 0)
+    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(&route_errors, m.route_errors.get(), sizeof route_errors,
+                                      cudaMemcpyDeviceToHost, stream));
   download(host_ids, home_ids, static_cast<size_t>(T * k), stream);
   const DispatchPlan plan =
       plan_dispatch(host_ids.data(), T, k, m.placement, m.rank, host_weights.data());
@@ -293,6 +300,7 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
   stats.sent_pairs = plan.num_send_pairs();
   stats.received_rows = R;
   stats.received_pairs = Rp;
+  stats.nonfinite_router_logits = (route_errors & kernels::kErrorNonFiniteLogits) != 0;
   return stats;
 }
 

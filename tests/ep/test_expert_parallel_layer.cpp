@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -131,7 +132,8 @@ struct DeviceBatch {
 
 // The single-GPU batch-invariant layer's output bits on the current device.
 std::vector<uint16_t> single_gpu_output(const MoeWeights& weights, const MoeLayerOptions& options,
-                                        const Shape& s, const Batch& b, const Routing* caller) {
+                                        const Shape& s, const Batch& b, const Routing* caller,
+                                        const std::string& expected_device_errors = "") {
   if (b.num_tokens == 0) return {};
   MoeLayerOptions o = options;
   o.batch_invariant = true;
@@ -142,7 +144,7 @@ std::vector<uint16_t> single_gpu_output(const MoeWeights& weights, const MoeLaye
   ws.fill_bytes(0);
   layer.forward(d.args(), out.get(), ws.get(), ws.bytes(), nullptr);
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  EXPECT_EQ(layer.device_errors(ws.get(), nullptr), "");
+  EXPECT_EQ(layer.device_errors(ws.get(), nullptr), expected_device_errors);
   return out.download();
 }
 
@@ -188,6 +190,7 @@ void one_rank_equals_the_single_gpu_layer(ncclComm_t comm) {
         EXPECT_EQ(stats.sent_pairs, T * options.routing.top_k);
         EXPECT_EQ(stats.received_rows, T);
         EXPECT_EQ(stats.received_pairs, T * options.routing.top_k);
+        EXPECT_FALSE(stats.nonfinite_router_logits);
         if (T == 0) continue;
         EXPECT_EQ(first_difference(out.download(), want), -1) << "EP output differs from one GPU";
       }
@@ -218,9 +221,37 @@ void rejects_bad_configurations(ncclComm_t comm) {
   EXPECT_NE(error_of(ExpertPlacement::contiguous(128, 1), options_for(s)).find("128"), std::string::npos);
 }
 
+// Non-finite router logits: their experts are excluded as on one GPU, and
+// the forward's stats say so.
+void nonfinite_logits_are_excluded_and_reported(ncclComm_t comm) {
+  const Shape& s = kShapes[0];
+  const MoeWeights weights = weights_for(s);
+  const MoeLayerOptions options = options_for(s);
+  ExpertParallelMoeLayer ep =
+      ExpertParallelMoeLayer::prepare(weights, ExpertPlacement::contiguous(s.num_experts, 1), comm, options);
+  std::mt19937 rng(4);
+  Batch b = make_batch(s, 5, rng);
+  b.logits[0] = std::numeric_limits<float>::quiet_NaN();                 // token 0, expert 0
+  b.logits[static_cast<size_t>(2 * s.num_experts + 1)] = std::numeric_limits<float>::infinity();
+  const std::vector<uint16_t> want = single_gpu_output(
+      weights, options, s, b, nullptr,
+      "non-finite router logits (their experts were excluded, docs/design.md §3); ");
+  const DeviceBatch d(s, b, nullptr, 0, b.num_tokens);
+  DeviceBuffer<uint16_t> out(static_cast<size_t>(b.num_tokens * s.hidden));
+  const ExpertParallelStats stats = ep.forward(d.args(), out.get(), nullptr);
+  FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_TRUE(stats.nonfinite_router_logits);
+  EXPECT_EQ(first_difference(out.download(), want), -1) << "EP output differs from one GPU";
+}
+
 TEST(ExpertParallelLayer, OneRankEqualsTheSingleGpuLayer) {
   FP4MOE_REQUIRE_GPU();
   run_ranks_in_threads(1, [](int, ncclComm_t comm) { one_rank_equals_the_single_gpu_layer(comm); });
+}
+
+TEST(ExpertParallelLayer, NonFiniteLogitsAreExcludedAndReported) {
+  FP4MOE_REQUIRE_GPU();
+  run_ranks_in_threads(1, [](int, ncclComm_t comm) { nonfinite_logits_are_excluded_and_reported(comm); });
 }
 
 TEST(ExpertParallelLayer, RejectsAMismatchedPlacementAndTheAtomicFinalize) {
