@@ -800,8 +800,11 @@ NB_MODULE(_fp4moe, m) {
           nb::arg("routed_scaling_factor"), nb::arg("activation"), nb::arg("finalize"),
           nb::arg("batch_invariant"), nb::arg("programmatic_launch"), nb::arg("max_tokens"),
           nb::arg("device"), nb::rv_policy::take_ownership)
-      .def("forward", &Layer::forward, nb::arg("hidden_states"), nb::arg("out"), nb::arg("router_logits"),
-           nb::arg("correction_bias"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("stream"))
+      // .none(): nanobind refuses None for an argument unless told; the
+      // checks in forward() name what is missing or wrong.
+      .def("forward", &Layer::forward, nb::arg("hidden_states").none(), nb::arg("out").none(),
+           nb::arg("router_logits").none(), nb::arg("correction_bias").none(), nb::arg("topk_ids").none(),
+           nb::arg("topk_weights").none(), nb::arg("stream").none())
       .def("device_errors", &Layer::device_errors, nb::arg("stream"))
       .def("host_forward_ns", &Layer::host_forward_ns, nb::arg("hidden_states"), nb::arg("out"),
            nb::arg("router_logits"), nb::arg("stream"), nb::arg("iterations"))
