@@ -2,7 +2,11 @@
 // table (from the X-macros in plan/compiled_configs.hpp), input validation,
 // planning for the local GPU, workspace sizing and the launch.
 // Tested in tests/kernels/test_grouped_gemm.cpp.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -101,6 +105,51 @@ GemmProblem problem_of(const GroupedGemmArgs& a, Epilogue epilogue) {
 size_t align16(size_t v) { return (v + 15) / 16 * 16; }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// The driver's cuTensorMapEncodeTiled, through the runtime (no link against
+// libcuda); null where the driver lacks it. FP4MOE_SM90_TMA=0 also gives
+// null: the SM90 kernel then copies contiguous activations with cp.async as
+// it does gathered ones (for comparing the two paths).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    const char* env = std::getenv("FP4MOE_SM90_TMA");
+    if (env != nullptr && std::string(env) == "0") return PFN_cuTensorMapEncodeTiled_v12000{nullptr};
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// SM90 family: x ([x_rows, k] bf16, not gathered) as the tensor map the
+// kernel's producer copies activation boxes with (GroupedGemmParams::x_map).
+// False (cp.async instead) for tiles under kSm90TensorMapMinBlockM tokens and
+// where a map cannot describe x: no encoder, a row pitch that is not a
+// multiple of 16 bytes, a pointer not 16-byte aligned.
+bool encode_activation_map(const kernels::GroupedGemmParams& p, int block_m, CUtensorMap* map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (block_m < kSm90TensorMapMinBlockM || encode == nullptr || p.gather_rows != nullptr || p.k % 8 != 0 ||
+      !aligned16(p.x) || p.x_rows < 1)
+    return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.k), static_cast<cuuint64_t>(p.x_rows)};
+  const cuuint64_t row_pitch[1] = {static_cast<cuuint64_t>(p.k) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kFragK),
+                             static_cast<cuuint32_t>(sm90_mma_width_step(block_m))};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult result = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<__nv_bfloat16*>(p.x), dims,
+                                 row_pitch, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  FP4MOE_CHECK(result == CUDA_SUCCESS, "grouped_gemm: cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(result),
+               ") for x [", p.x_rows, ", ", p.k, "] at ", static_cast<const void*>(p.x));
+  return true;
+}
 
 // `for_launch`: also check what only the launch needs (the workspace).
 void validate_args(const GroupedGemmArgs& a, bool for_launch, Epilogue epilogue) {
@@ -248,6 +297,8 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   p.k_frags = static_cast<int>((args.k + layout::kPadK - 1) / layout::kPadK * layout::kPadK / 64);
   p.num_rows = static_cast<int>(args.num_rows);
   p.split_k = plan.split_k;
+  p.x_map_valid = plan.config.family == KernelFamily::kSm90 &&
+                  encode_activation_map(p, plan.config.block_m, &p.x_map);
 
   const int blocks_per_sm = std::max(1, occupancy(entry, dev.device));
   const int64_t max_units = plan.max_tiles * plan.split_k;

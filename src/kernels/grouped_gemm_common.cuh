@@ -5,6 +5,7 @@
 // Tested through both families in tests/kernels/test_grouped_gemm.cpp.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (a plain struct; nothing of the driver API is called here)
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -55,6 +56,12 @@ struct GroupedGemmParams {
   int k_frags;                    // k_pad / 64
   int num_rows;
   int split_k;                    // k-slices per tile
+  // SM90 family, activations not gathered: x as a 2-D tensor map ([x_rows,
+  // k] bf16, boxes of 64 k x sm90_mma_width_step(BLOCK_M) rows, 128-byte
+  // swizzle, zeros outside), read by the kernel through its __grid_constant__
+  // parameter. x_map_valid = 0: the producer copies rows with cp.async.
+  int x_map_valid;
+  CUtensorMap x_map;
 };
 
 namespace detail {

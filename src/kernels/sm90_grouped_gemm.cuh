@@ -8,11 +8,13 @@
 //   producer   per k-tile of a unit: waits for a free stage, one thread sets
 //              the stage barrier's transaction count and issues two bulk
 //              copies, the stage's weight fragments and scale codes (each one
-//              contiguous block of the prepared layout); all 128 threads
-//              cp.async the gathered activation rows into 128-byte-swizzled
-//              atoms (zero past k and past the expert's rows, none past the
-//              wgmmas' width) and arrive on the barrier when their copies
-//              land. It runs ahead across work units.
+//              contiguous block of the prepared layout). Contiguous
+//              activations (no gather) come the same way, by the same thread:
+//              tensor-map (TMA) copies of the unit's rows into 128-byte-
+//              swizzled atoms, as many rows as the wgmmas' width. Gathered
+//              ones: all 128 threads cp.async the rows (zero past k and past
+//              the expert's rows, none past the width) and arrive on the
+//              barrier when their copies land. It runs ahead across units.
 //   consumers  each owns 64 weight rows (one 16-row fragment group per warp):
 //              per 64-wide K fragment, one 16-byte shared load of fp4 codes per
 //              lane, dequantised in registers into four m16k16 A fragments
@@ -87,7 +89,7 @@ __device__ __forceinline__ uint32_t act_chunk_offset(int r, int c) {
 // mainloop copy made ptxas spill in the SwiGLU kernel, and three or four
 // serialised its wgmmas for lack of registers (C7512).
 template <int BLOCK_M>
-inline constexpr int kMmaWidthStep = BLOCK_M == 256 ? 256 : BLOCK_M >= 32 ? BLOCK_M / 4 : 8;
+inline constexpr int kMmaWidthStep = sm90_mma_width_step(BLOCK_M);
 
 template <int BLOCK_M>
 __host__ __device__ constexpr int mma_width(int rows_valid) {
@@ -130,7 +132,8 @@ __device__ __forceinline__ void fence_registers(uint32_t (&r)[N]) {
 }  // namespace sm90
 
 template <int BLOCK_M, int BLOCK_K, int STAGES, Epilogue EPI>
-__global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(const GroupedGemmParams p) {
+__global__ void __launch_bounds__(kSm90Threads, 1)
+    sm90_grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p) {
 #if FP4MOE_SM90_DEVICE_CODE
   constexpr Sm90SmemLayout L = sm90_smem_layout(BLOCK_M, BLOCK_K, STAGES, EPI);
   static_assert(L.total_bytes <= kSmemLimitSm90, "config exceeds the SM90 shared-memory limit");
@@ -170,7 +173,9 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
   }
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      ptx::mbarrier_init(full_bar + 8 * s, 128);                     // the producer's cp.async arrivals
+      // The producer's arrivals: one (with the transaction bytes) when a
+      // tensor map brings the activations, else one per thread's cp.async.
+      ptx::mbarrier_init(full_bar + 8 * s, p.x_map_valid ? 1 : 128);
       // One arrival per consumer thread: mbarrier.arrive releases the
       // arriving thread's own reads of the stage. With __syncwarp and one
       // arrival per warp, compute-sanitizer's racecheck reported the other
@@ -194,6 +199,50 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_grouped_gemm_kernel(cons
     ptx::setmaxnreg_dec<sm90::kProducerRegs>();
     const int64_t num_units = static_cast<int64_t>(s_prefix[p.num_experts]) * units_per_mtile;
     const int ptid = tid;
+    if (p.x_map_valid) {
+      // One thread issues every copy of a stage: the weight and scale blocks
+      // and, per 64-wide K fragment, the unit's rows in boxes of STEP rows
+      // (rows past the expert's land in columns nobody stores; past x and
+      // past k they are zeros).
+      if (ptid == 0) {
+        constexpr int STEP = sm90::kMmaWidthStep<BLOCK_M>;
+        ptx::prefetch_tensormap(&p.x_map);
+        int stage = 0;
+        uint32_t phase = 0;
+        for (int64_t unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
+          const detail::WorkUnit u =
+              detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
+          const size_t tile_frag0 = static_cast<size_t>(
+              layout::fragment_index(u.expert, u.n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
+          const int boxes = sm90::mma_width<BLOCK_M>(u.rows_valid) / STEP;
+          const uint32_t stage_bytes =
+              static_cast<uint32_t>(L.weight_stage_bytes + L.scale_stage_bytes) + K_FRAGS * boxes * STEP * 128;
+          for (int it = 0; it < u.num_k_tiles; ++it) {
+            const int kt = u.kt_begin + it;
+            ptx::mbarrier_wait(empty_bar + 8 * stage, phase ^ 1);
+            const uint32_t full = full_bar + 8 * stage;
+            const size_t frag0 = tile_frag0 + static_cast<size_t>(kt) * K_FRAGS * N_GROUPS;
+            ptx::mbarrier_expect_tx(full, stage_bytes);
+            ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
+                               static_cast<uint32_t>(L.weight_stage_bytes), full);
+            ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
+                               static_cast<uint32_t>(L.scale_stage_bytes), full);
+            const uint32_t a_stage = act_ring + stage * L.act_stage_bytes;
+#pragma unroll
+            for (int kf = 0; kf < K_FRAGS; ++kf)
+              for (int b = 0; b < boxes; ++b)
+                ptx::tma_load_2d(a_stage + kf * (BLOCK_M * 128) + b * (STEP * 128), &p.x_map,
+                                 kt * BLOCK_K + kf * kFragK, u.row_begin + b * STEP, full);
+            ptx::mbarrier_arrive(full);
+            if (++stage == STAGES) {
+              stage = 0;
+              phase ^= 1;
+            }
+          }
+        }
+      }
+      return;
+    }
     // Activation copies: this thread always moves 16-byte chunk `chunk` of
     // rows row0, row0 + ROWS_PER_PASS, ...; within the swizzled tile those
     // land a fixed stride apart (ROWS_PER_PASS is a multiple of the 8-row atom).

@@ -138,8 +138,9 @@ constexpr PortableSmemLayout portable_smem_layout(int block_n, int block_m, int 
 
 // ------------------------------------------------------------ SM90a family
 //
-// A block is one producer warpgroup (bulk copies of weights and scales,
-// cp.async of the gathered activation rows) and kSm90Consumers consumer
+// A block is one producer warpgroup (bulk copies of weights and scales;
+// tensor-map copies of contiguous activation rows, or cp.async of gathered
+// ones) and kSm90Consumers consumer
 // warpgroups (dequantise, wgmma, epilogue), each owning 64 weight rows of the
 // BLOCK_N = 128 tile. The producer runs ahead across work units, so the
 // epilogue staging cannot reuse the ring: it is a region of its own, sized
@@ -152,6 +153,20 @@ inline constexpr int kSm90EpilogueChunk = 32;  // tokens staged per epilogue rou
 // wgmma reads the activation tile in 128-byte-swizzled atoms of 8 rows x
 // 128 B, which must start on 1024-byte boundaries.
 inline constexpr int64_t kSm90AtomAlign = 1024;
+
+// The steps in which a unit's wgmma width (its token columns) follows its
+// rows: a quarter of the tile from m32 up, 8 for m8 and m16, the whole tile
+// for m256 (sm90_grouped_gemm.cuh, sm90::mma_width). Also the rows of one
+// tensor-map box of activations: a unit's width is a whole number of them.
+constexpr int sm90_mma_width_step(int block_m) {
+  return block_m == 256 ? 256 : block_m >= 32 ? block_m / 4 : 8;
+}
+
+// Token tiles from which the producer copies contiguous activations with
+// tensor maps (TMA) rather than cp.async: measured 1.06-1.48x as fast for
+// m128 and m256 tiles, 0.82-1.04x for m8 ... m64, whose boxes of 8 or 16
+// rows are small transfers (docs/perf-notes.md, SM90 v5).
+inline constexpr int kSm90TensorMapMinBlockM = 128;
 
 struct Sm90SmemLayout {
   // Per pipeline stage.

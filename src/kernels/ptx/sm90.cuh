@@ -1,5 +1,5 @@
 // Inline-PTX wrappers for the SM90a kernel family (src/kernels/sm90_grouped_gemm.cuh):
-// transaction barriers (mbarrier), 1-D bulk async copies, cp.async arrivals on
+// transaction barriers (mbarrier), 1-D and tensor (TMA) bulk async copies, cp.async arrivals on
 // an mbarrier, named barriers, warpgroup register reallocation and the
 // wgmma bookkeeping instructions. The wgmma instructions themselves are in
 // ptx/wgmma.cuh. Everything here needs sm_90a; the kernel that uses it is
@@ -71,6 +71,25 @@ __device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uin
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
+}
+
+// Copies the box at element coordinates (c0, c1) of the 2-D tensor a
+// CUtensorMap describes into shared memory at `dst` (laid out and swizzled
+// as the map says; 1024-byte aligned for the 128-byte swizzle), zero-filling
+// what lies outside the tensor; completion is counted on `bar` as the box's
+// bytes. `map` is the generic address of a __grid_constant__ kernel
+// parameter (or of global memory).
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+      "[%4];\n" ::"r"(dst),
+      "l"(map), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+// Fetches a tensor map into the descriptor cache ahead of its first use.
+__device__ __forceinline__ void prefetch_tensormap(const void* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
 }
 
 // --------------------------------------------------------- named barriers
