@@ -72,7 +72,7 @@ double median(std::vector<float> values) {
 // One layer variant the benchmark runs.
 struct Variant {
   MoeLayerOptions options;
-  GatherMode gather = GatherMode::kFused;
+  GatherMode gather = GatherMode::kAuto;
 };
 
 std::string variant_name(const MoeLayerOptions& options, GatherMode gather) {
@@ -210,7 +210,7 @@ double LayerTimer::time_forward_us(int64_t tokens, int iterations, const L2Flush
 StageTimes LayerTimer::time_stages(int64_t tokens, int iterations, const L2Flusher& flusher) {
   FP4MOE_CHECK(iterations >= 1, "time_stages: iterations must be >= 1, not ", iterations);
   // Only events that delimit a stage that runs: every event adds its own gap.
-  const bool separate_gather = MoeLayerInternals::gather(layer_) == GatherMode::kSeparate;
+  const bool separate_gather = MoeLayerInternals::separate_gather(layer_, tokens, buffers_->workspace.bytes());
   enum { kStart, kSorted, kGathered, kGemm1, kGemm2, kEnd, kNumEvents };
   std::vector<cudaEvent_t> events(static_cast<size_t>(iterations * kNumEvents));
   for (cudaEvent_t& e : events) FP4MOE_CUDA_CHECK(cudaEventCreate(&e));
@@ -381,7 +381,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
   // the default made batch invariant (no split-K), to show what that costs.
   std::vector<Variant> variants;
   for (FinalizeMode finalize : {FinalizeMode::kDeterministic, FinalizeMode::kAtomic})
-    for (GatherMode gather : {GatherMode::kFused, GatherMode::kSeparate}) {
+    for (GatherMode gather : {GatherMode::kAuto, GatherMode::kFused, GatherMode::kSeparate}) {
       Variant v;
       v.options.finalize = finalize;
       v.gather = gather;
@@ -404,7 +404,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
       options.activation = shape.activation;
       options.routing = shape.routing;
       // Graph replays for the default finalize and gather, with and without PDL.
-      const bool is_default = options.finalize == defaults.finalize && variant.gather == GatherMode::kFused &&
+      const bool is_default = options.finalize == defaults.finalize && variant.gather == GatherMode::kAuto &&
                               options.batch_invariant == defaults.batch_invariant;
       const MoeLayer layer = MoeLayerInternals::prepare(weights, options, variant.gather);
       LayerTimer timer(layer, max_tokens, opt.seed);

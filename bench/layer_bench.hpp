@@ -10,7 +10,7 @@
 //     GEMM2, finalize) in a separate set of forwards, and the share of time
 //     outside the two GEMMs: (total - gemm1 - gemm2) / total,
 //   - for the default variant, a CUDA-graph replay of the forward,
-// for finalize in {deterministic, atomic} x gather in {fused, separate}, and
+// for finalize in {deterministic, atomic} x gather in {auto, fused, separate}, and
 // the default with plain launches and made batch invariant.
 //
 // Layer roofline: docs/design.md §6 applied to each grouped GEMM and summed,

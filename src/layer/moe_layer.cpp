@@ -46,7 +46,14 @@ FinalizeMode parse_finalize_mode(const std::string& name) {
   if (name == "atomic") return FinalizeMode::kAtomic;
   FP4MOE_THROW("unknown finalize mode '", name, "': expected deterministic or atomic");
 }
-std::string to_string(GatherMode mode) { return mode == GatherMode::kSeparate ? "separate" : "fused"; }
+std::string to_string(GatherMode mode) {
+  switch (mode) {
+    case GatherMode::kAuto: return "auto";
+    case GatherMode::kFused: return "fused";
+    case GatherMode::kSeparate: return "separate";
+  }
+  return "?";
+}
 
 std::string MoeLayerPlan::describe() const {
   std::ostringstream os;
@@ -180,7 +187,7 @@ struct MoeLayer::Impl {
   int top_k = 0;
   bool has_bias = false;
   MoeLayerOptions options;
-  GatherMode gather = GatherMode::kFused;
+  GatherMode gather = GatherMode::kAuto;
   DeviceGemmWeights w13;  // interleaved gate/up, [E][2 inter, hidden]
   // [E] the up rows' weight_scale_2 where it differs from the gate rows' (in
   // w13.global_scales); empty when they share it, as ModelOpt's exports do.
@@ -235,7 +242,27 @@ struct MoeLayer::Impl {
     return plan;
   }
 
-  ScratchLayout scratch(int64_t num_tokens, const MoeLayerPlan& p) const {
+  // Whether a forward with plan `p` copies the activation rows into expert
+  // order first (GatherMode::kAuto: where GEMM1's tile then reads them by
+  // tensor map, which measured faster than the gather fused into its
+  // cp.async copies; docs/perf-notes.md, SM90 v5). Either way GEMM1 computes
+  // the same bits.
+  bool wants_separate_gather(const MoeLayerPlan& p) const {
+    if (gather != GatherMode::kAuto) return gather == GatherMode::kSeparate;
+    return p.gemm1.config.family == KernelFamily::kSm90 && p.gemm1.config.block_m >= kSm90TensorMapMinBlockM;
+  }
+
+  // What a forward of num_tokens with plan `p` and a workspace of
+  // `workspace_bytes` does: kAuto's separate gather only where the
+  // workspace holds the sorted copy (workspace_bytes() sizes it for the plan
+  // of max_tokens; a smaller count whose plan wants the copy while the
+  // largest one's does not runs fused).
+  bool separate_gather(int64_t num_tokens, const MoeLayerPlan& p, size_t workspace_bytes) const {
+    if (!wants_separate_gather(p)) return false;
+    return gather == GatherMode::kSeparate || workspace_bytes >= scratch(num_tokens, p, true).end;
+  }
+
+  ScratchLayout scratch(int64_t num_tokens, const MoeLayerPlan& p, bool separate_gather) const {
     const size_t pairs = static_cast<size_t>(num_tokens * top_k);
     ScratchLayout s;
     size_t at = kHeaderBytes;
@@ -249,7 +276,7 @@ struct MoeLayer::Impl {
     s.offsets = take(static_cast<size_t>(num_experts + 1) * 4);
     s.token_of_row = take(pairs * 4);
     s.pair_of_row = take(pairs * 4);
-    if (gather == GatherMode::kSeparate) s.x_sorted = take(pairs * hidden * 2);
+    if (separate_gather) s.x_sorted = take(pairs * hidden * 2);
     s.activated = take(pairs * inter * 2);
     const size_t finalize_rows =
         options.finalize == FinalizeMode::kDeterministic ? pairs : static_cast<size_t>(num_tokens);
@@ -268,13 +295,17 @@ struct MoeLayer::Impl {
     // partials exist only while tiles are few, so the smaller counts where
     // a split is possible are checked one by one (planned here, not cached:
     // they would push the forwards' plans out of the bounded cache).
-    size_t bytes = scratch(max_tokens, make_plan(max_tokens)).end;
+    const auto bytes_for = [&](int64_t t) {
+      const MoeLayerPlan p = make_plan(t);
+      return scratch(t, p, wants_separate_gather(p)).end;
+    };
+    size_t bytes = bytes_for(max_tokens);
     int max_block_m = 1;
     for (const TileConfig& c : compiled_configs()) max_block_m = std::max(max_block_m, c.block_m);
     const int64_t min_n_tiles = (std::min(2 * inter, hidden) + 127) / 128;
     for (int64_t t = 1; t < max_tokens; ++t) {
       if ((t * top_k / max_block_m) * min_n_tiles > kSplitCounterCapacity) break;
-      bytes = std::max(bytes, scratch(t, make_plan(t)).end);
+      bytes = std::max(bytes, bytes_for(t));
     }
     workspace_by_tokens.insert(max_tokens, bytes);
     return bytes;
@@ -287,10 +318,15 @@ MoeLayer& MoeLayer::operator=(MoeLayer&&) noexcept = default;
 MoeLayer::~MoeLayer() = default;
 
 MoeLayer MoeLayer::prepare(const MoeWeights& weights, const MoeLayerOptions& options) {
-  return MoeLayerInternals::prepare(weights, options, GatherMode::kFused);
+  return MoeLayerInternals::prepare(weights, options, GatherMode::kAuto);
 }
 
 GatherMode MoeLayerInternals::gather(const MoeLayer& layer) { return layer.impl_->gather; }
+
+bool MoeLayerInternals::separate_gather(const MoeLayer& layer, int64_t num_tokens, size_t workspace_bytes) {
+  const MoeLayer::Impl& m = *layer.impl_;
+  return m.separate_gather(num_tokens, *m.plan(num_tokens), workspace_bytes);
+}
 
 MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOptions& options,
                                     GatherMode gather) {
@@ -396,7 +432,7 @@ MoeLayer MoeLayer::prepare_device(const MoeDeviceWeights& w, const MoeLayerOptio
   const int64_t E = w.num_experts;
   auto impl = std::make_unique<MoeLayer::Impl>();
   impl->device = device;
-  impl->gather = GatherMode::kFused;
+  impl->gather = GatherMode::kAuto;
   impl->num_experts = E;
   impl->hidden = w.hidden;
   impl->inter = w.inter;
@@ -540,7 +576,8 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   check_device(m.device, "MoeLayer::forward");
   const std::shared_ptr<const MoeLayerPlan> plan_ptr = m.plan(T);  // one cached lookup per forward
   const MoeLayerPlan& plan = *plan_ptr;
-  const ScratchLayout s = m.scratch(T, plan);
+  const bool separate_gather = m.separate_gather(T, plan, workspace_bytes);
+  const ScratchLayout s = m.scratch(T, plan, separate_gather);
   FP4MOE_CHECK(workspace_bytes >= s.end, "MoeLayer::forward: workspace of ", workspace_bytes,
                " B; ", T, " tokens need ", s.end, " B (allocate workspace_bytes(max_tokens))");
 
@@ -579,7 +616,6 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
                                    pair_of_row, layer_errors, stream, pdl);
   }
   record(ev.sorted, stream);
-  const bool separate_gather = m.gather == GatherMode::kSeparate;
   if (separate_gather)
     kernels::launch_gather_rows(args.hidden_states, token_of_row, offsets, m.num_experts, pairs,
                                 m.hidden, ws + s.x_sorted, stream, pdl);

@@ -1,8 +1,10 @@
-// Layer variants kept for measurement only, outside the public API: the
-// separate gather pass (GEMM1 reading activations copied into expert order by
-// a kernel of their own) measured never faster than the gather fused into
-// GEMM1's loads (docs/perf-notes.md, "The whole MoE layer"), so users get the
-// fused one; the layer benchmark and the tests still run both.
+// Layer variants kept for measurement, outside the public API: how GEMM1
+// reads the activation rows. Users get kAuto: the separate gather pass where
+// GEMM1's tile then copies its activations by tensor map (SM90, m128 and
+// m256 tiles: faster than gathering through cp.async, docs/perf-notes.md
+// SM90 v5), the gather fused into GEMM1's loads elsewhere (where the separate
+// pass measured never faster, "The whole MoE layer"). The layer benchmark and
+// the tests run the forced modes too.
 #pragma once
 
 #include <string>
@@ -13,6 +15,7 @@ namespace fp4moe {
 
 // How GEMM1 reads the activation rows of the permuted (expert-sorted) order.
 enum class GatherMode {
+  kAuto,      // separate where GEMM1's plan reads by tensor map, else fused
   kFused,     // GEMM1's loads read hidden_states rows through the permutation
   kSeparate,  // one pass copies them into expert order first
 };
@@ -23,6 +26,9 @@ class MoeLayerInternals {
   // MoeLayer::prepare() with the given gather mode.
   static MoeLayer prepare(const MoeWeights& weights, const MoeLayerOptions& options, GatherMode gather);
   static GatherMode gather(const MoeLayer& layer);
+  // Whether a forward of num_tokens with a workspace of workspace_bytes runs
+  // the separate gather pass.
+  static bool separate_gather(const MoeLayer& layer, int64_t num_tokens, size_t workspace_bytes);
 };
 
 }  // namespace fp4moe

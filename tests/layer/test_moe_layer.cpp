@@ -758,6 +758,48 @@ TEST(MoeLayerDeterminism, DeterministicForwardsAreBitIdentical) {
   }
 }
 
+// GatherMode::kAuto gathers separately where GEMM1's plan reads its
+// activations by tensor map (here an SM90 m128 tile, forced), and falls back
+// to the fused gather where the workspace lacks room for the sorted copy;
+// all three modes give the same bits.
+TEST(MoeLayerDeterminism, AutoGatherMatchesFusedAndSeparateBits) {
+  FP4MOE_REQUIRE_GPU();
+  ArchLimits arch;
+  if (!local_arch_limits(&arch) || !family_runs_on(KernelFamily::kSm90, arch.compute_capability))
+    GTEST_SKIP() << "needs an SM90 GPU for the tensor-mapped GEMM1 tile";
+  const ModelShape& shape = shape_named("DeepSeekV3");
+  ModelData& data = model_data(shape);
+  const TokenBatch& batch = data.batch(kMaxTokens);
+  const DeviceInputs inputs(batch, data.correction_bias);
+  MoeLayerOptions options = layer_options(shape, FinalizeMode::kDeterministic);
+  options.gemm1_config = TileConfig::parse("sm90n128m128k128s4w12");
+  Stream stream;
+  DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
+  std::vector<uint16_t> bits[3];
+  const GatherMode modes[3] = {GatherMode::kFused, GatherMode::kSeparate, GatherMode::kAuto};
+  for (int i = 0; i < 3; ++i) {
+    const MoeLayer layer = MoeLayerInternals::prepare(data.weights, options, modes[i]);
+    const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
+    EXPECT_EQ(MoeLayerInternals::separate_gather(layer, kMaxTokens, workspace.bytes()),
+              modes[i] != GatherMode::kFused)
+        << to_string(modes[i]);
+    bits[i] = forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
+    EXPECT_EQ(first_difference(bits[i], bits[0]), -1) << to_string(modes[i]) << " differs from fused";
+    if (modes[i] == GatherMode::kAuto) {
+      expect_matches_reference(bits[i], batch.reference, shape.hidden);
+      // A workspace sized as the fused layer sizes it: no room for the copy.
+      const MoeLayer fused = MoeLayerInternals::prepare(data.weights, options, GatherMode::kFused);
+      const DeviceBuffer<uint8_t> small = make_workspace(fused, kMaxTokens);
+      ASSERT_LT(small.bytes(), workspace.bytes());
+      EXPECT_FALSE(MoeLayerInternals::separate_gather(layer, kMaxTokens, small.bytes()));
+      EXPECT_EQ(first_difference(forward_bits(layer, inputs.device_routing(), output, small, stream.get()),
+                                 bits[0]),
+                -1)
+          << "auto with a small workspace differs from fused";
+    }
+  }
+}
+
 // Programmatic dependent launch changes when kernels start, never what they
 // compute: plain launches give the same bits, eagerly and from a graph, at
 // decode sizes (routing and sort in one kernel) and at kMaxTokens (two).
