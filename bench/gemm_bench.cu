@@ -108,19 +108,46 @@ constexpr int kFillGrid = 1024, kFillBlock = 256;
 // Random distinct top-k experts per token -> rows per expert.
 std::vector<int32_t> random_routing_counts(int64_t num_experts, int top_k, int64_t tokens, std::mt19937_64& rng) {
   std::vector<int32_t> counts(static_cast<size_t>(num_experts), 0);
+  for (int32_t id : random_topk_ids(num_experts, top_k, tokens, rng)) ++counts[static_cast<size_t>(id)];
+  return counts;
+}
+
+}  // namespace
+
+std::vector<int32_t> random_topk_ids(int64_t num_experts, int top_k, int64_t tokens, std::mt19937_64& rng) {
+  FP4MOE_CHECK(top_k >= 1 && top_k <= num_experts, "random_topk_ids: top_k = ", top_k, "; expected 1 .. ",
+               num_experts);
+  std::vector<int32_t> out;
+  out.reserve(static_cast<size_t>(tokens * top_k));
   std::vector<int32_t> ids(static_cast<size_t>(num_experts));
   for (int64_t t = 0; t < tokens; ++t) {
     std::iota(ids.begin(), ids.end(), 0);
     for (int j = 0; j < top_k; ++j) {  // partial Fisher-Yates
       std::uniform_int_distribution<int64_t> pick(j, num_experts - 1);
       std::swap(ids[static_cast<size_t>(j)], ids[static_cast<size_t>(pick(rng))]);
-      ++counts[static_cast<size_t>(ids[static_cast<size_t>(j)])];
+      out.push_back(ids[static_cast<size_t>(j)]);
     }
   }
-  return counts;
+  return out;
 }
 
-}  // namespace
+RandomGemmWeights random_gemm_weights(int64_t num_experts, int64_t n, int64_t k, uint64_t seed) {
+  RandomGemmWeights w;
+  w.num_experts = num_experts;
+  w.n = n;
+  w.k = k;
+  w.n_padded = (n + layout::kPadN - 1) / layout::kPadN * layout::kPadN;
+  w.k_padded = (k + layout::kPadK - 1) / layout::kPadK * layout::kPadK;
+  const size_t w_bytes = static_cast<size_t>(num_experts * w.n_padded * w.k_padded / 2);
+  const size_t s_bytes = static_cast<size_t>(num_experts * w.n_padded * w.k_padded / 16);
+  w.weights = DeviceBuffer<uint8_t>(w_bytes);
+  w.scales = DeviceBuffer<uint8_t>(s_bytes);
+  fill_random_bytes(w.weights.get(), w_bytes, seed);
+  fill_random_scales<<<kFillGrid, kFillBlock>>>(w.scales.get(), s_bytes, seed + 2);
+  FP4MOE_CHECK_LAUNCH();
+  w.global_scales = DeviceBuffer<float>(std::vector<float>(static_cast<size_t>(num_experts), 1.0f / 64.0f));
+  return w;
+}
 
 // ------------------------------------------------------ shared measurement
 
@@ -269,21 +296,15 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
       const int64_t n = gemm == 1 ? 2 * model.inter : model.hidden;
       const int64_t k = gemm == 1 ? model.hidden : model.inter;
       const int64_t E = model.num_experts;
-      const int64_t n_pad = (n + layout::kPadN - 1) / layout::kPadN * layout::kPadN;
-      const int64_t k_pad = (k + layout::kPadK - 1) / layout::kPadK * layout::kPadK;
-      const size_t w_bytes = static_cast<size_t>(E * n_pad * k_pad / 2);
-      const size_t s_bytes = static_cast<size_t>(E * n_pad * k_pad / 16);
-      DeviceBuffer<uint8_t> weights(w_bytes), scales(s_bytes);
-      DeviceBuffer<float> global(static_cast<size_t>(E));
-      fill_random_bytes(weights.get(), w_bytes, 11 + gemm);
-      fill_random_scales<<<kFillGrid, kFillBlock>>>(scales.get(), s_bytes, 13 + gemm);
-      FP4MOE_CHECK_LAUNCH();
-      global.upload(std::vector<float>(static_cast<size_t>(E), 1.0f / 64.0f));
+      const RandomGemmWeights random = random_gemm_weights(E, n, k, 11 + gemm);
+      const DeviceBuffer<uint8_t>& weights = random.weights;
+      const DeviceBuffer<uint8_t>& scales = random.scales;
+      const DeviceBuffer<float>& global = random.global_scales;
       std::optional<DeviceBuffer<__nv_bfloat16>> w_bf16;
       if (opt.with_cublas) {
         w_bf16.emplace(static_cast<size_t>(E * n * k));
-        dequantize_prepared<<<4096, 256>>>(weights.get(), scales.get(), global.get(), w_bf16->get(), E, n, k, n_pad / 16,
-                                           k_pad / 64);
+        dequantize_prepared<<<4096, 256>>>(weights.get(), scales.get(), global.get(), w_bf16->get(), E, n, k,
+                                           random.n_padded / 16, random.k_padded / 64);
         FP4MOE_CHECK_LAUNCH();
       }
       for (int64_t tokens : opt.tokens) {

@@ -22,6 +22,7 @@
 #include <functional>
 #include <optional>
 #include <ostream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -75,6 +76,23 @@ double roofline_us(const GemmCost& cost, const Ceilings& ceilings);
 // benchmark inputs: bytes (count a multiple of 4), bf16 values in [-1, 1).
 void fill_random_bytes(uint8_t* dst, size_t count, uint64_t seed, cudaStream_t stream = nullptr);
 void fill_random_bf16(void* dst, size_t count, uint64_t seed, cudaStream_t stream = nullptr);
+
+// The weights of one grouped GEMM, drawn on the device directly in the
+// prepared (fragment-ordered) layout of E experts of [n, k]: uniform fp4
+// codes, e4m3 block scales in [0.5, 2), global scales 1/64. The kernels' cost
+// does not depend on the values.
+struct RandomGemmWeights {
+  int64_t num_experts = 0, n = 0, k = 0;
+  int64_t n_padded = 0, k_padded = 0;  // n to a multiple of 128, k of 256
+  DeviceBuffer<uint8_t> weights;       // [E][n_pad/16][k_pad/64][512] fp4 fragments
+  DeviceBuffer<uint8_t> scales;        // [E][n_pad/16][k_pad/64][64] scale codes
+  DeviceBuffer<float> global_scales;   // [E]
+};
+RandomGemmWeights random_gemm_weights(int64_t num_experts, int64_t n, int64_t k, uint64_t seed);
+
+// Uniform top-k routing: `top_k` distinct experts per token drawn uniformly,
+// the ids of `tokens` tokens as [tokens, top_k] row-major.
+std::vector<int32_t> random_topk_ids(int64_t num_experts, int top_k, int64_t tokens, std::mt19937_64& rng);
 
 std::string gpu_name();  // of the current device
 std::string today();     // YYYY-MM-DD (UTC)

@@ -57,6 +57,25 @@ inline Nvfp4Matrix random_nvfp4(int64_t rows, int64_t cols, float global_scale, 
   return m;
 }
 
+// A layer of random_nvfp4 experts (gate and up [inter, hidden], down
+// [hidden, inter], drawn in that order per expert), gate and up sharing one
+// global scale as ModelOpt's exports do; no biases.
+inline MoeWeights random_moe_weights(int64_t num_experts, int64_t hidden, int64_t inter, float gate_up_scale,
+                                     float down_scale, std::mt19937& rng) {
+  MoeWeights w;
+  w.num_experts = num_experts;
+  w.hidden = hidden;
+  w.inter = inter;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    ExpertWeights ex;
+    ex.gate = random_nvfp4(inter, hidden, gate_up_scale, rng);
+    ex.up = random_nvfp4(inter, hidden, gate_up_scale, rng);
+    ex.down = random_nvfp4(hidden, inter, down_scale, rng);
+    w.experts.push_back(std::move(ex));
+  }
+  return w;
+}
+
 // Fills data[0, count) with random bytes from a SplitMix64 stream seeded by
 // `seed` (src/util/splitmix64.hpp): fast enough for gigabytes of test
 // weights, where mt19937 per byte takes minutes.

@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <regex>
+#include <set>
 
 #ifdef FP4MOE_WITH_NCCL
 #include <mutex>
@@ -17,6 +19,7 @@
 #include "ep/nccl_util.hpp"
 #include "fp4moe/expert_parallel_layer.hpp"
 #endif
+#include "format/checkpoint.hpp"
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
@@ -45,6 +48,38 @@ std::string format_bytes(double bytes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, unit == 0 ? "%.0f %s" : "%.2f %s", bytes, units[unit]);
   return buf;
+}
+
+std::string detect_prefix(const std::string& path) {
+  static const std::regex kExpertName(R"((.*)experts\.\d+\.gate_proj\.weight)");
+  static const std::regex kStackName(R"((.*)experts\.gate_proj\.weight)");
+  std::set<std::string> prefixes;
+  bool has_stacks = false;
+  for (const std::string& name : checkpoint_tensor_names(path)) {
+    std::smatch match;
+    if (std::regex_match(name, match, kExpertName)) prefixes.insert(match[1]);
+    has_stacks = has_stacks || std::regex_match(name, kStackName);
+  }
+  if (prefixes.empty()) {
+    FP4MOE_THROW(path, ": no expert tensors named '<prefix>experts.<e>.gate_proj.weight'",
+                 has_stacks ? "; it holds float expert stacks: quantise it first with "
+                              "'fp4moe quantize IN OUT'"
+                            : "");
+  }
+  if (prefixes.size() > 1) {
+    std::string list;
+    int shown = 0;
+    for (const std::string& p : prefixes) {
+      if (shown++ == 5) {
+        list += ", ...";
+        break;
+      }
+      list += (list.empty() ? "'" : ", '") + p + "'";
+    }
+    FP4MOE_THROW(path, " holds the experts of ", prefixes.size(),
+                 " layers; choose one with --prefix: ", list);
+  }
+  return *prefixes.begin();
 }
 
 // ------------------------------------------------------------ progress, time
@@ -83,12 +118,21 @@ void Progress::draw(std::string_view detail, bool final) {
   std::string line = label_ + ": ";
   if (unit_ == Unit::kBytes) {
     line += format_bytes(static_cast<double>(done_)) + "/" + format_bytes(static_cast<double>(total_));
-  } else {
+  } else if (unit_ == Unit::kCount) {
     line += std::to_string(done_) + "/" + std::to_string(total_);
   }
-  char tail[64];
-  std::snprintf(tail, sizeof tail, " (%3.0f%%) %.1f s", percent, elapsed_s);
+  char tail[96];
+  std::snprintf(tail, sizeof tail, "%s(%3.0f%%) %.1f s", unit_ == Unit::kWork ? "" : " ", percent, elapsed_s);
   line += tail;
+  if (!final && done_ > 0 && done_ < total_) {
+    const double left_s = elapsed_s * static_cast<double>(total_ - done_) / static_cast<double>(done_);
+    const long long left = std::llround(left_s);
+    if (left >= 60)
+      std::snprintf(tail, sizeof tail, ", ETA %lldm%02llds", left / 60, left % 60);
+    else
+      std::snprintf(tail, sizeof tail, ", ETA %llds", left);
+    line += tail;
+  }
   if (!detail.empty() && !final) {
     line += "  ";
     // Keep the line within a typical terminal width.

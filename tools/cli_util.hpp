@@ -29,14 +29,23 @@ void check_output_path(const std::string& path);
 // "12.3 MB" with decimal units.
 std::string format_bytes(double bytes);
 
+// The one layer prefix ("model.layers.3.mlp.") whose experts the checkpoint
+// at `path` holds; throws, listing them, when it holds several layers (the
+// user must choose with --prefix) and when it holds none.
+std::string detect_prefix(const std::string& path);
+
 // ------------------------------------------------------------ progress, time
 
-// A one-line progress indicator on stderr. On a terminal the line is redrawn
-// in place (at most ~10 times a second); otherwise a line is printed at most
-// every few seconds, so logs stay short. Disabled indicators print nothing.
+// A one-line progress indicator on stderr, with the time elapsed and, once
+// some work is done, the time left at the rate so far (ETA). On a terminal
+// the line is redrawn in place (at most ~10 times a second); otherwise a line
+// is printed at most every few seconds, so logs stay short. Disabled
+// indicators print nothing.
 class Progress {
  public:
-  enum class Unit { kCount, kBytes };  // how done/total are shown: "3/8" or "1.2 GB/3.4 GB"
+  // How done/total are shown: "3/8", "1.2 GB/3.4 GB", or only as the
+  // percentage (units of estimated work, e.g. microseconds of GPU time).
+  enum class Unit { kCount, kBytes, kWork };
   Progress(std::string label, int64_t total, bool enabled = true, Unit unit = Unit::kCount);
   ~Progress();
   Progress(const Progress&) = delete;

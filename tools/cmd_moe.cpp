@@ -18,12 +18,9 @@
 #include <cstdio>
 #include <memory>
 #include <optional>
-#include <regex>
-#include <set>
 
 #include "cli_util.hpp"
 #include "commands.hpp"
-#include "format/checkpoint.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/modelopt.hpp"
 #include "fp4moe/nvfp4.hpp"
@@ -50,40 +47,6 @@ struct MoeOptions {
   std::string finalize = "deterministic";
   int ep = 0;  // 0: one GPU, no NCCL
 };
-
-// The one layer prefix ("model.layers.3.mlp.") whose experts the checkpoint
-// holds; with several layers the user must choose.
-std::string detect_prefix(const std::string& path) {
-  static const std::regex kExpertName(R"((.*)experts\.\d+\.gate_proj\.weight)");
-  static const std::regex kStackName(R"((.*)experts\.gate_proj\.weight)");
-  std::set<std::string> prefixes;
-  bool has_stacks = false;
-  for (const std::string& name : checkpoint_tensor_names(path)) {
-    std::smatch match;
-    if (std::regex_match(name, match, kExpertName)) prefixes.insert(match[1]);
-    has_stacks = has_stacks || std::regex_match(name, kStackName);
-  }
-  if (prefixes.empty()) {
-    FP4MOE_THROW(path, ": no expert tensors named '<prefix>experts.<e>.gate_proj.weight'",
-                 has_stacks ? "; it holds float expert stacks: quantise it first with "
-                              "'fp4moe quantize IN OUT'"
-                            : "");
-  }
-  if (prefixes.size() > 1) {
-    std::string list;
-    int shown = 0;
-    for (const std::string& p : prefixes) {
-      if (shown++ == 5) {
-        list += ", ...";
-        break;
-      }
-      list += (list.empty() ? "'" : ", '") + p + "'";
-    }
-    FP4MOE_THROW(path, " holds the experts of ", prefixes.size(),
-                 " layers; choose one with --prefix: ", list);
-  }
-  return *prefixes.begin();
-}
 
 void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   Timer total_timer;

@@ -1,7 +1,11 @@
 // `fp4moe plan`: every compiled tile config's shared-memory layout for an
 // architecture (or the local GPU), whether it fits and why, what would make
-// it fit, and the config the planner picks per token-count bucket for a model.
-// Tested in tests/tools/test_cli.cpp (runs the binary).
+// it fit, and the config and split-K a layer of a model runs per token count:
+// on the local GPU the tune cache's checked choice where it holds one
+// (`fp4moe tune`, src/tune/tune.hpp), else the planner's heuristic, with
+// where each came from.
+// Tested in tests/tools/test_cli.cpp (runs the binary) and
+// tests/tools/test_cli_gpu.cpp (tuned choices).
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -11,6 +15,7 @@
 #include "fp4moe/error.hpp"
 #include "fp4moe/plan.hpp"
 #include "models.hpp"
+#include "tune/tune.hpp"
 
 namespace fp4moe::cli {
 
@@ -25,6 +30,12 @@ struct PlanOptions {
   std::vector<int64_t> tokens = {1, 4, 16, 64, 256, 1024, 4096, 16384};
   int num_sms = 0;
   bool json = false;
+  std::string cache;  // empty: tune::default_cache_path()
+};
+
+// The tuned choices of a layer's two GEMMs on the local GPU.
+struct LayerTunedChoices {
+  tune::TunedGemm gemm[2];
 };
 
 // Typical multiprocessor counts, for the split-K choice when planning for a
@@ -39,7 +50,26 @@ int default_sms(const std::string& arch) {
   return 132;
 }
 
-void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const std::string& origin,
+// The tune cache's choices for the model's GEMMs on the local GPU under
+// `budget`; what is wrong with the cache goes to stderr once.
+LayerTunedChoices local_tuned_choices(const std::string& cache_path, const ArchLimits& arch, int64_t budget,
+                                      int64_t experts, int topk, int64_t hidden, int64_t inter) {
+  LayerTunedChoices tuned;
+  if (cache_path.empty()) return tuned;
+  const tune::CacheFile cache = tune::read_cache(cache_path);
+  if (!cache.problem.empty()) tune::report_once(cache.problem);
+  if (cache.entries.empty()) return tuned;
+  const tune::DeviceIdentity identity = tune::current_device_identity();
+  if (const std::string stale = tune::stale_entries_note(cache, identity); !stale.empty()) tune::report_once(stale);
+  std::vector<std::string> warnings;
+  for (int gemm : {1, 2})
+    tuned.gemm[gemm - 1] = tune::TunedGemm(cache, identity, moe_gemm_problem(gemm, experts, topk, hidden, inter, 1),
+                                           topk, {budget, arch.compute_capability}, false, &warnings);
+  for (const std::string& warning : warnings) tune::report_once(warning);
+  return tuned;
+}
+
+void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const std::string& origin, bool local,
               nlohmann::json* out) {
   const int64_t budget = o.smem_budget > 0 ? std::min(o.smem_budget, arch.smem_per_block) : arch.smem_per_block;
   const ModelShape* model = o.experts > 0 ? nullptr : &find_model(o.model);
@@ -88,26 +118,50 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
       std::cout << "\n";
     }
   }
+  const std::string cache_path = o.cache.empty() ? tune::default_cache_path() : o.cache;
+  const LayerTunedChoices tuned =
+      local ? local_tuned_choices(cache_path, arch, budget, experts, topk, hidden, inter) : LayerTunedChoices{};
+  j["tune_cache"] = local ? nlohmann::json(cache_path) : nlohmann::json(nullptr);
   if (!out) {
-    std::cout << "planner choice for " << label << ", per token count (GEMM1: N = 2*inter, K = hidden; GEMM2: N = "
-                                                   "hidden, K = inter):\n";
-    std::printf("  %7s %8s  %-27s %-29s %s\n", "tokens", "rows", "GEMM1", "GEMM2", "why (GEMM1)");
+    std::cout << "per token count, what a layer of " << label
+              << " runs (GEMM1: N = 2*inter, K = hidden; GEMM2: N = hidden, K = inter) and where it came from ("
+              << (local ? (cache_path.empty() ? "no tune cache" : "tune cache " + cache_path)
+                        : "tuned choices apply to the local GPU only")
+              << "):\n";
+    std::printf("  %7s %8s  %-33s %-35s %-20s %s\n", "tokens", "rows", "GEMM1", "GEMM2", "from (GEMM1, GEMM2)",
+                "why (GEMM1)");
   }
   for (int64_t t : o.tokens) {
-    const int64_t rows = t * topk;
-    const int64_t active = static_cast<int64_t>(expected_active_experts(experts, topk, t) + 0.5);
-    // The layer's GEMMs: GEMM1 with the fused SwiGLU, GEMM2 with the fused finalize.
-    GemmProblem g1{experts, 2 * inter, hidden, rows, std::max<int64_t>(active, 1), Epilogue::kSwiglu};
-    GemmProblem g2{experts, hidden, inter, rows, std::max<int64_t>(active, 1), Epilogue::kFinalize};
-    const GemmPlan p1 = plan_gemm(g1, budget, num_sms, arch.compute_capability);
-    const GemmPlan p2 = plan_gemm(g2, budget, num_sms, arch.compute_capability);
+    // The layer's GEMMs, GEMM1 with the fused SwiGLU, GEMM2 with the fused
+    // finalize, as MoeLayer plans them: the tuned choice for the bucket of t
+    // where there is a valid one, else the heuristic.
+    GemmPlan plans[2];
+    std::string sources[2];
+    for (int gemm : {1, 2}) {
+      const GemmProblem problem = moe_gemm_problem(gemm, experts, topk, hidden, inter, t);
+      const tune::TunedChoice* choice = tuned.gemm[gemm - 1].find(t);
+      if (choice && choice->rejected.empty()) {
+        plans[gemm - 1] = plan_gemm_with(problem, choice->choice.config, num_sms, 2, choice->choice.split_k);
+        sources[gemm - 1] = "tuned@" + std::to_string(choice->bucket);
+      } else {
+        plans[gemm - 1] = plan_gemm(problem, budget, num_sms, arch.compute_capability);
+        sources[gemm - 1] = "heuristic";
+      }
+      plans[gemm - 1] = limit_split_k(plans[gemm - 1], false);
+    }
+    const GemmProblem g1 = moe_gemm_problem(1, experts, topk, hidden, inter, t);
     auto name = [](const GemmPlan& p) { return p.config.to_string() + " sk" + std::to_string(p.split_k); };
-    j["plans"].push_back({{"tokens", t}, {"rows", rows}, {"expected_active_experts", active},
-                          {"gemm1", {{"config", p1.config.to_string()}, {"split_k", p1.split_k}, {"reason", p1.reason}}},
-                          {"gemm2", {{"config", p2.config.to_string()}, {"split_k", p2.split_k}, {"reason", p2.reason}}}});
+    auto plan_json = [](const GemmPlan& p, const std::string& source) {
+      return nlohmann::json{{"config", p.config.to_string()}, {"split_k", p.split_k}, {"reason", p.reason},
+                            {"source", source}};
+    };
+    j["plans"].push_back({{"tokens", t}, {"rows", g1.num_rows}, {"expected_active_experts", g1.expected_active_experts},
+                          {"gemm1", plan_json(plans[0], sources[0])},
+                          {"gemm2", plan_json(plans[1], sources[1])}});
     if (!out)
-      std::printf("  %7lld %8lld  %-27s %-29s %s\n", static_cast<long long>(t), static_cast<long long>(rows),
-                  name(p1).c_str(), name(p2).c_str(), p1.reason.c_str());
+      std::printf("  %7lld %8lld  %-33s %-35s %-20s %s\n", static_cast<long long>(t),
+                  static_cast<long long>(g1.num_rows), name(plans[0]).c_str(), name(plans[1]).c_str(),
+                  (sources[0] + ", " + sources[1]).c_str(), plans[0].reason.c_str());
   }
   if (out) out->push_back(j);
   else std::cout << "\n";
@@ -134,6 +188,9 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--tokens", opts->tokens, "Token counts to plan for")->capture_default_str();
   cmd->add_option("--sms", opts->num_sms, "Multiprocessor count for split-K (default: the GPU's or typical)");
   cmd->add_flag("--json", opts->json, "Print JSON instead of tables");
+  cmd->add_option("--cache", opts->cache,
+                  "Tune cache whose choices the local GPU's plans show (default: $FP4MOE_TUNE_CACHE, else "
+                  "$XDG_CACHE_HOME/fp4moe/tune-cache.json, else ~/.cache/fp4moe/tune-cache.json)");
   cmd->callback([opts] {
     const PlanOptions& o = *opts;
     if (o.experts > 0 || o.hidden > 0 || o.inter > 0 || o.topk > 0)
@@ -143,18 +200,18 @@ void add_plan_command(CLI::App& app) {
     nlohmann::json all = nlohmann::json::array();
     nlohmann::json* out = o.json ? &all : nullptr;
     if (!o.arch.empty()) {
-      plan_one(o, arch_limits(o.arch), o.num_sms > 0 ? o.num_sms : default_sms(o.arch), "requested", out);
+      plan_one(o, arch_limits(o.arch), o.num_sms > 0 ? o.num_sms : default_sms(o.arch), "requested", false, out);
     } else {
       ArchLimits local;
       std::string device;
       if (local_arch_limits(&local, &device)) {
         int sms = o.num_sms;
         if (sms <= 0) sms = default_sms(local.name);
-        plan_one(o, local, sms, "local GPU: " + device, out);
+        plan_one(o, local, sms, "local GPU: " + device, true, out);
       } else {
         if (!o.json) std::cout << "no CUDA GPU found on this machine; showing sm90 (H100/H200) and sm120 (RTX 50xx / RTX PRO)\n\n";
         for (const char* a : {"sm90", "sm120"})
-          plan_one(o, arch_limits(a), o.num_sms > 0 ? o.num_sms : default_sms(a), "no local GPU", out);
+          plan_one(o, arch_limits(a), o.num_sms > 0 ? o.num_sms : default_sms(a), "no local GPU", false, out);
       }
     }
     if (o.json) std::cout << all.dump(2) << "\n";

@@ -13,5 +13,6 @@ void add_demo_command(CLI::App& app);      // cmd_demo.cpp
 void add_plan_command(CLI::App& app);      // cmd_plan.cpp
 void add_bench_command(CLI::App& app);     // cmd_bench.cpp
 void add_soak_command(CLI::App& app);      // cmd_soak.cpp
+void add_tune_command(CLI::App& app);      // cmd_tune.cpp
 
 }  // namespace fp4moe::cli

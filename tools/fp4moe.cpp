@@ -1,5 +1,5 @@
-// The fp4moe command-line tool: quantize, moe, demo, plan, bench and soak
-// subcommands (one cmd_<name>.cpp each). This is the only place where
+// The fp4moe command-line tool: quantize, moe, demo, plan, bench, soak and
+// tune subcommands (one cmd_<name>.cpp each). This is the only place where
 // exceptions become exit codes:
 //   0  success (also --help, --version)
 //   1  fp4moe::Error: bad input or a failed check, reported as one line
@@ -36,6 +36,7 @@ int main(int argc, char** argv) {
   fp4moe::cli::add_plan_command(app);
   fp4moe::cli::add_bench_command(app);
   fp4moe::cli::add_soak_command(app);
+  fp4moe::cli::add_tune_command(app);
 
   try {
     app.parse(argc, argv);  // runs the chosen subcommand's callback

@@ -67,10 +67,25 @@ struct MoeLayerOptions {
   // each may start while the previous one finishes, hiding launch gaps that
   // cost a decode-sized layer several microseconds. Off: plain launches.
   bool programmatic_launch = true;
-  // Force tile configs (e.g. from `fp4moe plan`); otherwise the planner picks
-  // per token count. The epilogue field is ignored (set by the layer).
+  // Force tile configs (e.g. from `fp4moe plan`); otherwise the tuned choice
+  // or the planner picks per token count. The epilogue field is ignored (set
+  // by the layer). A forced config wins over the tune cache.
   std::optional<TileConfig> gemm1_config;
   std::optional<TileConfig> gemm2_config;
+  // Tuned choices (`fp4moe tune`, docs/design.md §4.6): prepare() reads the
+  // tune cache once, and a forward of T tokens then runs, per GEMM, the
+  // config and split-K measured fastest for this GPU, driver and fp4moe
+  // version at the bucket of T (the smallest tuned token count >= T, else
+  // the largest), once the choice is checked: compiled, fits the device's
+  // shared memory, its family runs here and, for a batch-invariant layer,
+  // no split-K and one family. Without an entry (or with a refused one) the
+  // planner's heuristic plans it. A corrupt, unreadable, stale or refused
+  // cache is reported once per process on stderr and never trusted.
+  bool use_tune_cache = true;
+  // The cache file; empty: $FP4MOE_TUNE_CACHE, else
+  // $XDG_CACHE_HOME/fp4moe/tune-cache.json, else ~/.cache/fp4moe/tune-cache.json
+  // (FP4MOE_TUNE_CACHE=off: none).
+  std::string tune_cache_path;
   // Batch invariance: a token's output bits depend only on that token (its
   // hidden state and routing), never on which other tokens share the
   // forward or how many there are. Split-K is then never used (it changes
@@ -83,12 +98,29 @@ struct MoeLayerOptions {
   bool batch_invariant = false;
 };
 
+// Where a GEMM's config and split-K came from.
+struct PlanOrigin {
+  enum class Kind {
+    kHeuristic,  // the planner's time model (plan_gemm)
+    kForced,     // MoeLayerOptions::gemm1_config / gemm2_config
+    kTuned,      // the tune cache's entry for `bucket`
+  };
+  Kind kind = Kind::kHeuristic;
+  std::string cache_path;  // kTuned: the cache file
+  int64_t bucket = 0;      // kTuned: the token count the choice was measured at
+  std::string note;        // kHeuristic: why a tuned entry for this token count was not used, if there was one
+  // "heuristic", "forced", "tuned (bucket 64 of PATH)", "heuristic (tuned entry not used: ...)"
+  std::string describe() const;
+};
+
 // What a forward of `num_tokens` tokens will launch.
 struct MoeLayerPlan {
   int64_t num_tokens = 0;
   int64_t num_rows = 0;  // num_tokens * top_k
   GemmPlan gemm1;        // [rows, hidden] x [2 inter, hidden]^T -> SwiGLU -> [rows, inter]
   GemmPlan gemm2;        // [rows, inter] x [hidden, inter]^T -> finalize -> [T, hidden]
+  PlanOrigin gemm1_origin;
+  PlanOrigin gemm2_origin;
   std::string describe() const;  // multi-line, for the CLI
 };
 

@@ -153,9 +153,33 @@ GemmPlan plan_gemm(const GemmProblem& problem, int64_t smem_budget_bytes, int nu
 // routing of its rows (what a plan's workspace and split-K counters cover).
 int64_t max_tiles(const GemmProblem& problem, const TileConfig& config);
 
-// Plans with a given config (split-K still chosen by the planner).
+// The most K slices the planner (and the autotuner) splits a tile into.
+inline constexpr int kMaxSplitK = 8;
+// Whether `split_k` is one the planner could pick for `config`: 1, or up to
+// kMaxSplitK slices of at least two k-tiles each.
+bool split_k_allowed(const GemmProblem& problem, const TileConfig& config, int split_k);
+
+// Plans with a given config; split_k 0 lets the planner choose the split,
+// otherwise it is used as given (1 .. the config's k-tiles of problem.k).
 GemmPlan plan_gemm_with(const GemmProblem& problem, const TileConfig& config, int num_sms,
-                        int blocks_per_sm = 2);
+                        int blocks_per_sm = 2, int split_k = 0);
+
+// Split-K needs one tile counter per (m-tile, n-tile) in the layer's
+// workspace header, which holds this many per GEMM: plans with more tiles
+// run unsplit (split-K only pays while tiles are few anyway).
+inline constexpr int64_t kMaxSplitKTiles = 4096;
+// The plan as MoeLayer runs it: split-K turned off for a batch-invariant
+// layer (docs/design.md §3) and for plans with more than kMaxSplitKTiles
+// tiles; the reason then says so.
+GemmPlan limit_split_k(GemmPlan plan, bool batch_invariant);
+
+// The grouped GEMMs of an MoE layer (docs/design.md §4.5) as MoeLayer plans
+// them for num_tokens tokens: gemm 1 is [rows, hidden] x [2 inter, hidden]^T
+// with the SwiGLU epilogue, gemm 2 [rows, inter] x [hidden, inter]^T with the
+// finalize epilogue; rows = num_tokens * top_k, the active experts those of
+// uniform routing, one kernel family when batch_invariant.
+GemmProblem moe_gemm_problem(int gemm, int64_t num_experts, int top_k, int64_t hidden, int64_t inter,
+                             int64_t num_tokens, bool batch_invariant = false);
 
 // Expected number of experts that receive at least one of `num_tokens`
 // tokens with uniform top-k routing.

@@ -88,6 +88,8 @@ enum class Activation {
   kSwiGLU,  // silu(gate) * up
   kGptOss,  // g = min(gate, 7), l = clamp(up, -7, 7), g * sigmoid(1.702 g) * (l + 1)
 };
+// act(gate, up) in double, as above: the reference of the SwiGLU epilogue.
+double activate(Activation activation, double gate, double up);
 
 std::string to_string(RoutingMode mode);
 RoutingMode parse_routing_mode(const std::string& name);  // "softmax", "noaux_tc", "gptoss"

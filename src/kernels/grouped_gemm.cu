@@ -219,14 +219,16 @@ GemmPlan plan_grouped_gemm(const GroupedGemmArgs& args, const std::optional<Tile
   return plan_grouped_gemm(problem_of(args, epilogue), forced);
 }
 
-GemmPlan plan_grouped_gemm(const GemmProblem& problem, const std::optional<TileConfig>& forced) {
+GemmPlan plan_grouped_gemm(const GemmProblem& problem, const std::optional<TileConfig>& forced, int split_k) {
+  FP4MOE_CHECK(forced || split_k == 0, "plan_grouped_gemm: split_k = ", split_k,
+               " without a config; a split is forced together with its config");
   const DeviceInfo dev = current_device();
   if (forced) {
     TileConfig config = *forced;
     config.epilogue = problem.epilogue;
     const KernelEntry& entry = find_kernel(config);
     check_fits_device(entry, dev);
-    return plan_gemm_with(problem, config, dev.num_sms, occupancy(entry, dev.device));
+    return plan_gemm_with(problem, config, dev.num_sms, occupancy(entry, dev.device), split_k);
   }
   const GemmPlan first =
       plan_gemm(problem, dev.smem_per_block, dev.num_sms, kernels::compute_capability(dev));

@@ -125,9 +125,11 @@ GemmPlan plan_grouped_gemm(const GroupedGemmArgs& args,
                            Epilogue epilogue = Epilogue::kNone);
 
 // The same for a problem description (shapes, rows, epilogue) without
-// pointers, e.g. to size a workspace ahead of the calls.
+// pointers, e.g. to size a workspace ahead of the calls. With a forced
+// config, split_k > 0 also forces the split (plan_gemm_with: 1 .. the
+// config's k-tiles); 0 lets the planner choose it.
 GemmPlan plan_grouped_gemm(const GemmProblem& problem,
-                           const std::optional<TileConfig>& forced = std::nullopt);
+                           const std::optional<TileConfig>& forced = std::nullopt, int split_k = 0);
 
 size_t grouped_gemm_workspace_bytes(const GemmPlan& plan);
 

@@ -11,7 +11,9 @@
 // forward from the token count.
 // Plans are cached per token count in a bounded LRU cache (kPlanCacheCapacity
 // plans, src/layer/plan_cache.hpp), so a server that sees every token count
-// holds a fixed amount of host memory.
+// holds a fixed amount of host memory. Each GEMM's plan is, in this order, a
+// forced config, the tune cache's checked choice for the token count's
+// bucket (read once by prepare(); src/tune/tune.hpp), or the heuristic.
 // Tested in tests/layer/test_moe_layer.cpp (GPU), test_moe_layer_faults.cpp
 // (GPU: limits, device, out of memory, non-finite inputs) and
 // test_moe_layer_args.cpp.
@@ -28,11 +30,13 @@
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
+#include "kernels/device_info.hpp"
 #include "kernels/grouped_gemm.hpp"
 #include "kernels/moe_ops.hpp"
 #include "kernels/prepare_device.hpp"
 #include "layer/plan_cache.hpp"
 #include "plan/smem_model.hpp"
+#include "tune/tune.hpp"
 #include "util/device_buffer.hpp"
 #include "util/parallel.hpp"
 
@@ -55,20 +59,30 @@ std::string to_string(GatherMode mode) {
   return "?";
 }
 
+std::string PlanOrigin::describe() const {
+  switch (kind) {
+    case Kind::kForced: return "forced";
+    case Kind::kTuned: return "tuned (bucket " + std::to_string(bucket) + " of " + cache_path + ")";
+    case Kind::kHeuristic: break;
+  }
+  return note.empty() ? "heuristic" : "heuristic; " + note;
+}
+
 std::string MoeLayerPlan::describe() const {
   std::ostringstream os;
   os << num_tokens << " tokens -> " << num_rows << " routed rows\n"
-     << "  GEMM1 + SwiGLU  " << gemm1.config.to_string() << " split_k " << gemm1.split_k << ": "
-     << gemm1.reason << "\n"
-     << "  GEMM2 + finalize " << gemm2.config.to_string() << " split_k " << gemm2.split_k << ": "
-     << gemm2.reason << "\n";
+     << "  GEMM1 + SwiGLU  " << gemm1.config.to_string() << " split_k " << gemm1.split_k << " ["
+     << gemm1_origin.describe() << "]: " << gemm1.reason << "\n"
+     << "  GEMM2 + finalize " << gemm2.config.to_string() << " split_k " << gemm2.split_k << " ["
+     << gemm2_origin.describe() << "]: " << gemm2.reason << "\n";
   return os.str();
 }
 
 namespace {
 
 // FP4MOE_PRINT_CONFIG=1: every new per-token-count plan (config, split-K,
-// the planner's reason) goes to stderr once, when it is made.
+// where each came from, the planner's reason) goes to stderr once, when it
+// is made.
 bool print_plans() {
   static const bool enabled = [] {
     const char* v = std::getenv("FP4MOE_PRINT_CONFIG");
@@ -77,10 +91,6 @@ bool print_plans() {
   return enabled;
 }
 
-// Split-K tile counters per GEMM in the workspace header. Split-K only pays
-// when tiles are few (less than a couple of waves), so plans with more tiles
-// than this run unsplit.
-constexpr int64_t kSplitCounterCapacity = 4096;
 constexpr size_t kAlign = 256;
 // The grouped GEMM's largest N or K (grouped_gemm.cu: int indexing of the
 // padded sizes).
@@ -91,11 +101,12 @@ constexpr size_t kPlanCacheCapacity = 1024;
 size_t align_bytes(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
 // Header: [layer error word, routing arrival counter | GEMM1 error word |
-// GEMM2 error word] (16 B each), then the GEMM1 and GEMM2 split-K counters.
-// All zero between forwards.
+// GEMM2 error word] (16 B each), then the GEMM1 and GEMM2 split-K counters
+// (kMaxSplitKTiles each: limit_split_k runs larger plans unsplit). All zero
+// between forwards.
 constexpr size_t kErrorWordsBytes = 48;
 constexpr size_t kHeaderBytes =
-    (kErrorWordsBytes + 2 * kSplitCounterCapacity * 4 + kAlign - 1) / kAlign * kAlign;
+    (kErrorWordsBytes + 2 * kMaxSplitKTiles * 4 + kAlign - 1) / kAlign * kAlign;
 
 struct DeviceGemmWeights {
   DeviceBuffer<uint8_t> weights;
@@ -198,37 +209,68 @@ struct MoeLayer::Impl {
 
   mutable PlanCache<MoeLayerPlan> plans{kPlanCacheCapacity};  // by token count
   mutable PlanCache<size_t> workspace_by_tokens{kPlanCacheCapacity};  // by max_tokens
+  // GEMM1's and GEMM2's tuned choices, read once by prepare() and never
+  // changed after: workspace_bytes() plans with them too, so the workspace
+  // it sizes covers every split they make.
+  tune::TunedGemm tuned[2];
 
   GemmProblem problem(int gemm, int64_t num_tokens) const {
-    GemmProblem p;
-    p.num_experts = num_experts;
-    p.n = gemm == 1 ? 2 * inter : hidden;
-    p.k = gemm == 1 ? hidden : inter;
-    p.num_rows = num_tokens * top_k;
-    p.expected_active_experts = static_cast<int64_t>(
-        std::ceil(expected_active_experts(num_experts, top_k, num_tokens)));
-    p.epilogue = gemm == 1 ? Epilogue::kSwiglu : Epilogue::kFinalize;
-    p.single_family = options.batch_invariant;
-    return p;
+    return moe_gemm_problem(gemm, num_experts, top_k, hidden, inter, num_tokens, options.batch_invariant);
   }
 
-  GemmPlan cap_split(GemmPlan plan) const {
-    if (plan.split_k > 1 && options.batch_invariant) {
-      plan.split_k = 1;
-      plan.reason += "; split-K off (batch invariant)";
-    } else if (plan.split_k > 1 && plan.max_tiles > kSplitCounterCapacity) {
-      plan.split_k = 1;
-      plan.reason += "; split-K off (more tiles than the workspace's counters)";
+  // Reads the tune cache for this device (MoeLayerOptions::use_tune_cache)
+  // and checks both GEMMs' entries; what is wrong with it is reported once
+  // per process.
+  void load_tuned_choices() {
+    if (!options.use_tune_cache) return;
+    const std::string path = options.tune_cache_path.empty() ? tune::default_cache_path() : options.tune_cache_path;
+    if (path.empty()) return;
+    const tune::CacheFile cache = tune::read_cache(path);
+    if (!cache.problem.empty()) tune::report_once(cache.problem);
+    if (cache.entries.empty()) return;
+    const tune::DeviceIdentity identity = tune::current_device_identity();
+    if (const std::string stale = tune::stale_entries_note(cache, identity); !stale.empty()) tune::report_once(stale);
+    const kernels::DeviceInfo dev = kernels::current_device();
+    const tune::DeviceLimits limits{dev.smem_per_block, kernels::compute_capability(dev)};
+    std::vector<std::string> warnings;
+    for (int gemm : {1, 2})
+      tuned[gemm - 1] = tune::TunedGemm(cache, identity, problem(gemm, 1), top_k, limits, options.batch_invariant,
+                                        &warnings);
+    for (const std::string& warning : warnings) tune::report_once(warning);
+  }
+
+  // One GEMM's plan: the forced config, else the tuned choice, else the
+  // heuristic, each as the layer runs it (limit_split_k).
+  GemmPlan plan_one_gemm(int gemm, int64_t num_tokens, PlanOrigin* origin) const {
+    const GemmProblem p = problem(gemm, num_tokens);
+    const std::optional<TileConfig>& forced = gemm == 1 ? options.gemm1_config : options.gemm2_config;
+    *origin = PlanOrigin{};
+    if (forced) {
+      origin->kind = PlanOrigin::Kind::kForced;
+      return limit_split_k(plan_grouped_gemm(p, forced), options.batch_invariant);
     }
-    return plan;
+    const tune::TunedGemm& choices = tuned[gemm - 1];
+    if (const tune::TunedChoice* tuned_choice = choices.find(num_tokens)) {
+      if (tuned_choice->rejected.empty()) {
+        origin->kind = PlanOrigin::Kind::kTuned;
+        origin->cache_path = choices.cache_path();
+        origin->bucket = tuned_choice->bucket;
+        return limit_split_k(
+            plan_grouped_gemm(p, tuned_choice->choice.config, tuned_choice->choice.split_k),
+            options.batch_invariant);
+      }
+      origin->note = "the tuned entry for bucket " + std::to_string(tuned_choice->bucket) +
+                     " is not used: " + tuned_choice->rejected;
+    }
+    return limit_split_k(plan_grouped_gemm(p), options.batch_invariant);
   }
 
   MoeLayerPlan make_plan(int64_t num_tokens) const {
     MoeLayerPlan p;
     p.num_tokens = num_tokens;
     p.num_rows = num_tokens * top_k;
-    p.gemm1 = cap_split(plan_grouped_gemm(problem(1, num_tokens), options.gemm1_config));
-    p.gemm2 = cap_split(plan_grouped_gemm(problem(2, num_tokens), options.gemm2_config));
+    p.gemm1 = plan_one_gemm(1, num_tokens, &p.gemm1_origin);
+    p.gemm2 = plan_one_gemm(2, num_tokens, &p.gemm2_origin);
     return p;
   }
 
@@ -292,9 +334,10 @@ struct MoeLayer::Impl {
   size_t workspace_bytes(int64_t max_tokens) const {
     if (auto hit = workspace_by_tokens.find(max_tokens)) return *hit;
     // Every region but the split-K partials grows with the token count; the
-    // partials exist only while tiles are few, so the smaller counts where
-    // a split is possible are checked one by one (planned here, not cached:
-    // they would push the forwards' plans out of the bounded cache).
+    // partials exist only while tiles are few (limit_split_k), so the smaller
+    // counts where a split is possible are checked one by one, with the
+    // tuned choices the forwards will use (planned here, not cached: they
+    // would push the forwards' plans out of the bounded cache).
     const auto bytes_for = [&](int64_t t) {
       const MoeLayerPlan p = make_plan(t);
       return scratch(t, p, wants_separate_gather(p)).end;
@@ -304,7 +347,7 @@ struct MoeLayer::Impl {
     for (const TileConfig& c : compiled_configs()) max_block_m = std::max(max_block_m, c.block_m);
     const int64_t min_n_tiles = (std::min(2 * inter, hidden) + 127) / 128;
     for (int64_t t = 1; t < max_tokens; ++t) {
-      if ((t * top_k / max_block_m) * min_n_tiles > kSplitCounterCapacity) break;
+      if ((t * top_k / max_block_m) * min_n_tiles > kMaxSplitKTiles) break;
       bytes = std::max(bytes, bytes_for(t));
     }
     workspace_by_tokens.insert(max_tokens, bytes);
@@ -380,6 +423,7 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
     impl->bias13 = DeviceBuffer<float>(b13);
     impl->bias2 = DeviceBuffer<float>(b2);
   }
+  impl->load_tuned_choices();
   return MoeLayer(std::move(impl));
 }
 
@@ -476,6 +520,7 @@ MoeLayer MoeLayer::prepare_device(const MoeDeviceWeights& w, const MoeLayerOptio
   }
   // Complete on return, like prepare(): the caller may free its tensors.
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  impl->load_tuned_choices();
   return MoeLayer(std::move(impl));
 }
 
@@ -587,7 +632,7 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   auto* gemm1_errors = reinterpret_cast<int32_t*>(ws + 16);
   auto* gemm2_errors = reinterpret_cast<int32_t*>(ws + 32);
   auto* gemm1_counters = reinterpret_cast<int32_t*>(ws + kErrorWordsBytes);
-  int32_t* gemm2_counters = gemm1_counters + kSplitCounterCapacity;
+  int32_t* gemm2_counters = gemm1_counters + kMaxSplitKTiles;
   auto* ids = reinterpret_cast<int32_t*>(ws + s.topk_ids);
   auto* weights = reinterpret_cast<float*>(ws + s.topk_weights);
   auto* offsets = reinterpret_cast<int32_t*>(ws + s.offsets);
@@ -641,7 +686,7 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   g1.workspace_bytes = s.gemm1_ws_bytes;
   g1.error_flags = gemm1_errors;
   g1.split_counters = gemm1_counters;
-  g1.split_counters_capacity = kSplitCounterCapacity;
+  g1.split_counters_capacity = kMaxSplitKTiles;
   g1.programmatic_launch = pdl;
   grouped_gemm(g1, plan.gemm1, stream);
   record(ev.gemm1, stream);
@@ -670,7 +715,7 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   g2.workspace_bytes = s.gemm2_ws_bytes;
   g2.error_flags = gemm2_errors;
   g2.split_counters = gemm2_counters;
-  g2.split_counters_capacity = kSplitCounterCapacity;
+  g2.split_counters_capacity = kMaxSplitKTiles;
   g2.programmatic_launch = pdl;
   grouped_gemm(g2, plan.gemm2, stream);
   record(ev.gemm2, stream);

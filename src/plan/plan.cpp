@@ -327,11 +327,21 @@ int64_t max_tiles(const GemmProblem& p, const TileConfig& config) {
   return max_m_tiles(p.num_rows, p.num_experts, config.block_m) * ceil_div(p.n, config.block_n);
 }
 
+bool split_k_allowed(const GemmProblem& p, const TileConfig& config, int split_k) {
+  const int64_t k_tiles = ceil_div(p.k, config.block_k);
+  return split_k == 1 || (split_k >= 2 && split_k <= kMaxSplitK && k_tiles / split_k >= 2);
+}
+
 GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_sms,
-                        int blocks_per_sm) {
+                        int blocks_per_sm, int split_k) {
   validate_problem(p);
+  const int64_t k_tiles = ceil_div(p.k, config.block_k);
+  FP4MOE_CHECK(split_k >= 0 && split_k <= k_tiles, "split_k = ", split_k, " for ", config.to_string(),
+               " at k = ", p.k, ": expected 0 (the planner's choice) or 1 .. ", k_tiles,
+               " (one k-tile per slice at least)");
   GemmPlan plan;
   plan.config = config;
+  plan.split_k = std::max(split_k, 1);
   const int64_t n_tiles = ceil_div(p.n, config.block_n);
   plan.max_tiles = max_tiles(p, config);
   if (p.num_rows == 0) {
@@ -342,7 +352,6 @@ GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_
   const double rows_per_expert = rows_per_active_expert(p);
   const double tiles =
       std::ceil(rows_per_expert / config.block_m) * active * static_cast<double>(n_tiles);
-  const int64_t k_tiles = ceil_div(p.k, config.block_k);
   const bool sm90 = config.family == KernelFamily::kSm90;
   if (sm90) blocks_per_sm = 1;  // the warp-specialised kernel takes a whole SM
   const double slots = static_cast<double>(std::max(1, num_sms) * std::max(1, blocks_per_sm));
@@ -351,8 +360,8 @@ GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_
   // family; the SM90 producer loads the next unit during the epilogue).
   const double kUnitOverhead = sm90 ? 0.5 : 1.5;
   double best_time = 0.0;
-  for (int split = 1; split <= 8; ++split) {
-    if (split > 1 && k_tiles / split < 2) break;
+  for (int split = 1; split_k == 0 && split <= kMaxSplitK; ++split) {
+    if (!split_k_allowed(p, config, split)) break;
     const double waves = std::ceil(tiles * split / slots);
     const double time = waves * (static_cast<double>(k_tiles) / split + kUnitOverhead);
     if (split == 1 || time < best_time * 0.97) {
@@ -364,9 +373,36 @@ GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_
   why.precision(3);
   why << "block_m " << config.block_m << " for ~" << rows_per_expert << " rows per active expert ("
       << active << " of " << p.num_experts << " experts); ~" << tiles << " tiles x split_k "
-      << plan.split_k << " over " << slots << " block slots, " << k_tiles << " k-tiles each";
+      << plan.split_k << (split_k > 0 ? " (given)" : "") << " over " << slots << " block slots, " << k_tiles
+      << " k-tiles each";
   plan.reason = why.str();
   return plan;
+}
+
+GemmPlan limit_split_k(GemmPlan plan, bool batch_invariant) {
+  if (plan.split_k > 1 && batch_invariant) {
+    plan.split_k = 1;
+    plan.reason += "; split-K off (batch invariant)";
+  } else if (plan.split_k > 1 && plan.max_tiles > kMaxSplitKTiles) {
+    plan.split_k = 1;
+    plan.reason += "; split-K off (more tiles than the workspace's counters)";
+  }
+  return plan;
+}
+
+GemmProblem moe_gemm_problem(int gemm, int64_t num_experts, int top_k, int64_t hidden, int64_t inter,
+                             int64_t num_tokens, bool batch_invariant) {
+  FP4MOE_CHECK(gemm == 1 || gemm == 2, "moe_gemm_problem: gemm = ", gemm, "; expected 1 or 2");
+  GemmProblem p;
+  p.num_experts = num_experts;
+  p.n = gemm == 1 ? 2 * inter : hidden;
+  p.k = gemm == 1 ? hidden : inter;
+  p.num_rows = num_tokens * top_k;
+  p.expected_active_experts =
+      static_cast<int64_t>(std::ceil(expected_active_experts(num_experts, top_k, num_tokens)));
+  p.epilogue = gemm == 1 ? Epilogue::kSwiglu : Epilogue::kFinalize;
+  p.single_family = batch_invariant;
+  return p;
 }
 
 GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,

@@ -74,19 +74,6 @@ double row_dot(const Nvfp4Matrix& m, int64_t r, const double* x) {
 
 double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
 
-double activate(Activation activation, double gate, double up) {
-  switch (activation) {
-    case Activation::kSwiGLU:
-      return gate * sigmoid(gate) * up;
-    case Activation::kGptOss: {
-      const double g = std::min(gate, 7.0);
-      const double l = std::clamp(up, -7.0, 7.0);
-      return g * sigmoid(1.702 * g) * (l + 1.0);
-    }
-  }
-  return 0.0;  // unreachable: the activation is validated up front
-}
-
 void check_matrix(const Nvfp4Matrix& m, int64_t expert_idx, const char* name, int64_t rows,
                   int64_t cols) {
   FP4MOE_CHECK(m.rows == rows && m.cols == cols, "moe_reference: expert ", expert_idx, " ", name,
@@ -152,6 +139,19 @@ std::vector<WorkUnit> split_rows(const std::vector<int64_t>& active_experts, int
 }
 
 }  // namespace
+
+double activate(Activation activation, double gate, double up) {
+  switch (activation) {
+    case Activation::kSwiGLU:
+      return gate * sigmoid(gate) * up;
+    case Activation::kGptOss: {
+      const double g = std::min(gate, 7.0);
+      const double l = std::clamp(up, -7.0, 7.0);
+      return g * sigmoid(1.702 * g) * (l + 1.0);
+    }
+  }
+  return 0.0;  // unreachable: the activation is validated up front
+}
 
 void moe_reference(const MoeWeights& weights, const float* hidden_states,
                    const Routing& routing, Activation activation, float* output) {

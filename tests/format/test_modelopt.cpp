@@ -33,6 +33,7 @@
 #include "fp4moe/modelopt.hpp"
 #include "fp4moe/nvfp4.hpp"
 #include "fp4moe/safetensors.hpp"
+#include "temp_dir.hpp"
 
 namespace fp4moe {
 namespace {
@@ -89,28 +90,6 @@ std::string error_message(const std::function<void()>& fn) {
 #define EXPECT_CONTAINS(haystack, needle)                                            \
   EXPECT_NE(std::string(haystack).find(needle), std::string::npos)                  \
       << "expected the message to contain \"" << (needle) << "\"; it is:\n" << (haystack)
-
-// A fresh directory under the system temp dir, removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    std::random_device rd;
-    path_ = fs::temp_directory_path() /
-            ("fp4moe_test_modelopt_" + std::to_string(::getpid()) + "_" + std::to_string(rd()));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream out(path);

@@ -32,22 +32,13 @@ constexpr int64_t kInter = 32;
 MoeWeights valid_weights(int64_t num_experts = 4, bool with_bias = false, int64_t hidden = kHidden,
                          int64_t inter = kInter) {
   std::mt19937 rng(7);
-  MoeWeights w;
-  w.num_experts = num_experts;
-  w.hidden = hidden;
-  w.inter = inter;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    ExpertWeights ex;
-    ex.gate = testing::random_nvfp4(inter, hidden, 0.01f, rng);
-    ex.up = testing::random_nvfp4(inter, hidden, 0.01f, rng);
-    ex.down = testing::random_nvfp4(hidden, inter, 0.02f, rng);
+  MoeWeights w = testing::random_moe_weights(num_experts, hidden, inter, 0.01f, 0.02f, rng);
+  for (ExpertWeights& ex : w.experts)
     if (with_bias) {
       ex.gate_bias.assign(static_cast<size_t>(inter), 0.5f);
       ex.up_bias.assign(static_cast<size_t>(inter), -0.25f);
       ex.down_bias.assign(static_cast<size_t>(hidden), 0.125f);
     }
-    w.experts.push_back(std::move(ex));
-  }
   return w;
 }
 

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/plan.hpp"
@@ -234,6 +235,61 @@ TEST(Planner, MaxTilesBoundsEveryRouting) {
       EXPECT_GE(plan.max_tiles, worst) << rows << " rows, " << experts << " experts";
     }
   }
+}
+
+TEST(Planner, GivenSplitIsKeptAndChecked) {
+  const GemmProblem p{256, 4096, 7168, 8, 8, Epilogue::kSwiglu};
+  for (const TileConfig& c : compiled_configs()) {
+    if (c.epilogue != Epilogue::kSwiglu) continue;
+    const int64_t k_tiles = (p.k + c.block_k - 1) / c.block_k;
+    const GemmPlan chosen = plan_gemm_with(p, c, 132);
+    EXPECT_EQ(plan_gemm_with(p, c, 132, 2, 0).split_k, chosen.split_k) << "0: the planner's choice";
+    EXPECT_TRUE(split_k_allowed(p, c, chosen.split_k)) << c.to_string();
+    for (int split : {1, 2, 3, static_cast<int>(k_tiles)}) {
+      const GemmPlan given = plan_gemm_with(p, c, 132, 2, split);
+      EXPECT_EQ(given.split_k, split) << c.to_string();
+      EXPECT_EQ(given.max_tiles, chosen.max_tiles);
+      EXPECT_NE(given.reason.find("split_k " + std::to_string(split) + " (given)"), std::string::npos) << given.reason;
+    }
+    EXPECT_THROW(plan_gemm_with(p, c, 132, 2, static_cast<int>(k_tiles) + 1), Error) << c.to_string();
+    EXPECT_THROW(plan_gemm_with(p, c, 132, 2, -1), Error);
+    // The splits the planner may pick: 1, or up to kMaxSplitK of >= 2 k-tiles each.
+    for (int split = 1; split <= kMaxSplitK + 1; ++split)
+      EXPECT_EQ(split_k_allowed(p, c, split), split == 1 || (split <= kMaxSplitK && k_tiles / split >= 2))
+          << c.to_string() << " split " << split;
+  }
+}
+
+TEST(Planner, LimitSplitKAsTheLayerRunsIt) {
+  GemmPlan plan;
+  plan.split_k = 3;
+  plan.max_tiles = kMaxSplitKTiles;
+  plan.reason = "r";
+  EXPECT_EQ(limit_split_k(plan, false).split_k, 3);
+  EXPECT_EQ(limit_split_k(plan, false).reason, "r");
+  const GemmPlan invariant = limit_split_k(plan, true);
+  EXPECT_EQ(invariant.split_k, 1);
+  EXPECT_NE(invariant.reason.find("batch invariant"), std::string::npos);
+  plan.max_tiles = kMaxSplitKTiles + 1;
+  const GemmPlan many = limit_split_k(plan, false);
+  EXPECT_EQ(many.split_k, 1);
+  EXPECT_NE(many.reason.find("more tiles than the workspace's counters"), std::string::npos);
+}
+
+TEST(Planner, MoeGemmProblemsAreTheLayersGemms) {
+  const GemmProblem g1 = moe_gemm_problem(1, 256, 8, 7168, 2048, 3);
+  EXPECT_EQ(g1.n, 4096);
+  EXPECT_EQ(g1.k, 7168);
+  EXPECT_EQ(g1.epilogue, Epilogue::kSwiglu);
+  EXPECT_EQ(g1.num_rows, 24);
+  EXPECT_EQ(g1.expected_active_experts, static_cast<int64_t>(std::ceil(expected_active_experts(256, 8, 3))));
+  EXPECT_FALSE(g1.single_family);
+  const GemmProblem g2 = moe_gemm_problem(2, 256, 8, 7168, 2048, 3, true);
+  EXPECT_EQ(g2.n, 7168);
+  EXPECT_EQ(g2.k, 2048);
+  EXPECT_EQ(g2.epilogue, Epilogue::kFinalize);
+  EXPECT_TRUE(g2.single_family);
+  EXPECT_THROW(moe_gemm_problem(3, 256, 8, 7168, 2048, 3), Error);
 }
 
 TEST(Planner, RejectsBadProblems) {

@@ -218,7 +218,7 @@ FloatLayer dequantized_layer(const SafetensorsFile& file, const std::string& pre
 // ------------------------------------------------------------------ tests
 
 TEST_F(CliTest, HelpOfEveryCommandExitsZero) {
-  for (const std::string command : {"", "quantize", "moe", "demo", "plan", "bench", "soak"}) {
+  for (const std::string command : {"", "quantize", "moe", "demo", "plan", "bench", "soak", "tune"}) {
     const CliResult r = run(command + " --help");
     EXPECT_EQ(r.exit_code, 0) << "fp4moe " << command << " --help: " << r.err;
     EXPECT_NE(r.out.find("Usage"), std::string::npos) << "fp4moe " << command << " --help:\n" << r.out;
@@ -654,6 +654,45 @@ TEST_F(CliTest, DemoRunsAndChecksItself) {
   }
 }
 
+// Every bad argument of `tune` is refused with one line before any GPU work,
+// so these run on a machine without a GPU too.
+TEST_F(CliTest, TuneRefusesBadArgumentsWithOneLine) {
+  std::ofstream(path("a-file")) << "x";
+  fs::create_directories(path("a-dir"));
+  const std::string checkpoint = quantized_checkpoint();
+  const std::string ok_cache = " --cache '" + path("cache.json") + "'";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"tune", "give --model NAME"},
+      {"tune --model gpt-5", "unknown model 'gpt-5'"},
+      {"tune --model glm-5 --tokens 0 4", "--tokens: 0 is not a token count"},
+      {"tune --model glm-5 --tokens 4 4", "lists a token count twice"},
+      {"tune --model glm-5 --tokens 300000000", "2^31 rows"},
+      {"tune --model glm-5 --iterations 0", "--iterations must be >= 1"},
+      {"tune --model glm-5 --smem-budget 0", "--smem-budget must be > 0"},
+      {"tune --model glm-5 --topk 2", "--topk goes with --weights"},
+      {"tune --model glm-5 --weights '" + checkpoint + "' --topk 2", "not both"},
+      {"tune --weights '" + checkpoint + "' --prefix " + kStackPrefix, "--weights needs --topk"},
+      {"tune --weights '" + checkpoint + "' --topk 2", "choose one with --prefix"},
+      {"tune --model glm-5 --cache '" + path("a-dir") + "'", "is a directory"},
+      {"tune --model glm-5 --cache '" + path("a-file") + "/cache.json'", "cannot create it"},
+      {"tune --model glm-5" + ok_cache + " --json '" + path("no-dir") + "/out.jsonl'", "does not exist"},
+  };
+  for (const auto& [args, phrase] : cases) {
+    SCOPED_TRACE(args);
+    const CliResult r = run(args);
+    EXPECT_EQ(r.exit_code, 1) << r.err;
+    EXPECT_EQ(r.err.rfind("fp4moe: error: ", 0), 0u) << r.err;
+    EXPECT_NE(r.err.find(phrase), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+  EXPECT_FALSE(fs::exists(path("cache.json"))) << "nothing written on refusal";
+  if (!testing::has_cuda_device()) {
+    const CliResult cuda = run("tune --model glm-5" + ok_cache);
+    EXPECT_EQ(cuda.exit_code, 1);
+    EXPECT_NE(cuda.err.find("needs a CUDA GPU"), std::string::npos) << cuda.err;
+  }
+}
+
 TEST_F(CliTest, PlanRunsWithoutAGpu) {
   // With no --arch it plans for the local GPU, or for sm90 and sm120 without one.
   const CliResult local = run("plan");
@@ -666,6 +705,13 @@ TEST_F(CliTest, PlanRunsWithoutAGpu) {
   EXPECT_EQ(parsed[0].at("arch"), "sm120");
   EXPECT_FALSE(parsed[0].at("configs").empty());
   EXPECT_EQ(run("plan --model nope").exit_code, 1);
+  // Where each choice comes from; tuned choices are the local GPU's only.
+  const CliResult sources = run("plan --arch sm90 --model glm-5 --tokens 1 64 --cache '" + path("absent.json") + "'");
+  ASSERT_EQ(sources.exit_code, 0) << sources.err;
+  EXPECT_NE(sources.out.find("tuned choices apply to the local GPU only"), std::string::npos) << sources.out;
+  EXPECT_NE(sources.out.find("heuristic, heuristic"), std::string::npos) << sources.out;
+  const nlohmann::json planned = nlohmann::json::parse(run("plan --arch sm90 --model glm-5 --tokens 1 --json").out);
+  EXPECT_EQ(planned[0].at("plans")[0].at("gemm1").at("source"), "heuristic");
 }
 
 }  // namespace

@@ -1,12 +1,15 @@
 // GPU tests of the fp4moe command-line tool (label "gpu"; each test skips
 // visibly where there is no CUDA device): runs the built binary with
 // `--device cuda` and checks it against the CPU backend of the same binary,
-// then runs the GPU demo (check + timing table) and the layer benchmark on a
-// small model. The fixture is shared with test_cli.cpp (cli_test_support.hpp).
+// then runs the GPU demo (check + timing table), the layer benchmark and the
+// autotuner (its cache read by `plan` and `moe`) on small models. The fixture
+// is shared with test_cli.cpp (cli_test_support.hpp).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <map>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -16,8 +19,10 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_test_support.hpp"
+#include "fp4moe/plan.hpp"
 #include "fp4moe/safetensors.hpp"
 #include "gpu_test_util.hpp"
+#include "tune/tune_cache.hpp"
 
 namespace fp4moe {
 namespace {
@@ -171,6 +176,105 @@ TEST_F(CliGpuTest, LayerBenchWritesOneJsonLinePerCase) {
   EXPECT_TRUE(has_ceilings);
   EXPECT_EQ(num_cases, 6 * 2) << "6 variants x 2 token counts";
   EXPECT_EQ(num_graphs, 2 * 2) << "two graph replays per token count";
+}
+
+// Sets an environment variable for the runs of one scope (they inherit it).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) { ::setenv(name, value.c_str(), 1); }
+  ~ScopedEnv() { ::unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
+
+// `tune` on a model shape writes one JSON line per (GEMM, bucket) and the
+// cache, which `plan` then shows; `tune --weights` on a checkpoint's layer,
+// whose tuned choice a `moe` run then uses and FP4MOE_PRINT_CONFIG reports.
+TEST_F(CliGpuTest, TuneWritesTheCacheThatPlanAndMoeUse) {
+  const std::string cache = path("tune-cache.json");
+  const CliResult r = run("tune --model qwen3-30b --tokens 1 64 --iterations 2 --cache '" + cache + "' --json '" +
+                          path("tune.jsonl") + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::printf("%s", r.out.c_str());
+  EXPECT_NE(r.out.find("estimated GPU time"), std::string::npos) << r.out;
+  std::istringstream lines(read_text(path("tune.jsonl")));
+  std::string line;
+  std::map<std::pair<int, int64_t>, std::string> tuned;  // (gemm, bucket) -> config
+  int summaries = 0, totals = 0;
+  while (std::getline(lines, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.at("kind") == "tune_summary") {
+      ++summaries;
+      EXPECT_GT(j.at("wall_s").get<double>(), 0.0) << line;
+      continue;
+    }
+    if (j.at("kind") == "tune_total") {
+      ++totals;
+      continue;
+    }
+    ASSERT_EQ(j.at("kind"), "tune") << line;
+    const int gemm = j.at("gemm").get<int>();
+    EXPECT_EQ(j.at("epilogue"), gemm == 1 ? "swiglu" : "finalize") << line;
+    EXPECT_GT(j.at("candidates").get<int>(), 0) << line;
+    EXPECT_GT(j.at("time_us").get<double>(), 0.0) << line;
+    EXPECT_GT(j.at("heuristic_us").get<double>(), 0.0) << line;
+    EXPECT_TRUE(j.at("heuristic_is_candidate").get<bool>()) << line;
+    EXPECT_GE(j.at("speedup").get<double>(), 1.0) << "the heuristic's choice is among the finalists: " << line;
+    EXPECT_TRUE(is_compiled(TileConfig::parse(j.at("config").get<std::string>()))) << line;
+    tuned[std::make_pair(gemm, j.at("bucket").get<int64_t>())] = j.at("config").get<std::string>();
+  }
+  EXPECT_EQ(tuned.size(), 4u) << "2 GEMMs x 2 buckets";
+  EXPECT_EQ(summaries, 1);
+  EXPECT_EQ(totals, 1);
+  const tune::CacheFile file = tune::read_cache(cache);
+  ASSERT_EQ(file.status, tune::CacheStatus::kOk) << file.problem;
+  EXPECT_EQ(file.entries.size(), 4u);
+
+  const CliResult plan = run("plan --model qwen3-30b --tokens 1 3 64 --json --cache '" + cache + "'");
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  const nlohmann::json plans = nlohmann::json::parse(plan.out)[0].at("plans");
+  ASSERT_EQ(plans.size(), 3u);
+  for (const nlohmann::json& p : plans) {
+    const int64_t bucket = p.at("tokens").get<int64_t>() == 1 ? 1 : 64;  // 3 -> the smallest bucket >= 3
+    for (int gemm : {1, 2}) {
+      const nlohmann::json& g = p.at("gemm" + std::to_string(gemm));
+      EXPECT_EQ(g.at("source"), "tuned@" + std::to_string(bucket)) << p;
+      EXPECT_EQ(g.at("config"), tuned[std::make_pair(gemm, bucket)]) << p;
+    }
+  }
+
+  // A checkpoint's layer: tuned, then used by `moe` through FP4MOE_TUNE_CACHE.
+  const std::string checkpoint = quantized_checkpoint();
+  const std::string layer_cache = path("layer-cache.json");
+  const CliResult weights = run("tune --weights '" + checkpoint + "' --prefix " + kStackPrefix +
+                                " --topk 2 --tokens 4 --iterations 2 --cache '" + layer_cache + "'");
+  ASSERT_EQ(weights.exit_code, 0) << weights.out << weights.err;
+  EXPECT_EQ(tune::read_cache(layer_cache).entries.size(), 2u);
+  std::mt19937 rng(5);
+  constexpr int64_t kTokens = 3;
+  SafetensorsWriter w;
+  add_bf16(w, "hidden_states", {kTokens, kHidden}, normal_values(rng, kTokens * kHidden, 1.0, /*bf16=*/true));
+  add_i32(w, "topk_ids", {kTokens, 2}, {0, 1, 2, 3, 1, 2});
+  add_f32(w, "topk_weights", {kTokens, 2}, {0.5f, 0.5f, 0.25f, 0.75f, 1.0f, 0.1f});
+  w.write(path("x.safetensors"));
+  const std::string moe = "moe --device cuda --weights '" + checkpoint + "' --prefix " + kStackPrefix +
+                          " --input '" + path("x.safetensors") + "' --output '" + path("y.safetensors") + "'";
+  const ScopedEnv print("FP4MOE_PRINT_CONFIG", "1");
+  {
+    const ScopedEnv use(tune::kCacheEnvVar, layer_cache);
+    const CliResult used = run(moe);
+    ASSERT_EQ(used.exit_code, 0) << used.err;
+    EXPECT_NE(used.err.find("GEMM1 + SwiGLU"), std::string::npos) << used.err;
+    EXPECT_NE(used.err.find("[tuned (bucket 4 of " + layer_cache + ")]"), std::string::npos) << used.err;
+  }
+  const ScopedEnv off(tune::kCacheEnvVar, "off");
+  const CliResult heuristic = run(moe);
+  ASSERT_EQ(heuristic.exit_code, 0) << heuristic.err;
+  EXPECT_NE(heuristic.err.find("[heuristic]"), std::string::npos) << heuristic.err;
+  EXPECT_EQ(heuristic.err.find("tuned"), std::string::npos) << heuristic.err;
 }
 
 }  // namespace
