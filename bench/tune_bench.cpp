@@ -219,7 +219,9 @@ double estimate_launch_us(const GemmProblem& problem, double flush_us) {
 
 double estimate_bucket_us(const GemmProblem& problem, int num_candidates, const TuneSettings& settings,
                           double flush_us) {
-  const double launches = num_candidates * (settings.iterations + 1.0) +
+  // Pass 1: every candidate but the first probed with 2 launches, then timed
+  // (pruned ones are not: this is the most it takes); pass 2.
+  const double launches = num_candidates * (settings.iterations + 3.0) - 2.0 +
                           (std::min(settings.finalists, num_candidates) + 1.0) * (2.0 * settings.iterations + 1.0);
   return launches * estimate_launch_us(problem, flush_us);
 }
@@ -256,13 +258,32 @@ BucketResult tune_bucket(GemmTuneBench& bench, int64_t num_tokens, const TuneSet
   for (const tune::Candidate& c : candidates)
     timed.push_back({c, plan_grouped_gemm(result.problem, c.config, c.split_k), 0.0});
   if (!result.heuristic_is_candidate) timed.push_back({result.heuristic, heuristic_plan, 0.0});
-  for (Timed& t : timed) time_one(t, settings.iterations);
+
+  // Pass 1, the heuristic's choice first (a good first best). A candidate
+  // whose first timed launch takes more than prune_slower_than x the best
+  // median so far keeps that time and is not timed further: it cannot win,
+  // and at prefill sizes the worst tiles take tens of milliseconds a launch.
+  const auto is_heuristic = [&](const Timed& t) { return t.candidate == result.heuristic; };
+  std::stable_partition(timed.begin(), timed.end(), is_heuristic);
+  double best_us = 0;
+  for (Timed& t : timed) {
+    if (best_us > 0 && settings.prune_slower_than > 0) {
+      time_one(t, 1);
+      if (t.time_us > settings.prune_slower_than * best_us) {
+        ++result.pruned;
+        continue;
+      }
+    }
+    time_one(t, settings.iterations);
+    best_us = best_us > 0 ? std::min(best_us, t.time_us) : t.time_us;
+  }
 
   // Pass 2: the finalists and the heuristic's choice, with more launches.
-  std::vector<Timed> ranked(timed.begin(), timed.begin() + static_cast<std::ptrdiff_t>(candidates.size()));
+  std::vector<Timed> ranked;
+  for (const Timed& t : timed)
+    if (result.heuristic_is_candidate || !is_heuristic(t)) ranked.push_back(t);
   std::stable_sort(ranked.begin(), ranked.end(), [](const Timed& a, const Timed& b) { return a.time_us < b.time_us; });
   ranked.resize(std::min<size_t>(ranked.size(), static_cast<size_t>(settings.finalists)));
-  const auto is_heuristic = [&](const Timed& t) { return t.candidate == result.heuristic; };
   if (std::none_of(ranked.begin(), ranked.end(), is_heuristic))
     ranked.push_back(*std::find_if(timed.begin(), timed.end(), is_heuristic));
   for (Timed& t : ranked) time_one(t, 2 * settings.iterations);

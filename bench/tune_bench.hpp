@@ -6,9 +6,11 @@
 // permuted into expert order by the layer's own sort kernel, with random
 // inputs; every timed launch starts from a flushed L2 (L2Flusher) and the
 // launches rotate over the routings, so no candidate is timed on one lucky
-// routing. Pass 1 times every candidate (`iterations` launches, the median);
-// pass 2 times the `finalists` fastest and the heuristic's own choice again
-// with twice the launches, and the fastest of those wins, unless the
+// routing. Pass 1 times every candidate (`iterations` launches, the median;
+// the heuristic's own choice first, and a candidate whose first launch is
+// `prune_slower_than` times slower than the best so far is not timed
+// further); pass 2 times the `finalists` fastest and the heuristic's choice
+// again with twice the launches, and the fastest of those wins, unless the
 // heuristic's choice is within `keep_heuristic_within` of it (noise: the
 // heuristic then stays, and the cache records it as tuned).
 //
@@ -100,6 +102,7 @@ struct TuneSettings {
   int routings = 4;      // routings rotated over
   int finalists = 3;     // pass 2: re-timed with the heuristic's choice, 2x the launches
   double keep_heuristic_within = 0.01;  // the heuristic's choice stays unless beaten by more
+  double prune_slower_than = 2.0;       // pass 1: stop timing a candidate this much slower than the best (0: never)
   tune::DeviceLimits limits;            // the candidates' budget and compute capability
   bool batch_invariant = false;         // tune a batch-invariant layer's choices
 };
@@ -112,6 +115,7 @@ struct BucketResult {
   tune::Candidate heuristic;  // what MoeLayer plans without a tuned choice
   double heuristic_us = 0;
   bool heuristic_is_candidate = true;  // false when --smem-budget excludes it
+  int pruned = 0;                      // candidates timed once only (prune_slower_than)
   int64_t timed_launches = 0;
 };
 

@@ -173,6 +173,9 @@ void run_tune(const TuneOptions& o, const CLI::App& cmd) {
         const bench::TuneShape& s = shapes[i];
         c.problem = moe_gemm_problem(gemm, s.num_experts, s.top_k, s.hidden, s.inter, t, o.batch_invariant);
         c.num_candidates = static_cast<int>(tune::candidates(c.problem, settings.limits, o.batch_invariant).size());
+        FP4MOE_CHECK(c.num_candidates > 0, "no compiled config with the ", to_string(c.problem.epilogue),
+                     " epilogue fits ", settings.limits.smem_budget_bytes, " B of shared memory per block",
+                     cmd.count("--smem-budget") > 0 ? " (--smem-budget)" : "", "; fp4moe plan shows each one's needs");
         c.estimate_us = bench::estimate_bucket_us(c.problem, c.num_candidates, settings, flush_us);
         total_us += c.estimate_us;
         total_candidates += c.num_candidates;
@@ -260,6 +263,7 @@ void run_tune(const TuneOptions& o, const CLI::App& cmd) {
           j["candidates"] = r.num_candidates;
           j["heuristic_is_candidate"] = r.heuristic_is_candidate;
           j["speedup"] = speedup;
+          j["pruned"] = r.pruned;
           j["timed_launches"] = r.timed_launches;
           j["iterations"] = o.iterations;
           j["routings"] = settings.routings;

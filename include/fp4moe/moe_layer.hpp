@@ -25,11 +25,15 @@
 // 2^40 (the grouped GEMM's 32-bit indexing); num_tokens * top_k < 2^31
 // (plan, workspace_bytes, forward); a forward of more tokens than its
 // workspace was sized for. Plans are cached per token count, at most
-// plan_cache_capacity() of them (least recently used dropped first).
+// plan_cache_capacity() of them (least recently used dropped first). Each
+// GEMM's plan is a forced config, else the tune cache's choice for this GPU
+// (`fp4moe tune`; MoeLayerOptions::use_tune_cache), else the planner's
+// heuristic; MoeLayerPlan says which.
 //
 // Tested in tests/layer/test_moe_layer.cpp (GPU) against the CPU reference
-// (fp4moe::moe_reference) and in tests/layer/test_moe_layer_args.cpp (host
-// validation, no GPU needed).
+// (fp4moe::moe_reference), in tests/layer/test_moe_layer_args.cpp (host
+// validation, no GPU needed) and, with a tune cache, in
+// tests/tune/test_tune_gpu.cpp.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -220,11 +220,21 @@ struct MoeLayer::Impl {
 
   // Reads the tune cache for this device (MoeLayerOptions::use_tune_cache)
   // and checks both GEMMs' entries; what is wrong with it is reported once
-  // per process.
+  // per process. A cache never makes prepare() fail: anything unexpected
+  // leaves the heuristic in charge, reported.
   void load_tuned_choices() {
     if (!options.use_tune_cache) return;
     const std::string path = options.tune_cache_path.empty() ? tune::default_cache_path() : options.tune_cache_path;
     if (path.empty()) return;
+    try {
+      read_tuned_choices(path);
+    } catch (const Error& e) {
+      tuned[0] = tune::TunedGemm();
+      tuned[1] = tune::TunedGemm();
+      tune::report_once("tune cache " + path + " not used: " + e.message());
+    }
+  }
+  void read_tuned_choices(const std::string& path) {
     const tune::CacheFile cache = tune::read_cache(path);
     if (!cache.problem.empty()) tune::report_once(cache.problem);
     if (cache.entries.empty()) return;
