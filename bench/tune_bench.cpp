@@ -236,8 +236,8 @@ BucketResult tune_bucket(GemmTuneBench& bench, int64_t num_tokens, const TuneSet
   const std::vector<tune::Candidate> candidates =
       tune::candidates(result.problem, settings.limits, settings.batch_invariant);
   FP4MOE_CHECK(!candidates.empty(), "no compiled config with the ", to_string(result.problem.epilogue),
-               " epilogue fits ", settings.limits.smem_budget_bytes, " B of shared memory and runs on compute capability ",
-               settings.limits.compute_capability);
+               " epilogue fits ", settings.limits.smem_budget_bytes,
+               " B of shared memory and runs on compute capability ", settings.limits.compute_capability);
   result.num_candidates = static_cast<int>(candidates.size());
   // What MoeLayer plans for this bucket without a tuned choice.
   const GemmPlan heuristic_plan = limit_split_k(plan_grouped_gemm(result.problem), settings.batch_invariant);

@@ -217,7 +217,7 @@ void run_tune(const TuneOptions& o, const CLI::App& cmd) {
     Timer shape_wall;
     std::vector<tune::CacheEntry> entries;
     std::vector<double> speedups;
-    int improved = 0;
+    int differ = 0;
     for (int gemm : {1, 2}) {
       bench::GemmTuneBench bench(shape, gemm, 11 + gemm);
       for (const Case& c : cases) {
@@ -234,7 +234,7 @@ void run_tune(const TuneOptions& o, const CLI::App& cmd) {
         show(detail);
         const double speedup = r.heuristic_us / r.tuned_us;
         speedups.push_back(speedup);
-        if (!(r.tuned == r.heuristic)) ++improved;
+        if (!(r.tuned == r.heuristic)) ++differ;
         tune::CacheEntry e;
         e.device = identity;
         e.gemm = tune::gemm_key(r.problem, shape.top_k, o.batch_invariant);
@@ -278,14 +278,14 @@ void run_tune(const TuneOptions& o, const CLI::App& cmd) {
     std::snprintf(line, sizeof line,
                   "# %s: %zu cases in %.1f s, %d tuned choices differ from the heuristic's, speedup median %.3fx, "
                   "max %.3fx; cache %s: %lld added, %lld replaced, %lld stale dropped\n",
-                  shape.name.c_str(), entries.size(), shape_s, improved, median(speedups),
+                  shape.name.c_str(), entries.size(), shape_s, differ, median(speedups),
                   *std::max_element(speedups.begin(), speedups.end()), cache_path.c_str(),
                   static_cast<long long>(merged.added), static_cast<long long>(merged.replaced),
                   static_cast<long long>(merged.dropped_stale));
     std::cout << line << std::flush;
     if (json.is_open()) {
       const nlohmann::json j{{"kind", "tune_summary"},  {"shape", shape.name},
-                             {"cases", entries.size()}, {"differ_from_heuristic", improved},
+                             {"cases", entries.size()}, {"differ_from_heuristic", differ},
                              {"median_speedup", median(speedups)},
                              {"max_speedup", *std::max_element(speedups.begin(), speedups.end())},
                              {"wall_s", shape_s},       {"cache", cache_path},
@@ -339,7 +339,8 @@ void add_tune_command(CLI::App& app) {
   cmd->add_option("--cache", opts->cache,
                   "tune cache file (default: $FP4MOE_TUNE_CACHE, else $XDG_CACHE_HOME/fp4moe/tune-cache.json, else "
                   "~/.cache/fp4moe/tune-cache.json); merged, written atomically after each shape");
-  cmd->add_option("--iterations", opts->iterations, "timed launches per candidate (median; finalists get twice as many)")
+  cmd->add_option("--iterations", opts->iterations,
+                  "timed launches per candidate (median; finalists get twice as many)")
       ->capture_default_str();
   cmd->add_flag("--batch-invariant", opts->batch_invariant,
                 "tune the choices of batch-invariant layers: split-K 1, one kernel family");

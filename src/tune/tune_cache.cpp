@@ -77,6 +77,7 @@ std::string parse_entry(const json& j, CacheEntry* e) {
     *out = static_cast<Int>(it->get<int64_t>());
     return {};
   };
+  // (The parser refuses numbers that overflow a double: they are finite.)
   const auto number_field = [&](const char* name, double* out) -> std::string {
     const auto it = j.find(name);
     if (it == j.end()) return {};

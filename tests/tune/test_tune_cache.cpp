@@ -83,7 +83,8 @@ std::string cache_with_field(const std::string& field, const std::string& value)
     e.erase(field);
   else
     e[field] = nlohmann::json::parse(value);
-  return nlohmann::json{{"format", "fp4moe tune cache"}, {"version", 1}, {"entries", nlohmann::json::array({e})}}.dump();
+  const nlohmann::json file{{"format", "fp4moe tune cache"}, {"version", 1}, {"entries", nlohmann::json::array({e})}};
+  return file.dump();
 }
 
 // Sets an environment variable for one scope, then restores it.
@@ -181,6 +182,7 @@ TEST(TuneCache, CorruptFilesAreReportedAndIgnored) {
       {cache_with_field("batch_invariant", ""), "'batch_invariant'"},
       {cache_with_field("batch_invariant", "1"), "'batch_invariant'"},
       {cache_with_field("time_us", "\"fast\""), "'time_us'"},
+      {R"({"format": "fp4moe tune cache", "version": 1, "entries": [{"time_us": 1e400}]})", "not valid JSON"},
       {cache_with_field("date", "20261204"), "'date'"},
   };
   // The fixture itself is valid.
@@ -366,7 +368,7 @@ TEST(TuneCache, AtomicMergeKeepsOtherEntriesAndDropsStaleOnes) {
 TEST(TuneCache, WriteReplacesACorruptOrOtherVersionFile) {
   const TempDir dir;
   const std::string path = dir / "tune-cache.json";
-  for (const std::string& bad : {std::string("{ not json"), std::string(R"({"format": "fp4moe tune cache", "version": 9})")}) {
+  for (const std::string bad : {"{ not json", R"({"format": "fp4moe tune cache", "version": 9})"}) {
     write_text(path, bad);
     const tune::MergeSummary summary = tune::write_cache(path, {entry(glm5(1), 1, "n128m8k256s4w4-swiglu", 1)}, kH200);
     EXPECT_NE(summary.replaced_file_problem.find(path), std::string::npos) << summary.replaced_file_problem;
@@ -464,7 +466,8 @@ TEST(TuneBuckets, TunedGemmFindsTheEntryOfTheBucket) {
                    entry(glm5(1), 64, "n128m64k128s3w4-swiglu", 1)};  // the later entry of bucket 64 wins
   const TunedGemm tuned(cache, kH200, glm5(1), 8, kSm90Limits, false, nullptr);
   ASSERT_EQ(tuned.choices().size(), 3u);
-  const std::vector<std::pair<int64_t, int64_t>> expected = {{1, 4}, {4, 4}, {5, 64}, {64, 64}, {65, 1024}, {9000, 1024}};
+  const std::vector<std::pair<int64_t, int64_t>> expected = {{1, 4},   {4, 4},     {5, 64},
+                                                             {64, 64}, {65, 1024}, {9000, 1024}};
   for (const auto& [tokens, bucket] : expected) {
     const tune::TunedChoice* found = tuned.find(tokens);
     ASSERT_NE(found, nullptr) << tokens;
@@ -559,7 +562,8 @@ TEST(TuneCandidates, BatchInvariantLayersUseOnlyInvariantChoices) {
   CacheFile cache;
   cache.path = "/c.json";
   cache.status = CacheStatus::kOk;
-  cache.entries = {entry(glm5(1), 1, "n128m8k256s4w4-swiglu", 2), entry(glm5(1), 64, "sm90n128m16k128s10w12-swiglu", 1)};
+  cache.entries = {entry(glm5(1), 1, "n128m8k256s4w4-swiglu", 2),
+                   entry(glm5(1), 64, "sm90n128m16k128s10w12-swiglu", 1)};
   std::vector<std::string> warnings;
   const TunedGemm plain(cache, kH200, glm5(1), 8, kSm90Limits, true, &warnings);
   EXPECT_TRUE(warnings.empty()) << "not faulty, just not for this layer";

@@ -57,26 +57,26 @@ std::vector<double> reference(const bench::TuneShape& shape, int gemm, const ben
   const PreparedGemmWeights& w = h.weights;
   const int64_t rows = static_cast<int64_t>(h.token_of_row.size());
   const int64_t out_cols = gemm == 1 ? w.n / 2 : w.n;
-  // Dequantised weights of every expert that has rows: [E][n][k].
-  std::vector<std::vector<double>> dense(static_cast<size_t>(w.num_experts));
+  // Dequantised weights (exact in float) of every expert that has rows: [E][n][k].
+  std::vector<std::vector<float>> dense(static_cast<size_t>(w.num_experts));
   parallel_for(w.num_experts, [&](int64_t e) {
     if (h.offsets[static_cast<size_t>(e + 1)] == h.offsets[static_cast<size_t>(e)]) return;
-    std::vector<double>& m = dense[static_cast<size_t>(e)];
+    std::vector<float>& m = dense[static_cast<size_t>(e)];
     m.resize(static_cast<size_t>(w.n * w.k));
     for (int64_t r = 0; r < w.n; ++r)
       for (int64_t c = 0; c < w.k; ++c) m[static_cast<size_t>(r * w.k + c)] = w.value(e, r, c);
   });
   std::vector<double> out(static_cast<size_t>(rows * out_cols), 0.0);
   parallel_for(shape.num_experts, [&](int64_t e) {
-    const std::vector<double>& m = dense[static_cast<size_t>(e)];
+    const std::vector<float>& m = dense[static_cast<size_t>(e)];
     const auto bias = [&](int64_t col) { return h.bias.empty() ? 0.0 : h.bias[static_cast<size_t>(e * w.n + col)]; };
     for (int32_t r = h.offsets[static_cast<size_t>(e)]; r < h.offsets[static_cast<size_t>(e + 1)]; ++r) {
       const int64_t x_row = gemm == 1 ? h.token_of_row[static_cast<size_t>(r)] : r;
       const uint16_t* x = h.x.data() + x_row * w.k;
       const auto dot = [&](int64_t weight_row) {
+        const float* wr = m.data() + weight_row * w.k;
         double sum = 0.0;
-        for (int64_t c = 0; c < w.k; ++c)
-          sum += static_cast<double>(bf16_to_float(x[c])) * m[static_cast<size_t>(weight_row * w.k + c)];
+        for (int64_t c = 0; c < w.k; ++c) sum += static_cast<double>(bf16_to_float(x[c])) * wr[c];
         return sum;
       };
       if (gemm == 1) {
@@ -175,8 +175,9 @@ TEST(TuneCandidatesGpu, TuneBucketPicksACandidateNoSlowerThanTheHeuristic) {
   EXPECT_EQ(progress_launches, r.timed_launches);
   // Every candidate launched at least twice (warm-up and one timed launch);
   // the unpruned ones iterations + 1 times, the finalists 2 iterations + 1 more.
-  EXPECT_GE(r.timed_launches, static_cast<int64_t>(candidates.size() - r.pruned) * (settings.iterations + 1) +
-                                  2 * r.pruned + static_cast<int64_t>(settings.finalists) * (2 * settings.iterations + 1));
+  const int64_t unpruned = static_cast<int64_t>(candidates.size()) - r.pruned;
+  EXPECT_GE(r.timed_launches, unpruned * (settings.iterations + 1) + 2 * r.pruned +
+                                  int64_t{settings.finalists} * (2 * settings.iterations + 1));
   EXPECT_LT(r.pruned, r.num_candidates);
   std::printf("  tuned %s %.1f us, heuristic %s %.1f us, %d of %d candidates pruned\n", r.tuned.to_string().c_str(),
               r.tuned_us, r.heuristic.to_string().c_str(), r.heuristic_us, r.pruned, r.num_candidates);
@@ -383,7 +384,8 @@ TEST(MoeLayerTuneCache, CorruptOrMissingCacheGivesTheHeuristic) {
   const MoeLayer a = MoeLayer::prepare(weights, small_options(corrupt));
   const MoeLayer b = MoeLayer::prepare(weights, small_options(corrupt));
   const std::string err = ::testing::internal::GetCapturedStderr();
-  EXPECT_EQ(err, "fp4moe: tune cache " + corrupt + " is corrupt (not valid JSON); ignored (fp4moe tune writes a new one)\n");
+  EXPECT_EQ(err, "fp4moe: tune cache " + corrupt +
+                     " is corrupt (not valid JSON); ignored (fp4moe tune writes a new one)\n");
   EXPECT_EQ(a.plan(kBucket).gemm1_origin.kind, PlanOrigin::Kind::kHeuristic);
 
   ::testing::internal::CaptureStderr();
