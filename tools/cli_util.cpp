@@ -105,6 +105,13 @@ void Progress::advance(int64_t count, std::string_view detail) {
   if (since_draw_s >= (tty_ ? 0.1 : 5.0)) draw(detail, false);
 }
 
+void Progress::clear() {
+  if (!enabled_ || !tty_ || finished_) return;
+  std::fprintf(stderr, "\r\033[K");
+  std::fflush(stderr);
+  last_draw_ = start_;  // redraw at the next advance()
+}
+
 void Progress::finish() {
   if (finished_) return;
   finished_ = true;

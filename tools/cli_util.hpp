@@ -56,6 +56,9 @@ class Progress {
   void advance(int64_t count = 1, std::string_view detail = {});
   // Ends the line (called by the destructor if not before).
   void finish();
+  // On a terminal, erases the line so that other output (a table row on
+  // stdout) starts on a clean one; the next advance() draws it again.
+  void clear();
 
  private:
   void draw(std::string_view detail, bool final);

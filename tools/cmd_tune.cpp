@@ -251,6 +251,7 @@ void run_tune(const TuneOptions& o, const CLI::App& cmd) {
                       shape.name.c_str(), gemm, static_cast<long long>(c.tokens), r.num_candidates,
                       choice_name(r.tuned).c_str(), r.tuned_us, choice_name(r.heuristic).c_str(), r.heuristic_us,
                       speedup);
+        progress.clear();
         std::cout << line << std::flush;
         if (json.is_open()) {
           // The cache entry (device, GEMM, bucket; the tuned config, split_k
@@ -282,6 +283,7 @@ void run_tune(const TuneOptions& o, const CLI::App& cmd) {
                   *std::max_element(speedups.begin(), speedups.end()), cache_path.c_str(),
                   static_cast<long long>(merged.added), static_cast<long long>(merged.replaced),
                   static_cast<long long>(merged.dropped_stale));
+    progress.clear();
     std::cout << line << std::flush;
     if (json.is_open()) {
       const nlohmann::json j{{"kind", "tune_summary"},  {"shape", shape.name},
