@@ -10,6 +10,7 @@
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
 #include "kernels/moe_ops.hpp"
+#include "layer/moe_layer_internals.hpp"
 
 namespace fp4moe::bench {
 
@@ -30,6 +31,7 @@ struct GemmTuneBench::State {
   };
   std::vector<Routing> routings;
   DeviceBuffer<uint16_t> x;            // bf16: GEMM 1 [T, hidden], GEMM 2 [rows, inter]
+  DeviceBuffer<uint16_t> x_sorted;     // GEMM 1 with the separate gather: bf16 [rows, hidden], grown
   DeviceBuffer<float> row_weights;     // [rows]
   DeviceBuffer<uint16_t> y;            // GEMM 1: bf16 [rows, inter]
   DeviceBuffer<float> out_f32;         // GEMM 2: fp32 [rows, hidden]
@@ -152,7 +154,19 @@ void GemmTuneBench::launch(const GemmPlan& plan, int routing_idx, cudaStream_t s
     s.workspace.fill_bytes(0, stream);
     FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
-  grouped_gemm(s.args(routing_idx), plan, stream);
+  GroupedGemmArgs args = s.args(routing_idx);
+  if (s.gemm == 1 && auto_gather_is_separate(plan.config)) {
+    // As the default layer runs this tile: the rows copied into expert
+    // order first, then read contiguously (by tensor map).
+    const State::Routing& r = s.routings.at(static_cast<size_t>(routing_idx));
+    s.x_sorted.grow(static_cast<size_t>(s.rows() * s.k));
+    kernels::launch_gather_rows(s.x.get(), r.token_of_row.get(), r.offsets.get(), s.shape.num_experts, s.rows(),
+                                s.k, s.x_sorted.get(), stream);
+    args.x = s.x_sorted.get();
+    args.gather_rows = nullptr;
+    args.x_rows = s.rows();
+  }
+  grouped_gemm(args, plan, stream);
 }
 
 double GemmTuneBench::time_us(const GemmPlan& plan, int iterations, const L2Flusher& flusher, cudaStream_t stream) {

@@ -47,7 +47,11 @@ struct TuneShape {
 
 // One grouped GEMM of a layer on the current device. GEMM 1 reads hidden
 // states [T, hidden] through the permutation (the fused gather) and applies
-// the SwiGLU epilogue with the shape's activation and gate/up biases; GEMM 2
+// the SwiGLU epilogue with the shape's activation and gate/up biases; with a
+// tile that the default layer precedes with its separate gather pass
+// (auto_gather_is_separate, src/layer/moe_layer_internals.hpp: SM90 tiles
+// read by tensor map), a launch is that pass and GEMM 1 on the sorted copy,
+// so the candidate is timed as the layer runs it. GEMM 2
 // reads activated rows [rows, inter] in expert order and stores each row,
 // plus its bias, times its router weight in fp32 at its (token, slot) row
 // (the deterministic finalize). Weights are random_gemm_weights(); split-K

@@ -301,7 +301,7 @@ struct MoeLayer::Impl {
   // the same bits.
   bool wants_separate_gather(const MoeLayerPlan& p) const {
     if (gather != GatherMode::kAuto) return gather == GatherMode::kSeparate;
-    return p.gemm1.config.family == KernelFamily::kSm90 && p.gemm1.config.block_m >= kSm90TensorMapMinBlockM;
+    return auto_gather_is_separate(p.gemm1.config);
   }
 
   // What a forward of num_tokens with plan `p` and a workspace of
@@ -375,6 +375,10 @@ MoeLayer MoeLayer::prepare(const MoeWeights& weights, const MoeLayerOptions& opt
 }
 
 GatherMode MoeLayerInternals::gather(const MoeLayer& layer) { return layer.impl_->gather; }
+
+bool auto_gather_is_separate(const TileConfig& gemm1) {
+  return gemm1.family == KernelFamily::kSm90 && gemm1.block_m >= kSm90TensorMapMinBlockM;
+}
 
 bool MoeLayerInternals::separate_gather(const MoeLayer& layer, int64_t num_tokens, size_t workspace_bytes) {
   const MoeLayer::Impl& m = *layer.impl_;

@@ -21,6 +21,13 @@ enum class GatherMode {
 };
 std::string to_string(GatherMode mode);
 
+// Whether GatherMode::kAuto copies the activation rows into expert order
+// before a GEMM1 planned with `gemm1`: where its tile then reads them by
+// tensor map (the SM90 family's tiles of kSm90TensorMapMinBlockM rows or
+// more), the workspace permitting. The autotuner times such GEMM1 candidates
+// with that pass, as the layer runs them.
+bool auto_gather_is_separate(const TileConfig& gemm1);
+
 class MoeLayerInternals {
  public:
   // MoeLayer::prepare() with the given gather mode.

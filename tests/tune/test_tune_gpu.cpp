@@ -5,8 +5,9 @@
 //     shapes, both GEMMs with their fused epilogues, at token counts with
 //     about one routed row per expert, a few, and past the SM90 family's
 //     boundary, launched through bench::GemmTuneBench exactly as `fp4moe
-//     tune` launches it, on a poisoned output, checked against a CPU
-//     reference in double with the GPU tests' tolerance;
+//     tune` launches it (GEMM1's tensor-map tiles after the separate gather
+//     pass, as the layer runs them), on a poisoned output, checked against a
+//     CPU reference in double with the GPU tests' tolerance;
 //   - tune_bucket itself on one bucket: its winner is a candidate, no slower
 //     than the heuristic's choice in the same measurement;
 //   - MoeLayer with a tune cache: plan() reports the cached choice and where
