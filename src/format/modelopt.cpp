@@ -284,8 +284,11 @@ ModelConfig read_model_config(const fs::path& path) {
   ModelConfig config;
   config.where = path.string();
   FP4MOE_CHECK(file.is_object(), config.where, ": expected a JSON object");
+  // Another quantiser's config (compressed-tensors, ...) is not ModelOpt's
+  // layout; its tensors are refused by name if they are not NVFP4.
   if (file.contains("quantization_config") && file["quantization_config"].is_object() &&
-      file["quantization_config"].value("quant_method", "") == "modelopt")
+      file["quantization_config"].contains("quant_method") &&
+      file["quantization_config"]["quant_method"] == "modelopt")
     config.modelopt_quantization = file["quantization_config"];
   // A multimodal model keeps its language model's fields in text_config.
   const json& text = file.contains("text_config") && file["text_config"].is_object() ? file["text_config"] : file;

@@ -981,6 +981,13 @@ TEST_F(ModeloptCheckpoint, ExpertCountComesFromConfigJson) {
   msg = error_message([&] { load_moe_weights(dir, kPrefix); });
   EXPECT_CONTAINS(msg, "n_routed_experts is \"3\"; expected a positive expert count");
   EXPECT_ONE_LINE(msg);
+  write_text(ckpt / "config.json", "[3]");
+  msg = error_message([&] { load_moe_weights(dir, kPrefix); });
+  EXPECT_CONTAINS(msg, "config.json: expected a JSON object");
+  EXPECT_ONE_LINE(msg);
+  // Another quantiser's quantization_config is not read as ModelOpt's.
+  write_text(ckpt / "config.json", R"({"num_experts": 3, "quantization_config": {"quant_method": 3}})");
+  EXPECT_EQ(load_moe_weights(dir, kPrefix).checkpoint_format, "");
 }
 
 // Mixtral's expert names, block_sparse_moe.experts.<e>.{w1,w3,w2} for gate,
