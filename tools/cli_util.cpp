@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <regex>
 #include <set>
 
@@ -51,20 +52,22 @@ std::string format_bytes(double bytes) {
 }
 
 std::string detect_prefix(const std::string& path) {
-  static const std::regex kExpertName(R"((.*)experts\.\d+\.gate_proj\.weight)");
-  static const std::regex kStackName(R"((.*)experts\.gate_proj\.weight)");
+  // Per-expert gate tensors (ModelOpt's names or Mixtral's), and stacked
+  // ones (3-D stacks, transformers 5's fused gate_up_proj).
+  static const std::regex kExpertName(R"((.*)experts\.\d+\.(gate_proj|w1)\.weight)");
+  static const std::regex kStackName(R"((.*)experts\.(gate_proj\.weight|gate_up_proj.*))");
   std::set<std::string> prefixes;
-  bool has_stacks = false;
+  std::optional<std::string> stack_prefix;
   for (const std::string& name : checkpoint_tensor_names(path)) {
     std::smatch match;
     if (std::regex_match(name, match, kExpertName)) prefixes.insert(match[1]);
-    has_stacks = has_stacks || std::regex_match(name, kStackName);
+    if (!stack_prefix && std::regex_match(name, match, kStackName)) stack_prefix = match[1];
   }
   if (prefixes.empty()) {
-    FP4MOE_THROW(path, ": no expert tensors named '<prefix>experts.<e>.gate_proj.weight'",
-                 has_stacks ? "; it holds float expert stacks: quantise it first with "
-                              "'fp4moe quantize IN OUT'"
-                            : "");
+    // The loader says why it cannot use stacked experts.
+    FP4MOE_CHECK(stack_prefix, path, ": no expert tensors named '<prefix>experts.<e>.gate_proj.weight' "
+                 "(or Mixtral's '<prefix>experts.<e>.w1.weight')");
+    return *stack_prefix;
   }
   if (prefixes.size() > 1) {
     std::string list;

@@ -31,7 +31,10 @@ std::string format_bytes(double bytes);
 
 // The one layer prefix ("model.layers.3.mlp.") whose experts the checkpoint
 // at `path` holds; throws, listing them, when it holds several layers (the
-// user must choose with --prefix) and when it holds none.
+// user must choose with --prefix) and when it holds none. Expert tensors
+// named as ModelOpt does or as Mixtral does (w1) count; a checkpoint with
+// stacked expert tensors only gives the first stack's prefix, for the loader to
+// refuse with its reason.
 std::string detect_prefix(const std::string& path);
 
 // ------------------------------------------------------------ progress, time

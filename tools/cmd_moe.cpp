@@ -68,6 +68,10 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   const int64_t num_experts = weights.num_experts;
   const int64_t hidden = weights.hidden;
   FP4MOE_CHECK(num_experts > 0, opts.weights, ": no experts under prefix '", prefix, "'");
+  // Said once, not silently ignored: W4A4 numerics are not implemented.
+  if (weights.checkpoint_format == "NVFP4")
+    std::fprintf(stderr, "moe: note: %s is an NVFP4 (W4A4) checkpoint; its input_scale is not applied: "
+                 "activations stay bf16 (W4A16)\n", opts.weights.c_str());
 
   const SafetensorsFile in = SafetensorsFile::open(opts.input);
   LogitRoutingFlags flags;

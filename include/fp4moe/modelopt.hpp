@@ -60,6 +60,11 @@ struct MoeWeights {
   int64_t hidden = 0;  // H
   int64_t inter = 0;   // I (moe_intermediate_size)
   std::vector<ExpertWeights> experts;
+  // The format the checkpoint declares for the layer (hf_quant_config.json,
+  // or config.json's quantization_config): "NVFP4" (W4A4: its input_scale
+  // is meant to quantise activations, which fp4moe keeps bf16) or
+  // "W4A16_NVFP4"; empty when the checkpoint declares none.
+  std::string checkpoint_format;
 
   bool has_bias() const { return !experts.empty() && !experts[0].gate_bias.empty(); }
 };
@@ -72,10 +77,15 @@ std::string expert_tensor_name(const std::string& prefix, int64_t expert_idx,
                                const std::string& proj, const std::string& field);
 
 // Loads every expert under `prefix` from a .safetensors file or a checkpoint
-// directory (model.safetensors.index.json for shards; hf_quant_config.json,
-// when present, must say quant_algo NVFP4 with group_size 16). The expert
-// count is discovered from the tensor names. Missing or mismatched tensors
-// are reported by name with the expected and found shape/dtype.
+// directory (model.safetensors.index.json for shards). Expert tensors are
+// "<prefix>experts.<e>.{gate_proj,up_proj,down_proj}.*" or Mixtral's
+// "<prefix>experts.<e>.{w1,w3,w2}.*" (gate, up, down). The configs of the
+// directory (a file's own directory) are honoured: hf_quant_config.json (or
+// config.json's quantization_config) must declare NVFP4 or W4A16_NVFP4 with
+// group_size 16, for MIXED_PRECISION the layer's experts in quantized_layers;
+// config.json's expert count (n_routed_experts, num_local_experts or
+// num_experts) is the count expected, else the largest index found sets it.
+// Every error is one line naming the tensor or file and what was expected.
 MoeWeights load_moe_weights(const std::string& path, const std::string& prefix);
 
 // Adds the layer's tensors in ModelOpt layout to a writer (the inverse of

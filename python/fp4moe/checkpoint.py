@@ -16,7 +16,9 @@ import os
 import re
 import struct
 
-_EXPERT_TENSOR = re.compile(r"^(.*)experts\.(\d+)\.gate_proj\.weight$")
+# An expert's gate weight, named as ModelOpt exports it or as Mixtral does
+# (w1), the rule of the C++ loader's prefix detection (tools/cli_util.cpp).
+_EXPERT_TENSOR = re.compile(r"^(.*)experts\.(\d+)\.(?:gate_proj|w1)\.weight$")
 
 
 @dataclasses.dataclass
@@ -87,8 +89,8 @@ def tensor_names(path: str) -> list[str]:
 
 def find_moe_prefixes(path: str) -> list[str]:
     """The prefixes (e.g. 'model.layers.3.mlp.') under which the checkpoint
-    holds per-expert ModelOpt tensors '<prefix>experts.<e>.gate_proj.weight',
-    in layer order."""
+    holds per-expert ModelOpt tensors '<prefix>experts.<e>.gate_proj.weight'
+    (or Mixtral's '<prefix>experts.<e>.w1.weight'), in layer order."""
     prefixes = {m.group(1) for n in tensor_names(path) if (m := _EXPERT_TENSOR.match(n))}
 
     def layer_key(prefix: str):

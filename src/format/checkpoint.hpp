@@ -14,8 +14,8 @@ namespace fp4moe {
 // Every tensor name of a .safetensors file or a checkpoint directory (the
 // shards its model.safetensors.index.json names, else all its *.safetensors
 // files), sorted: what load_moe_weights(path, ...) can find there. Throws as
-// the loader does: a missing path, an invalid index or hf_quant_config.json,
-// a tensor in two loose files.
+// the loader does: a missing path, an invalid index, an invalid or refused
+// hf_quant_config.json or config.json, a tensor in two loose files.
 std::vector<std::string> checkpoint_tensor_names(const std::string& path);
 
 }  // namespace fp4moe

@@ -1,12 +1,15 @@
 // NVFP4 quantisation in ModelOpt's order of operations, and the MoE expert
-// tensors of a ModelOpt checkpoint: naming, loading from a .safetensors file
-// or a (sharded) checkpoint directory with validation of every tensor's dtype
-// and shape, and writing them back (docs/design.md §3).
+// tensors of a ModelOpt checkpoint: naming (ModelOpt's and Mixtral's),
+// loading from a .safetensors file or a (sharded) checkpoint directory held
+// to its hf_quant_config.json / config.json (format per layer, expert count)
+// with validation of every tensor's dtype and shape, and writing them back
+// (docs/design.md §3).
 //
 // Tested in tests/format/test_modelopt.cpp: quantise/dequantise error bounds
 // on random data, idempotence, hand-computed bytes, save/load round trips
-// (single file, sharded directory) and one test per error message. Loading
-// is fuzzed by fuzz/fuzz_modelopt.cpp.
+// (single file, sharded directory, Mixtral names), each declared format
+// (NVFP4, W4A16_NVFP4, MIXED_PRECISION, config.json's quantization_config)
+// and one test per error message. Loading is fuzzed by fuzz/fuzz_modelopt.cpp.
 #include "fp4moe/modelopt.hpp"
 
 #include <algorithm>
@@ -16,6 +19,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -103,6 +107,9 @@ std::string expert_tensor_name(const std::string& prefix, int64_t expert_idx,
 namespace {
 
 constexpr const char* kProjNames[3] = {"gate_proj", "up_proj", "down_proj"};
+// Mixtral's names for the same projections (gate, up, down), as ModelOpt
+// exports them: block_sparse_moe.experts.<e>.{w1,w3,w2}.
+constexpr const char* kMixtralProjNames[3] = {"w1", "w3", "w2"};
 constexpr const char* kRequiredFields[3] = {"weight", "weight_scale", "weight_scale_2"};
 
 std::string describe(DType dtype, const std::vector<int64_t>& shape) {
@@ -160,23 +167,140 @@ std::map<std::string, std::string> read_safetensors_index(const fs::path& index_
   return shard_of;
 }
 
+// The formats whose expert tensors are the NVFP4 layout load_moe_weights
+// reads. "NVFP4" (W4A4) also carries a calibrated input_scale for engines
+// that quantise activations; fp4moe keeps activations bf16 (§3).
+constexpr const char* kLoadableAlgos[2] = {"NVFP4", "W4A16_NVFP4"};
+constexpr const char* kMixedPrecision = "MIXED_PRECISION";
+
+bool is_loadable_algo(const std::string& algo) {
+  return std::find(std::begin(kLoadableAlgos), std::end(kLoadableAlgos), algo) != std::end(kLoadableAlgos);
+}
+
+// A checkpoint's declared quantisation: hf_quant_config.json's
+// "quantization" object, or (without that file) config.json's
+// quantization_config when its quant_method is "modelopt".
+struct QuantConfig {
+  std::string where;       // the file and key it came from, for messages
+  std::string quant_algo;  // "NVFP4", "W4A16_NVFP4" or "MIXED_PRECISION"
+  json quantized_layers;   // MIXED_PRECISION: module name -> {"quant_algo", "group_size"}
+};
+
+// The group size of a format entry: "group_size", or (config.json's
+// quantization_config) the weights' group_size of its config groups.
+std::optional<json> group_size_of(const json& q) {
+  if (q.contains("group_size")) return q["group_size"];
+  if (q.contains("config_groups") && q["config_groups"].is_object())
+    for (const auto& [group_name, group] : q["config_groups"].items())
+      if (group.is_object() && group.contains("weights") && group["weights"].is_object() &&
+          group["weights"].contains("group_size"))
+        return group["weights"]["group_size"];
+  return std::nullopt;
+}
+
+// Refuses a format entry other than NVFP4 / W4A16_NVFP4 with group size 16;
+// `what` names the entry ("quantization" or the layer).
+void check_format(const json& q, const std::string& where, const std::string& what) {
+  const json algo = q.contains("quant_algo") ? q["quant_algo"] : json();
+  FP4MOE_CHECK(algo.is_string() && is_loadable_algo(algo.get<std::string>()), where, ": ", what, " is ",
+               algo.is_null() ? std::string("missing its quant_algo") : "quant_algo " + algo.dump(),
+               "; fp4moe loads \"NVFP4\" or \"W4A16_NVFP4\" experts (group_size 16)");
+  const std::optional<json> group_size = group_size_of(q);
+  FP4MOE_CHECK(group_size, where, ": ", what, " (", algo.get<std::string>(),
+               ") gives no group_size; expected ", kNvfp4BlockSize);
+  FP4MOE_CHECK(group_size->is_number_integer() && group_size->get<int64_t>() == kNvfp4BlockSize, where, ": ",
+               what, " is ", algo.get<std::string>(), " with group_size ", group_size->dump(), "; expected ",
+               kNvfp4BlockSize);
+}
+
+// Reads and checks a quantisation object: a single format must be loadable
+// now; a MIXED_PRECISION checkpoint is checked per layer (check_layer_format).
+QuantConfig parse_quant_config(const json& q, const std::string& where) {
+  FP4MOE_CHECK(q.is_object(), where, ": expected an object with a \"quantization\" object");
+  QuantConfig config;
+  config.where = where;
+  if (q.contains("quant_algo") && q["quant_algo"] == kMixedPrecision) {
+    FP4MOE_CHECK(q.contains("quantized_layers") && q["quantized_layers"].is_object(), where,
+                 ": quant_algo is \"MIXED_PRECISION\" but quantized_layers (layer -> format) is not an object");
+    config.quant_algo = kMixedPrecision;
+    config.quantized_layers = q["quantized_layers"];
+    return config;
+  }
+  check_format(q, where, "quantization");
+  config.quant_algo = q["quant_algo"].get<std::string>();
+  return config;
+}
+
 // hf_quant_config.json as ModelOpt writes it:
 //   {"quantization": {"quant_algo": "NVFP4", "group_size": 16, ...}, ...}
-void check_quant_config(const fs::path& path) {
+//   {"quantization": {"quant_algo": "MIXED_PRECISION",
+//                     "quantized_layers": {"<module>": {"quant_algo": ..., "group_size": ...}}}}
+QuantConfig read_hf_quant_config(const fs::path& path) {
   const json config = read_json_file(path);
   const std::string where = path.string();
-  FP4MOE_CHECK(config.is_object() && config.contains("quantization") &&
-                   config["quantization"].is_object(),
+  FP4MOE_CHECK(config.is_object() && config.contains("quantization") && config["quantization"].is_object(),
                where, ": expected an object with a \"quantization\" object");
-  const json& q = config["quantization"];
-  FP4MOE_CHECK(q.contains("quant_algo"), where, ": quantization.quant_algo is missing; expected \"NVFP4\"");
-  FP4MOE_CHECK(q["quant_algo"].is_string() && q["quant_algo"].get<std::string>() == "NVFP4", where,
-               ": quantization.quant_algo is ", q["quant_algo"].dump(),
-               "; fp4moe loads only \"NVFP4\" checkpoints");
-  FP4MOE_CHECK(q.contains("group_size"), where, ": quantization.group_size is missing; expected 16");
-  FP4MOE_CHECK(q["group_size"].is_number_integer() && q["group_size"].get<int64_t>() == kNvfp4BlockSize,
-               where, ": quantization.group_size is ", q["group_size"].dump(), "; expected ",
-               kNvfp4BlockSize);
+  return parse_quant_config(config["quantization"], where);
+}
+
+// The format of the layer under `prefix`: its own for a single-format
+// checkpoint; for MIXED_PRECISION, every expert module of the layer listed in
+// quantized_layers must be NVFP4 / W4A16_NVFP4 with group size 16.
+std::string check_layer_format(const QuantConfig& config, const std::string& prefix) {
+  if (config.quant_algo != kMixedPrecision) return config.quant_algo;
+  const std::string experts = prefix + "experts.";
+  std::string algo;
+  for (const auto& [module, format] : config.quantized_layers.items()) {
+    if (module.compare(0, experts.size(), experts) != 0) continue;
+    FP4MOE_CHECK(format.is_object(), config.where, ": quantized_layers[\"", module, "\"] is ", format.dump(),
+                 "; expected an object with quant_algo and group_size");
+    check_format(format, config.where, "layer '" + module + "'");
+    const std::string layer_algo = format["quant_algo"].get<std::string>();
+    FP4MOE_CHECK(algo.empty() || algo == layer_algo, config.where, ": layer '", module, "' is ", layer_algo,
+                 " but another expert under prefix '", prefix, "' is ", algo,
+                 "; fp4moe loads a layer whose experts share one format");
+    algo = layer_algo;
+  }
+  FP4MOE_CHECK(!algo.empty(), config.where, ": this MIXED_PRECISION checkpoint lists no expert of prefix '",
+               prefix, "' in quantized_layers: that layer's experts are not quantised; fp4moe loads NVFP4 experts");
+  return algo;
+}
+
+// config.json beside the checkpoint: the declared quantisation (used when
+// there is no hf_quant_config.json) and the expert count.
+struct ModelConfig {
+  std::string where;
+  json modelopt_quantization;  // quantization_config when ModelOpt wrote it, else null
+  std::optional<int64_t> num_experts;
+  std::string num_experts_key;  // the key that gave it, for messages
+};
+
+// The keys MoE configs give the routed expert count under: DeepSeek/GLM/Kimi,
+// Mixtral/gpt-oss, Qwen-MoE.
+constexpr const char* kNumExpertsKeys[3] = {"n_routed_experts", "num_local_experts", "num_experts"};
+
+ModelConfig read_model_config(const fs::path& path) {
+  const json file = read_json_file(path);
+  ModelConfig config;
+  config.where = path.string();
+  FP4MOE_CHECK(file.is_object(), config.where, ": expected a JSON object");
+  // Another quantiser's config (compressed-tensors, ...) is not ModelOpt's
+  // layout; its tensors are refused by name if they are not NVFP4.
+  if (file.contains("quantization_config") && file["quantization_config"].is_object() &&
+      file["quantization_config"].contains("quant_method") &&
+      file["quantization_config"]["quant_method"] == "modelopt")
+    config.modelopt_quantization = file["quantization_config"];
+  // A multimodal model keeps its language model's fields in text_config.
+  const json& text = file.contains("text_config") && file["text_config"].is_object() ? file["text_config"] : file;
+  for (const char* key : kNumExpertsKeys) {
+    if (!text.contains(key) || text[key].is_null()) continue;
+    FP4MOE_CHECK(text[key].is_number_integer() && text[key].get<int64_t>() > 0, config.where, ": ", key, " is ",
+                 text[key].dump(), "; expected a positive expert count");
+    config.num_experts = text[key].get<int64_t>();
+    config.num_experts_key = key;
+    break;
+  }
+  return config;
 }
 
 // Every tensor of a checkpoint, wherever it lives: one .safetensors file, the
@@ -189,15 +313,39 @@ class TensorSource {
     std::error_code ec;
     const fs::file_status status = fs::status(path, ec);
     FP4MOE_CHECK(!ec && fs::exists(status), path, ": no such file or directory");
-    if (fs::is_directory(status)) {
-      open_directory(path);
+    // A single shard of a checkpoint directory is held to the directory's
+    // configs too.
+    const bool is_dir = fs::is_directory(status);
+    const fs::path dir = is_dir ? fs::path(path) : fs::path(path).parent_path();
+    if (fs::exists(dir / "config.json")) model_config_ = read_model_config(dir / "config.json");
+    if (fs::exists(dir / "hf_quant_config.json"))
+      quant_config_ = read_hf_quant_config(dir / "hf_quant_config.json");
+    else if (model_config_ && !model_config_->modelopt_quantization.is_null())
+      quant_config_ = parse_quant_config(model_config_->modelopt_quantization,
+                                         model_config_->where + " (quantization_config)");
+    if (is_dir) {
+      open_directory(dir);
     } else {
-      // A single shard of a checkpoint directory is held to its config too.
-      const fs::path config = fs::path(path).parent_path() / "hf_quant_config.json";
-      if (fs::exists(config)) check_quant_config(config);
       add_file(path, true);
+      // The shards beside it, to say where a tensor missing here is.
+      if (fs::exists(dir / "model.safetensors.index.json"))
+        directory_index_ = read_safetensors_index(dir / "model.safetensors.index.json");
     }
   }
+
+  // For a file given inside a sharded checkpoint: "; <index> puts it in
+  // <shard>: ..." when the directory's index places `name` in another shard,
+  // else empty.
+  std::string where_else(const std::string& name) const {
+    const auto it = directory_index_.find(name);
+    if (it == directory_index_.end()) return {};
+    return detail::concat("; the directory's model.safetensors.index.json puts it in ", it->second,
+                          ": pass the directory to load the whole layer");
+  }
+
+  // The declared quantisation and config.json, where the checkpoint has them.
+  const std::optional<QuantConfig>& quant_config() const { return quant_config_; }
+  const std::optional<ModelConfig>& model_config() const { return model_config_; }
 
   // Every tensor name, in a stable order (sorted).
   const std::vector<std::string>& names() const { return names_; }
@@ -221,7 +369,6 @@ class TensorSource {
   };
 
   void open_directory(const fs::path& dir) {
-    if (fs::exists(dir / "hf_quant_config.json")) check_quant_config(dir / "hf_quant_config.json");
     const fs::path index_path = dir / "model.safetensors.index.json";
     if (fs::exists(index_path)) {
       std::map<std::string, size_t> shard_idx;
@@ -258,6 +405,9 @@ class TensorSource {
   }
 
   std::string path_;
+  std::optional<QuantConfig> quant_config_;
+  std::optional<ModelConfig> model_config_;
+  std::map<std::string, std::string> directory_index_;  // a file's directory's index, else empty
   std::vector<Shard> shards_;
   std::map<std::string, size_t> shard_of_;  // tensor name -> index into shards_
   std::vector<std::string> names_;
@@ -282,27 +432,40 @@ float read_f32_scale(const TensorView& view, const std::string& path) {
   return value;
 }
 
-// Collects dtype/shape mismatches so one error can list all of them.
+// Collects dtype/shape mismatches over the whole layer, so that the one-line
+// error names the first and counts the rest (a wrong dtype usually repeats in
+// every expert).
 class Problems {
  public:
   template <typename... Args>
   void add(const Args&... args) {
-    list_.push_back(detail::concat(args...));
+    if (count_++ == 0) first_ = detail::concat(args...);
   }
   void throw_if_any(const std::string& path, const std::string& prefix) const {
-    if (list_.empty()) return;
-    constexpr size_t kMaxShown = 20;
-    std::ostringstream os;
-    os << path << ": " << list_.size() << " expert tensor(s) under prefix '" << prefix
-       << "' do not match the ModelOpt NVFP4 layout:";
-    for (size_t i = 0; i < std::min(list_.size(), kMaxShown); ++i) os << "\n  " << list_[i];
-    if (list_.size() > kMaxShown) os << "\n  ... and " << list_.size() - kMaxShown << " more";
-    FP4MOE_THROW(os.str());
+    if (count_ == 0) return;
+    FP4MOE_THROW(path, ": ", first_,
+                 count_ > 1 ? detail::concat(" (and ", count_ - 1, " more expert tensor(s) under prefix '", prefix,
+                                             "' do not match the ModelOpt NVFP4 layout)")
+                            : std::string());
   }
 
  private:
-  std::vector<std::string> list_;
+  size_t count_ = 0;
+  std::string first_;
 };
+
+// The first tensor under `prefix` that stacks every expert in one tensor:
+// "<prefix>experts.gate_up_proj" (transformers 5's fused layout) or
+// "<prefix>experts.{gate_proj,up_proj,down_proj,...}.weight" (3-D stacks);
+// empty when there is none.
+std::string find_stacked_expert_tensor(const std::vector<std::string>& names, const std::string& prefix) {
+  const std::string head = prefix + "experts.";
+  for (const std::string& name : names)
+    if (name.size() > head.size() && name.compare(0, head.size(), head) == 0 &&
+        !(name[head.size()] >= '0' && name[head.size()] <= '9'))
+      return name;
+  return {};
+}
 
 }  // namespace
 
@@ -315,16 +478,29 @@ std::vector<std::string> checkpoint_tensor_names(const std::string& path) {
 MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) {
   TensorSource source(path);
 
-  // Discover the experts: the largest index under the prefix sets the count.
+  // Discover the experts under the prefix and their projection names
+  // (gate_proj/up_proj/down_proj, or Mixtral's w1/w3/w2).
   int64_t max_expert_idx = -1;
-  bool any_bias = false;
+  bool any_bias = false, mixtral_names = false;
   for (const std::string& name : source.names()) {
     const int64_t e = parse_expert_index(name, prefix);
     if (e < 0) continue;
     max_expert_idx = std::max(max_expert_idx, e);
     if (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0) any_bias = true;
+    const size_t proj_at = prefix.size() + std::string("experts.").size() + std::to_string(e).size() + 1;
+    for (const char* proj : kMixtralProjNames)
+      if (name.compare(proj_at, std::strlen(proj) + 1, std::string(proj) + ".") == 0) mixtral_names = true;
   }
   if (max_expert_idx < 0) {
+    const std::string stacked = find_stacked_expert_tensor(source.names(), prefix);
+    FP4MOE_CHECK(stacked.empty(), path, ": the experts under prefix '", prefix,
+                 "' are stacked expert tensors (all experts in one tensor, e.g. '", stacked,
+                 "'); fp4moe loads per-expert tensors '", expert_tensor_name(prefix, 0, "gate_proj", "weight"),
+                 "', as ModelOpt exports them",
+                 // <proj>.weight stacks are the ones `fp4moe quantize` splits.
+                 stacked.size() > 7 && stacked.compare(stacked.size() - 7, 7, ".weight") == 0
+                     ? " ('fp4moe quantize IN OUT' writes float stacks that way)"
+                     : "");
     std::string example;
     for (const std::string& name : source.names()) {
       const size_t at = name.find("experts.");
@@ -335,19 +511,36 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
       }
     }
     FP4MOE_THROW(path, ": no expert tensors under prefix '", prefix, "' (looked for '",
-                 expert_tensor_name(prefix, 0, "gate_proj", "weight"), "')",
+                 expert_tensor_name(prefix, 0, "gate_proj", "weight"), "' and '",
+                 expert_tensor_name(prefix, 0, "w1", "weight"), "')",
                  example.empty() ? std::string("; no tensor name contains 'experts.'") : example);
   }
-  const int64_t num_experts = max_expert_idx + 1;
+  const char* const* proj_names = mixtral_names ? kMixtralProjNames : kProjNames;
+
+  MoeWeights weights;
+  if (source.quant_config()) weights.checkpoint_format = check_layer_format(*source.quant_config(), prefix);
+
+  // The expert count: config.json's where the checkpoint has one (so that a
+  // missing last expert is noticed), else the largest index found plus one.
+  std::string count_source = detail::concat("the largest expert index under prefix '", prefix, "' is ",
+                                            max_expert_idx);
+  int64_t num_experts = max_expert_idx + 1;
+  if (source.model_config() && source.model_config()->num_experts) {
+    const ModelConfig& config = *source.model_config();
+    num_experts = *config.num_experts;
+    count_source = detail::concat(config.where, " says ", config.num_experts_key, " = ", num_experts);
+    FP4MOE_CHECK(max_expert_idx < num_experts, path, ": tensors of expert ", max_expert_idx, " under prefix '",
+                 prefix, "', but ", count_source, " (experts 0..", num_experts - 1, ")");
+  }
 
   // Every expert 0..E-1 must have every required tensor; report the first gap.
   for (int64_t e = 0; e < num_experts; ++e)
-    for (const char* proj : kProjNames) {
+    for (int p = 0; p < 3; ++p) {
+      const char* proj = proj_names[p];
       for (const char* field : kRequiredFields) {
         const std::string name = expert_tensor_name(prefix, e, proj, field);
-        FP4MOE_CHECK(source.contains(name), path, ": missing tensor '", name,
-                     "' (the largest expert index under prefix '", prefix, "' is ", max_expert_idx,
-                     ", so experts 0..", max_expert_idx, " must all be complete)");
+        FP4MOE_CHECK(source.contains(name), path, ": missing tensor '", name, "' (", count_source,
+                     ", so experts 0..", num_experts - 1, " must all be complete)", source.where_else(name));
       }
       if (any_bias) {
         const std::string name = expert_tensor_name(prefix, e, proj, "bias");
@@ -357,7 +550,7 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
     }
 
   // Shapes follow from expert 0's gate weight, U8 [inter, hidden / 2].
-  const std::string shape_source = expert_tensor_name(prefix, 0, "gate_proj", "weight");
+  const std::string shape_source = expert_tensor_name(prefix, 0, proj_names[0], "weight");
   const TensorView& gate0 = *source.get(shape_source).first;
   FP4MOE_CHECK(gate0.dtype == DType::U8 && gate0.shape.size() == 2, path, ": tensor '",
                shape_source, "' is ", describe(gate0.dtype, gate0.shape),
@@ -368,7 +561,6 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
   FP4MOE_CHECK(gate0.shape[0] > 0 && gate0.shape[1] > 0, path, ": tensor '", shape_source, "' ",
                shape_to_string(gate0.shape), " is empty; expected U8 [inter, hidden / 2] with inter "
                "and hidden positive multiples of ", kNvfp4BlockSize);
-  MoeWeights weights;
   weights.num_experts = num_experts;
   weights.inter = gate0.shape[0];
   weights.hidden = gate0.shape[1] * 2;
@@ -404,7 +596,7 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
     std::vector<float>* biases[3] = {&expert.gate_bias, &expert.up_bias, &expert.down_bias};
     std::optional<float> scale_2[3];  // as read, for the gate/up comparison
     for (int p = 0; p < 3; ++p) {
-      const std::string proj = kProjNames[p];
+      const std::string proj = proj_names[p];
       Nvfp4Matrix& m = *matrices[p];
       m.rows = p < 2 ? I : H;
       m.cols = p < 2 ? H : I;
@@ -454,9 +646,9 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
       }
     }
     if (scale_2[0] && scale_2[1] && *scale_2[0] != *scale_2[1])
-      problems.add("'", expert_tensor_name(prefix, e, "gate_proj", "weight_scale_2"), "' = ",
+      problems.add("'", expert_tensor_name(prefix, e, proj_names[0], "weight_scale_2"), "' = ",
                    exact(*scale_2[0]), " differs from '",
-                   expert_tensor_name(prefix, e, "up_proj", "weight_scale_2"), "' = ",
+                   expert_tensor_name(prefix, e, proj_names[1], "weight_scale_2"), "' = ",
                    exact(*scale_2[1]), "; ModelOpt shares one weight_scale_2 between gate and up");
   }
   problems.throw_if_any(path, prefix);

@@ -24,8 +24,10 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <set>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "format/checkpoint.hpp"
@@ -90,6 +92,10 @@ std::string error_message(const std::function<void()>& fn) {
 #define EXPECT_CONTAINS(haystack, needle)                                            \
   EXPECT_NE(std::string(haystack).find(needle), std::string::npos)                  \
       << "expected the message to contain \"" << (needle) << "\"; it is:\n" << (haystack)
+
+// The README promises one-line errors.
+#define EXPECT_ONE_LINE(message) \
+  EXPECT_EQ(std::string(message).find('\n'), std::string::npos) << "one line expected:\n" << (message)
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream out(path);
@@ -609,6 +615,32 @@ TEST_F(ModeloptCheckpoint, RoundTripShardedDirectoryWithIndex) {
   expect_same_weights(weights_, load_moe_weights(ckpt.path().string(), kPrefix));
 }
 
+// One shard of a sharded checkpoint reads its directory's configs; a layer
+// that continues in another shard is refused with that shard named.
+TEST_F(ModeloptCheckpoint, OneShardOfADirectoryReadsItsConfigsAndNamesTheOtherShard) {
+  TempDir ckpt;
+  const std::string file = write_checkpoint("whole.safetensors", weights_);
+  write_text(ckpt / "model.safetensors.index.json",
+             index_json(split_into_shards(file, ckpt, "model-00001-of-00002.safetensors",
+                                          "model-00002-of-00002.safetensors")));
+  write_text(ckpt / "hf_quant_config.json", R"({"quantization": {"quant_algo": "W4A16_NVFP4", "group_size": 16}})");
+  write_text(ckpt / "config.json", R"({"model_type": "qwen3_moe", "num_experts": 3})");
+  expect_same_weights(weights_, load_moe_weights(ckpt.path().string(), kPrefix));
+
+  // The first shard holds experts 0 and 1 (the last one missing), the
+  // second the rest (the first missing).
+  for (const auto& [shard, missing, other] :
+       {std::tuple{"model-00001-of-00002.safetensors", 2, "model-00002-of-00002.safetensors"},
+        std::tuple{"model-00002-of-00002.safetensors", 0, "model-00001-of-00002.safetensors"}}) {
+    SCOPED_TRACE(shard);
+    const std::string msg = error_message([&] { load_moe_weights(ckpt / shard, kPrefix); });
+    EXPECT_CONTAINS(msg, "missing tensor '" + expert_tensor_name(kPrefix, missing, "gate_proj", "weight") + "'");
+    EXPECT_CONTAINS(msg, "num_experts = 3");
+    EXPECT_CONTAINS(msg, "puts it in " + (ckpt / other) + ": pass the directory");
+    EXPECT_ONE_LINE(msg);
+  }
+}
+
 TEST_F(ModeloptCheckpoint, RoundTripDirectoryWithoutIndex) {
   TempDir ckpt;
   const std::string file = write_checkpoint("whole.safetensors", weights_);
@@ -670,36 +702,72 @@ TEST_F(ModeloptCheckpoint, MissingBiasOfOneExpertIsNamed) {
   EXPECT_CONTAINS(error_message([&] { load_moe_weights(edited, kPrefix); }), "'" + missing + "'");
 }
 
-TEST_F(ModeloptCheckpoint, WrongShapesAndDtypesAreAllListedByName) {
+// Each mismatch alone is named on one line with what was expected and
+// found; several are reported as the first (in load order: expert by
+// expert) and a count of the others.
+TEST_F(ModeloptCheckpoint, WrongShapesAndDtypesAreNamedOnOneLine) {
   const std::string path = write_checkpoint("layer.safetensors", weights_);
-  const std::string bad_shape = expert_tensor_name(kPrefix, 2, "down_proj", "weight");
   const std::string bad_dtype = expert_tensor_name(kPrefix, 0, "up_proj", "weight_scale");
   const std::string bad_scalar = expert_tensor_name(kPrefix, 1, "gate_proj", "input_scale");
-  const std::string edited = dir_ / "edited.safetensors";
-  rewrite(path, edited, [&](const TensorView& v, SafetensorsWriter& out) {
-    if (v.name == bad_shape) {  // [64, 16] -> [64, 8]: K halved
-      out.add(v.name, v.dtype, {kHidden, kInter / 4}, v.data, v.nbytes / 2);
+  const std::string bad_shape = expert_tensor_name(kPrefix, 2, "down_proj", "weight");
+  const std::map<std::string, std::string> expected = {
+      {bad_dtype, "expected F8_E4M3 [32, 4], found U8 [32, 4]"},
+      {bad_scalar, "expected F32 [] or [1], found F32 [2]"},
+      {bad_shape, "expected U8 [64, 16], found U8 [64, 8]"}};
+  const auto edit = [&](const std::set<std::string>& bad) {
+    const std::string edited = dir_ / "edited.safetensors";
+    rewrite(path, edited, [&](const TensorView& v, SafetensorsWriter& out) {
+      if (!bad.count(v.name)) return true;
+      if (v.name == bad_shape) {  // [64, 16] -> [64, 8]: K halved
+        out.add(v.name, v.dtype, {kHidden, kInter / 4}, v.data, v.nbytes / 2);
+      } else if (v.name == bad_dtype) {
+        out.add(v.name, DType::U8, v.shape, v.data, v.nbytes);
+      } else {  // a [2] vector where a scalar belongs
+        const float two[2] = {1.0f, 1.0f};
+        out.add(v.name, DType::F32, {2}, two, sizeof two);
+      }
       return false;
-    }
-    if (v.name == bad_dtype) {
-      out.add(v.name, DType::U8, v.shape, v.data, v.nbytes);
-      return false;
-    }
-    if (v.name == bad_scalar) {  // a [2] vector where a scalar belongs
-      const float two[2] = {1.0f, 1.0f};
-      out.add(v.name, DType::F32, {2}, two, sizeof two);
-      return false;
-    }
-    return true;
-  });
-  const std::string msg = error_message([&] { load_moe_weights(edited, kPrefix); });
-  EXPECT_CONTAINS(msg, "'" + bad_shape + "'");
-  EXPECT_CONTAINS(msg, "expected U8 [64, 16], found U8 [64, 8]");
+    });
+    return error_message([&] { load_moe_weights(edited, kPrefix); });
+  };
+  for (const auto& [name, text] : expected) {
+    SCOPED_TRACE(name);
+    const std::string msg = edit({name});
+    EXPECT_CONTAINS(msg, "'" + name + "'");
+    EXPECT_CONTAINS(msg, text);
+    EXPECT_ONE_LINE(msg);
+    EXPECT_EQ(msg.find("more expert tensor"), std::string::npos) << msg;
+  }
+  const std::string msg = edit({bad_dtype, bad_scalar, bad_shape});
   EXPECT_CONTAINS(msg, "'" + bad_dtype + "'");
-  EXPECT_CONTAINS(msg, "expected F8_E4M3 [32, 4], found U8 [32, 4]");
-  EXPECT_CONTAINS(msg, "'" + bad_scalar + "'");
-  EXPECT_CONTAINS(msg, "found F32 [2]");
-  EXPECT_CONTAINS(msg, "3 expert tensor(s)");
+  EXPECT_CONTAINS(msg, expected.at(bad_dtype));
+  EXPECT_CONTAINS(msg, "and 2 more expert tensor(s) under prefix '" + kPrefix + "'");
+  EXPECT_ONE_LINE(msg);
+}
+
+// A weight_scale of the wrong dtype in every expert (F32 scales, or U8 bytes
+// of an exporter that lost the dtype) is one line naming the first tensor,
+// its dtype and the one expected, not a list of every expert's.
+TEST_F(ModeloptCheckpoint, WrongWeightScaleDtypeEverywhereIsOneLine) {
+  const std::string path = write_checkpoint("layer.safetensors", weights_);
+  for (const DType dtype : {DType::F32, DType::U8}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    const std::string edited = dir_ / "edited.safetensors";
+    rewrite(path, edited, [&](const TensorView& v, SafetensorsWriter& out) {
+      if (v.name.size() < 13 || v.name.compare(v.name.size() - 13, 13, ".weight_scale") != 0) return true;
+      const std::vector<float> f32(static_cast<size_t>(v.numel()), 1.0f);
+      if (dtype == DType::F32)
+        out.add(v.name, DType::F32, v.shape, f32.data(), f32.size() * sizeof(float));
+      else
+        out.add(v.name, DType::U8, v.shape, v.data, v.nbytes);
+      return false;
+    });
+    const std::string msg = error_message([&] { load_moe_weights(edited, kPrefix); });
+    EXPECT_ONE_LINE(msg);
+    EXPECT_CONTAINS(msg, "'" + expert_tensor_name(kPrefix, 0, "gate_proj", "weight_scale") + "'");
+    EXPECT_CONTAINS(msg, "expected F8_E4M3 [32, 4], found " + std::string(dtype_name(dtype)) + " [32, 4]");
+    EXPECT_CONTAINS(msg, "and " + std::to_string(kExperts * 3 - 1) + " more");
+  }
 }
 
 TEST_F(ModeloptCheckpoint, ExpertShapesMustAgreeWithExpertZero) {
@@ -726,7 +794,8 @@ TEST_F(ModeloptCheckpoint, ExpertShapesMustAgreeWithExpertZero) {
   const std::string msg = error_message([&] { load_moe_weights(dir_ / "mixed.safetensors", kPrefix); });
   EXPECT_CONTAINS(msg, "'" + expert_tensor_name(kPrefix, 2, "gate_proj", "weight") + "'");
   EXPECT_CONTAINS(msg, "expected U8 [32, 32], found U8 [32, 40]");
-  EXPECT_CONTAINS(msg, "'" + expert_tensor_name(kPrefix, 2, "down_proj", "weight_scale") + "'");
+  EXPECT_CONTAINS(msg, "and 5 more expert tensor(s)");  // expert 2's other weights and block scales
+  EXPECT_ONE_LINE(msg);
 }
 
 TEST_F(ModeloptCheckpoint, DifferingGateUpScale2IsNamed) {
@@ -745,37 +814,251 @@ TEST_F(ModeloptCheckpoint, DifferingGateUpScale2IsNamed) {
   EXPECT_CONTAINS(msg, "0.123");
 }
 
-TEST_F(ModeloptCheckpoint, QuantConfigMustSayNvfp4WithGroupSize16) {
+// hf_quant_config.json: NVFP4 (W4A4) and W4A16_NVFP4 with group size 16
+// load, through the directory and through one file in it; anything else is
+// refused in one line naming the format.
+TEST_F(ModeloptCheckpoint, QuantConfigMustSayNvfp4OrW4a16Nvfp4WithGroupSize16) {
   TempDir ckpt;
   fs::copy_file(write_checkpoint("layer.safetensors", weights_), ckpt / "model.safetensors");
   const std::string config = ckpt / "hf_quant_config.json";
   const std::string dir = ckpt.path().string();
+  const std::string file = ckpt / "model.safetensors";
 
-  write_text(config, R"({"quantization": {"quant_algo": "FP8", "group_size": 16}})");
-  std::string msg = error_message([&] { load_moe_weights(dir, kPrefix); });
-  EXPECT_CONTAINS(msg, "hf_quant_config.json");
-  EXPECT_CONTAINS(msg, "quant_algo");
-  EXPECT_CONTAINS(msg, "\"FP8\"");
-  // Loading one file of the directory honours the directory's config too.
-  msg = error_message([&] { load_moe_weights(ckpt / "model.safetensors", kPrefix); });
-  EXPECT_CONTAINS(msg, "quant_algo");
+  for (const std::string algo : {"NVFP4", "W4A16_NVFP4"}) {
+    SCOPED_TRACE(algo);
+    write_text(config, R"({"quantization": {"quant_algo": ")" + algo + R"(", "group_size": 16}})");
+    for (const std::string& path : {dir, file}) {
+      const MoeWeights loaded = load_moe_weights(path, kPrefix);
+      expect_same_weights(weights_, loaded);
+      EXPECT_EQ(loaded.checkpoint_format, algo);
+    }
+  }
+  // Without a config the format is not known.
+  EXPECT_EQ(load_moe_weights(write_checkpoint("bare.safetensors", weights_), kPrefix).checkpoint_format, "");
 
-  write_text(config, R"({"quantization": {"quant_algo": "NVFP4", "group_size": 32}})");
+  const auto expect_refused = [&](const std::string& text, const std::vector<std::string>& fragments) {
+    SCOPED_TRACE(text);
+    write_text(config, text);
+    for (const std::string& path : {dir, file}) {  // one file honours its directory's config too
+      const std::string msg = error_message([&] { load_moe_weights(path, kPrefix); });
+      EXPECT_CONTAINS(msg, "hf_quant_config.json");
+      for (const std::string& fragment : fragments) EXPECT_CONTAINS(msg, fragment);
+      EXPECT_ONE_LINE(msg);
+    }
+  };
+  expect_refused(R"({"quantization": {"quant_algo": "FP8", "group_size": 16}})", {"quant_algo \"FP8\""});
+  expect_refused(R"({"quantization": {"quant_algo": "W4A16_NVFP4", "group_size": 32}})",
+                 {"W4A16_NVFP4 with group_size 32; expected 16"});
+  expect_refused(R"({"quantization": {"quant_algo": "NVFP4"}})", {"group_size"});
+  expect_refused(R"({"quantization": {"group_size": 16}})", {"quant_algo"});
+  expect_refused(R"({"producer": {}})", {"quantization"});
+  expect_refused("{not json", {"not valid JSON"});
+  expect_refused(R"({"quantization": {"quant_algo": "MIXED_PRECISION"}})", {"quantized_layers"});
+}
+
+// A MIXED_PRECISION export loads the layers whose experts are NVFP4 with
+// group size 16 and refuses, in one line naming format and layer, the others.
+TEST_F(ModeloptCheckpoint, MixedPrecisionLoadsItsNvfp4Layers) {
+  TempDir ckpt;
+  fs::copy_file(write_checkpoint("layer.safetensors", weights_), ckpt / "model.safetensors");
+  const std::string dir = ckpt.path().string();
+  // Layer 3's experts as `layer3`, layer 33's as `layer33`, an attention
+  // projection in FP8 (ModelOpt lists every quantised module).
+  const auto write_config = [&](const std::string& layer3, const std::string& layer33) {
+    std::string layers = R"("model.layers.3.self_attn.o_proj": {"quant_algo": "FP8"})";
+    for (int64_t e = 0; e < kExperts; ++e)
+      for (const char* proj : {"gate_proj", "up_proj", "down_proj"})
+        layers += ",\n\"" + kPrefix + "experts." + std::to_string(e) + "." + proj + "\": " + layer3;
+    for (int64_t e = 0; e < 2; ++e)
+      layers += ",\n\"model.layers.33.mlp.experts." + std::to_string(e) + ".gate_proj\": " + layer33;
+    write_text(ckpt / "hf_quant_config.json",
+               R"({"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {)" + layers + "}}}");
+  };
+  const std::string nvfp4 = R"({"quant_algo": "NVFP4", "group_size": 16})";
+  const std::string w4a16 = R"({"quant_algo": "W4A16_NVFP4", "group_size": 16})";
+
+  write_config(nvfp4, R"({"quant_algo": "W4A8_AWQ", "group_size": 128})");
+  MoeWeights loaded = load_moe_weights(dir, kPrefix);
+  expect_same_weights(weights_, loaded);
+  EXPECT_EQ(loaded.checkpoint_format, "NVFP4");
+  std::string msg = error_message([&] { load_moe_weights(dir, "model.layers.33.mlp."); });
+  EXPECT_CONTAINS(msg, "layer 'model.layers.33.mlp.experts.0.gate_proj' is quant_algo \"W4A8_AWQ\"");
+  EXPECT_ONE_LINE(msg);
+
+  write_config(w4a16, R"({"quant_algo": "NVFP4", "group_size": 32})");
+  EXPECT_EQ(load_moe_weights(dir, kPrefix).checkpoint_format, "W4A16_NVFP4");
+  msg = error_message([&] { load_moe_weights(ckpt / "model.safetensors", "model.layers.33.mlp."); });
+  EXPECT_CONTAINS(msg, "layer 'model.layers.33.mlp.experts.0.gate_proj' is NVFP4 with group_size 32; expected 16");
+  EXPECT_ONE_LINE(msg);
+
+  // A layer whose experts quantized_layers does not list was left unquantised.
+  write_text(ckpt / "hf_quant_config.json",
+             R"({"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {
+                 "model.layers.33.mlp.experts.0.gate_proj": {"quant_algo": "NVFP4", "group_size": 16}}}})");
   msg = error_message([&] { load_moe_weights(dir, kPrefix); });
-  EXPECT_CONTAINS(msg, "group_size");
-  EXPECT_CONTAINS(msg, "32");
+  EXPECT_CONTAINS(msg, "lists no expert of prefix '" + kPrefix + "'");
+  EXPECT_ONE_LINE(msg);
+}
 
-  write_text(config, R"({"quantization": {"quant_algo": "NVFP4"}})");
-  EXPECT_CONTAINS(error_message([&] { load_moe_weights(dir, kPrefix); }), "group_size");
+// Without hf_quant_config.json, config.json's quantization_config (as
+// ModelOpt writes it: quant_method "modelopt", group size in config_groups)
+// declares the format.
+TEST_F(ModeloptCheckpoint, ConfigJsonQuantizationConfigDeclaresTheFormat) {
+  TempDir ckpt;
+  fs::copy_file(write_checkpoint("layer.safetensors", weights_), ckpt / "model.safetensors");
+  const std::string dir = ckpt.path().string();
+  const auto write_config = [&](const std::string& algo, int group_size) {
+    write_text(ckpt / "config.json", R"({"model_type": "qwen3_moe", "quantization_config": {
+        "quant_method": "modelopt", "quant_algo": ")" + algo + R"(", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": )" +
+                                         std::to_string(group_size) + R"(}, "targets": ["Linear"]}}}})");
+  };
+  write_config("NVFP4", 16);
+  const MoeWeights loaded = load_moe_weights(dir, kPrefix);
+  expect_same_weights(weights_, loaded);
+  EXPECT_EQ(loaded.checkpoint_format, "NVFP4");
 
-  write_text(config, R"({"producer": {}})");
-  EXPECT_CONTAINS(error_message([&] { load_moe_weights(dir, kPrefix); }), "quantization");
+  write_config("NVFP4", 32);
+  std::string msg = error_message([&] { load_moe_weights(dir, kPrefix); });
+  EXPECT_CONTAINS(msg, "config.json (quantization_config)");
+  EXPECT_CONTAINS(msg, "group_size 32");
+  EXPECT_ONE_LINE(msg);
+  write_config("FP8", 16);
+  msg = error_message([&] { load_moe_weights(ckpt / "model.safetensors", kPrefix); });
+  EXPECT_CONTAINS(msg, "quant_algo \"FP8\"");
+  EXPECT_ONE_LINE(msg);
 
-  write_text(config, "{not json");
-  EXPECT_CONTAINS(error_message([&] { load_moe_weights(dir, kPrefix); }), "not valid JSON");
+  // hf_quant_config.json, where present, is the one read.
+  write_text(ckpt / "hf_quant_config.json", R"({"quantization": {"quant_algo": "W4A16_NVFP4", "group_size": 16}})");
+  EXPECT_EQ(load_moe_weights(dir, kPrefix).checkpoint_format, "W4A16_NVFP4");
+}
 
-  write_text(config, R"({"quantization": {"quant_algo": "NVFP4", "group_size": 16}})");
-  expect_same_weights(weights_, load_moe_weights(dir, kPrefix));
+// With config.json present, its expert count is the one expected: a missing
+// expert (any index, the last included) is named against it, and so is an
+// index beyond it. Every key MoE configs use is read.
+TEST_F(ModeloptCheckpoint, ExpertCountComesFromConfigJson) {
+  TempDir ckpt;
+  const std::string whole = write_checkpoint("layer.safetensors", weights_);
+  const std::string file = ckpt / "model.safetensors";
+  const std::string dir = ckpt.path().string();
+  const auto without_expert = [&](int64_t missing) {
+    fs::remove(file);
+    rewrite(whole, file, [&](const TensorView& v, SafetensorsWriter&) {
+      return v.name.rfind(kPrefix + "experts." + std::to_string(missing) + ".", 0) != 0;
+    });
+  };
+  for (const std::string key : {"num_experts", "num_local_experts", "n_routed_experts"}) {
+    SCOPED_TRACE(key);
+    write_text(ckpt / "config.json", R"({"model_type": "x", ")" + key + R"(": 3})");
+    fs::copy_file(whole, file, fs::copy_options::overwrite_existing);
+    expect_same_weights(weights_, load_moe_weights(dir, kPrefix));
+    for (int64_t missing = 0; missing < kExperts; ++missing) {
+      without_expert(missing);
+      for (const std::string& path : {dir, file}) {
+        const std::string msg = error_message([&] { load_moe_weights(path, kPrefix); });
+        EXPECT_CONTAINS(msg, "missing tensor '" + expert_tensor_name(kPrefix, missing, "gate_proj", "weight") + "'");
+        EXPECT_CONTAINS(msg, "config.json says " + key + " = 3, so experts 0..2 must all be complete");
+        EXPECT_ONE_LINE(msg);
+      }
+    }
+  }
+  // Without config.json a missing last expert cannot be told from a smaller
+  // layer: the largest index found sets the count.
+  fs::remove(ckpt / "config.json");
+  EXPECT_EQ(load_moe_weights(dir, kPrefix).num_experts, kExperts - 1);
+
+  // A multimodal config keeps the count in text_config; a count below the
+  // experts found, or one that is not a positive integer, is refused.
+  fs::copy_file(whole, file, fs::copy_options::overwrite_existing);
+  write_text(ckpt / "config.json", R"({"text_config": {"num_experts": 3}, "num_experts": 99})");
+  EXPECT_EQ(load_moe_weights(dir, kPrefix).num_experts, kExperts);
+  write_text(ckpt / "config.json", R"({"num_local_experts": 2})");
+  std::string msg = error_message([&] { load_moe_weights(dir, kPrefix); });
+  EXPECT_CONTAINS(msg, "tensors of expert 2 under prefix '" + kPrefix + "', but ");
+  EXPECT_CONTAINS(msg, "num_local_experts = 2 (experts 0..1)");
+  EXPECT_ONE_LINE(msg);
+  write_text(ckpt / "config.json", R"({"n_routed_experts": "3"})");
+  msg = error_message([&] { load_moe_weights(dir, kPrefix); });
+  EXPECT_CONTAINS(msg, "n_routed_experts is \"3\"; expected a positive expert count");
+  EXPECT_ONE_LINE(msg);
+  write_text(ckpt / "config.json", "[3]");
+  msg = error_message([&] { load_moe_weights(dir, kPrefix); });
+  EXPECT_CONTAINS(msg, "config.json: expected a JSON object");
+  EXPECT_ONE_LINE(msg);
+  // Another quantiser's quantization_config is not read as ModelOpt's.
+  write_text(ckpt / "config.json", R"({"num_experts": 3, "quantization_config": {"quant_method": 3}})");
+  EXPECT_EQ(load_moe_weights(dir, kPrefix).checkpoint_format, "");
+}
+
+// Mixtral's expert names, block_sparse_moe.experts.<e>.{w1,w3,w2} for gate,
+// up and down, load like ModelOpt's gate_proj/up_proj/down_proj.
+std::string mixtral_name(std::string name) {
+  const std::pair<std::string, std::string> renames[] = {
+      {".mlp.", ".block_sparse_moe."}, {".gate_proj.", ".w1."}, {".up_proj.", ".w3."}, {".down_proj.", ".w2."}};
+  for (const auto& [from, to] : renames)
+    if (const size_t at = name.find(from); at != std::string::npos) name.replace(at, from.size(), to);
+  return name;
+}
+
+TEST_F(ModeloptCheckpoint, MixtralNamesLoad) {
+  const std::string path = write_checkpoint("layer.safetensors", weights_);
+  const std::string mixtral = dir_ / "mixtral.safetensors";
+  rewrite(path, mixtral, [](const TensorView& v, SafetensorsWriter& out) {
+    TensorView renamed = v;
+    renamed.name = mixtral_name(v.name);
+    out.add(renamed);
+    return false;
+  });
+  const std::string prefix = "model.layers.3.block_sparse_moe.";
+  expect_same_weights(weights_, load_moe_weights(mixtral, prefix));
+  EXPECT_EQ(load_moe_weights(mixtral, "model.layers.33.block_sparse_moe.").num_experts, 2);
+
+  // Errors name the tensors as the checkpoint does.
+  const std::string missing = prefix + "experts.2.w3.weight_scale";
+  const std::string edited = dir_ / "edited.safetensors";
+  rewrite(mixtral, edited, [&](const TensorView& v, SafetensorsWriter&) { return v.name != missing; });
+  std::string msg = error_message([&] { load_moe_weights(edited, prefix); });
+  EXPECT_CONTAINS(msg, "missing tensor '" + missing + "'");
+  EXPECT_ONE_LINE(msg);
+  const std::string up_scale = prefix + "experts.1.w3.weight_scale_2";
+  rewrite(mixtral, edited, [&](const TensorView& v, SafetensorsWriter& out) {
+    if (v.name != up_scale) return true;
+    const float other = 0.5f;
+    out.add(v.name, DType::F32, {}, &other, sizeof other);
+    return false;
+  });
+  msg = error_message([&] { load_moe_weights(edited, prefix); });
+  EXPECT_CONTAINS(msg, "'" + prefix + "experts.1.w1.weight_scale_2' = ");
+  EXPECT_CONTAINS(msg, "differs from '" + up_scale + "' = 0.5");
+  EXPECT_ONE_LINE(msg);
+}
+
+// transformers 5 holds a layer's experts fused in 3-D tensors
+// (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]); the loader
+// says that stacked tensors are why it finds no expert.
+TEST_F(ModeloptCheckpoint, StackedExpertTensorsAreRefusedWithTheReason) {
+  const std::vector<uint16_t> gate_up(static_cast<size_t>(kExperts * 2 * kInter * kHidden), 0x3F80);
+  const std::vector<uint16_t> down(static_cast<size_t>(kExperts * kHidden * kInter), 0x3F80);
+  SafetensorsWriter fused;
+  fused.add(kPrefix + "experts.gate_up_proj", DType::BF16, {kExperts, 2 * kInter, kHidden}, gate_up.data(),
+            gate_up.size() * 2);
+  fused.add(kPrefix + "experts.down_proj", DType::BF16, {kExperts, kHidden, kInter}, down.data(), down.size() * 2);
+  fused.write(dir_ / "fused.safetensors");
+  std::string msg = error_message([&] { load_moe_weights(dir_ / "fused.safetensors", kPrefix); });
+  EXPECT_CONTAINS(msg, "are stacked expert tensors");
+  EXPECT_CONTAINS(msg, "'" + kPrefix + "experts.down_proj'");  // the first name, sorted
+  EXPECT_EQ(msg.find("fp4moe quantize"), std::string::npos) << "quantize does not split gate_up_proj: " << msg;
+  EXPECT_ONE_LINE(msg);
+
+  // 3-D stacks named per projection, which `fp4moe quantize` splits.
+  SafetensorsWriter stacks;
+  stacks.add(kPrefix + "experts.gate_proj.weight", DType::BF16, {kExperts, kInter, kHidden}, down.data(),
+             down.size() * 2);
+  stacks.write(dir_ / "stacks.safetensors");
+  msg = error_message([&] { load_moe_weights(dir_ / "stacks.safetensors", kPrefix); });
+  EXPECT_CONTAINS(msg, "are stacked expert tensors");
+  EXPECT_CONTAINS(msg, "fp4moe quantize");
+  EXPECT_ONE_LINE(msg);
 }
 
 TEST_F(ModeloptCheckpoint, BadPrefixSaysWhichAndShowsAnExpertName) {

@@ -145,6 +145,25 @@ def test_checkpoint_prefixes_and_loading(tmp_path):
     np.testing.assert_array_equal(got["w13_scale_2"], np.stack([want["w13_scale_2"]] * 2, axis=1))
 
 
+def test_mixtral_expert_names(tmp_path):
+    # Mixtral's block_sparse_moe.experts.<e>.{w1,w3,w2} (gate, up, down), as
+    # ModelOpt exports it: found and loaded like gate_proj/up_proj/down_proj.
+    rng = np.random.default_rng(14)
+    w = random_stacked(rng, 2, 32, 16)
+    renames = {".mlp.": ".block_sparse_moe.", ".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."}
+    tensors = {}
+    for name, value in checkpoint_tensors(w, "model.layers.2.mlp.").items():
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        tensors[name] = value
+    path = tmp_path / "mixtral.safetensors"
+    write_safetensors(path, tensors)
+    assert fp4moe.find_moe_prefixes(str(path)) == ["model.layers.2.block_sparse_moe."]
+    got = fp4moe.load_stacked(str(path), "model.layers.2.block_sparse_moe.")
+    for name in ("w13", "w13_scale", "w2", "w2_scale", "w2_scale_2"):
+        np.testing.assert_array_equal(got[name], w[name], err_msg=name)
+
+
 def test_sharded_checkpoint_directory(tmp_path):
     rng = np.random.default_rng(12)
     w = random_stacked(rng, 2, 32, 16)

@@ -600,6 +600,105 @@ TEST_F(MoeTest, DeviceAutoRunsOnTheBackendPresent) {
       << (gpu ? "with a GPU, auto must pick CUDA: " : "without a GPU, auto must run the CPU backend: ") << err;
 }
 
+// A ModelOpt export as written: a checkpoint directory with config.json and
+// hf_quant_config.json, Mixtral's expert names (block_sparse_moe, w1/w3/w2),
+// no --prefix. It computes what the same experts under ModelOpt's usual
+// names compute; an NVFP4 (W4A4) checkpoint gets one note that its
+// input_scale is not applied, a W4A16_NVFP4 one none; one file of the
+// directory reads the directory's configs. Broken exports fail in one line.
+TEST_F(MoeTest, ModeloptExportsAsWritten) {
+  write_given_routing_input(2, 13);
+  const auto moe = [&](const std::string& weights, const std::string& extra) {
+    fs::remove(path("y.safetensors"));
+    return run("moe --device cpu --weights '" + weights + "' --input '" + path("x.safetensors") + "' --output '" +
+               path("y.safetensors") + "' " + extra);
+  };
+  const CliResult reference = moe(checkpoint_, "--prefix " + kExpertPrefix);
+  ASSERT_EQ(reference.exit_code, 0) << reference.err;
+  const std::string expected_output = read_text(path("y.safetensors"));
+
+  // Layer kExpertPrefix alone, each tensor renamed by `rename` (to "":
+  // dropped); its weight_scale tensors given `scale_dtype` when set.
+  const auto write_layer = [&](const std::string& file, const std::function<std::string(const std::string&)>& rename,
+                               std::optional<DType> scale_dtype = std::nullopt) {
+    const SafetensorsFile q = SafetensorsFile::open(checkpoint_);
+    SafetensorsWriter w;
+    std::vector<std::vector<float>> keep_alive;
+    for (const std::string& name : q.names()) {
+      if (name.rfind(kExpertPrefix + "experts.", 0) != 0) continue;
+      TensorView v = q.get(name);
+      v.name = rename(name);
+      if (v.name.empty()) continue;
+      if (scale_dtype && name.size() > 13 && name.compare(name.size() - 13, 13, ".weight_scale") == 0) {
+        keep_alive.emplace_back(static_cast<size_t>(v.numel()), 1.0f);
+        v.dtype = *scale_dtype;
+        v.data = reinterpret_cast<const uint8_t*>(keep_alive.back().data());
+        v.nbytes = static_cast<size_t>(v.numel()) * dtype_size(*scale_dtype);
+      }
+      w.add(v);
+    }
+    w.write(file);
+  };
+  const auto mixtral = [](std::string name) {
+    for (const auto& [from, to] : {std::pair<std::string, std::string>{".mlp.", ".block_sparse_moe."},
+                                   {".gate_proj.", ".w1."}, {".up_proj.", ".w3."}, {".down_proj.", ".w2."}})
+      if (const size_t at = name.find(from); at != std::string::npos) name.replace(at, from.size(), to);
+    return name;
+  };
+  const std::string dir = path("mixtral-nvfp4");
+  fs::create_directory(dir);
+  write_layer(dir + "/model.safetensors", mixtral);
+  std::ofstream(dir + "/config.json") << R"({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2})";
+  const std::string note = "is an NVFP4 (W4A4) checkpoint; its input_scale is not applied";
+  for (const std::string algo : {"NVFP4", "W4A16_NVFP4"}) {
+    std::ofstream(dir + "/hf_quant_config.json") << R"({"quantization": {"quant_algo": ")" << algo
+                                                  << R"(", "group_size": 16}})";
+    for (const std::string weights : {dir, dir + "/model.safetensors"}) {
+      SCOPED_TRACE(algo + " " + weights);
+      const CliResult r = moe(weights, "");
+      EXPECT_EQ(r.exit_code, 0) << r.err;
+      EXPECT_TRUE(read_text(path("y.safetensors")) == expected_output) << "Mixtral names must compute the same layer";
+      size_t notes = 0;
+      for (size_t at = r.err.find(note); at != std::string::npos; at = r.err.find(note, at + 1)) ++notes;
+      EXPECT_EQ(notes, algo == "NVFP4" ? 1u : 0u) << r.err;
+    }
+  }
+
+  // Refusals, one line each, no output file.
+  const auto expect_refused = [&](const std::string& weights, const std::string& extra,
+                                  const std::vector<std::string>& fragments) {
+    SCOPED_TRACE(weights + " " + extra);
+    const CliResult r = moe(weights, extra);
+    EXPECT_EQ(r.exit_code, 1) << r.err;
+    EXPECT_EQ(r.err.rfind("fp4moe: error: ", 0), 0u) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "one line expected:\n" << r.err;
+    for (const std::string& fragment : fragments) EXPECT_NE(r.err.find(fragment), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(path("y.safetensors"))) << "a failed run left an output file";
+  };
+  // A missing last expert, against config.json's count.
+  write_layer(dir + "/model.safetensors", [&](const std::string& name) {
+    return name.rfind(kExpertPrefix + "experts.3.", 0) == 0 ? std::string() : mixtral(name);
+  });
+  expect_refused(dir, "", {"missing tensor 'model.layers.1.block_sparse_moe.experts.3.w1.weight'",
+                           "num_local_experts = 4"});
+  // F32 and U8 block scales.
+  for (const DType dtype : {DType::F32, DType::U8}) {
+    write_layer(path("scales.safetensors"), [](const std::string& name) { return name; }, dtype);
+    expect_refused(path("scales.safetensors"), "",
+                   {"'" + kExpertPrefix + "experts.0.gate_proj.weight_scale'",
+                    "expected F8_E4M3 [32, 4], found " + std::string(dtype_name(dtype)) + " [32, 4]"});
+  }
+  // transformers 5's fused expert tensors.
+  SafetensorsWriter fused;
+  add_bf16(fused, kExpertPrefix + "experts.gate_up_proj", {kNumExperts, 2 * kInter, kHidden},
+           std::vector<float>(kNumExperts * 2 * kInter * kHidden, 0.5f));
+  add_bf16(fused, kExpertPrefix + "experts.down_proj", {kNumExperts, kHidden, kInter},
+           std::vector<float>(kNumExperts * kHidden * kInter, 0.5f));
+  fused.write(path("fused.safetensors"));
+  expect_refused(path("fused.safetensors"), "", {"stacked expert tensors"});
+  expect_refused(path("fused.safetensors"), "--prefix " + kExpertPrefix, {"stacked expert tensors"});
+}
+
 TEST_F(CliTest, QuantizeRejectsKNotAMultipleOf16) {
   SafetensorsWriter w;
   add_f32(w, "model.layers.0.mlp.experts.0.down_proj.weight", {16, 24}, std::vector<float>(16 * 24, 0.5f));
