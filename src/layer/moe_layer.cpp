@@ -411,6 +411,19 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
   impl->has_bias = weights.has_bias();
   impl->options = options;
   const int64_t E = weights.num_experts;
+  // Activation numerics, and for fp4 the per-expert input scales, checked
+  // before any packing.
+  impl->fp4_activations = resolve_activation_numerics(weights, options.activations) == ActivationNumerics::kFp4;
+  std::vector<float> in13, in2;
+  if (impl->fp4_activations) {
+    for (int64_t e = 0; e < E; ++e) {
+      const ExpertWeights& x = weights.experts[static_cast<size_t>(e)];
+      in13.push_back(gemm1_input_scale(x));
+      in2.push_back(x.down.input_scale);
+      check_input_scale(in13.back(), "MoeLayer: gate/up input_scale", e);
+      check_input_scale(in2.back(), "MoeLayer: down input_scale", e);
+    }
+  }
   // Both GEMMs are packed (and their scales checked) on the host before
   // anything is uploaded, so a bad checkpoint is refused without GPU work.
   PreparedGemmWeights packed13, packed2;
@@ -431,17 +444,10 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
   }
   // W4A4: the activations reach the GEMMs as e2m1 x e4m3, so their
   // input_scale joins weight_scale_2 in each epilogue's scale.
-  impl->fp4_activations = resolve_activation_numerics(weights, options.activations) == ActivationNumerics::kFp4;
-  std::vector<float> in13, in2;
   if (impl->fp4_activations) {
     for (int64_t e = 0; e < E; ++e) {
-      const ExpertWeights& x = weights.experts[static_cast<size_t>(e)];
-      in13.push_back(gemm1_input_scale(x));
-      in2.push_back(x.down.input_scale);
-      check_input_scale(in13.back(), "MoeLayer: gate/up input_scale", e);
-      check_input_scale(in2.back(), "MoeLayer: down input_scale", e);
-      packed13.global_scales[static_cast<size_t>(e)] *= in13.back();
-      packed2.global_scales[static_cast<size_t>(e)] *= in2.back();
+      packed13.global_scales[static_cast<size_t>(e)] *= in13[static_cast<size_t>(e)];
+      packed2.global_scales[static_cast<size_t>(e)] *= in2[static_cast<size_t>(e)];
     }
   }
   FP4MOE_CUDA_CHECK(cudaGetDevice(&impl->device));
