@@ -26,6 +26,7 @@
 
 #include "format/checkpoint.hpp"
 #include "fp4moe/error.hpp"
+#include "fp4moe/model_config.hpp"
 #include "fp4moe/nvfp4.hpp"
 
 namespace fp4moe {
@@ -700,6 +701,60 @@ void add_moe_weights(SafetensorsWriter& writer, const MoeWeights& weights,
       }
     }
   }
+}
+
+// ------------------------------------------------------------------ router
+
+namespace {
+
+// A float tensor's values (F32, BF16, F16) after its dtype and shape are
+// checked; `what` says what it is for the message.
+std::vector<float> read_float_tensor(TensorSource& source, const std::string& path, const std::string& name,
+                                     const std::vector<int64_t>& shape, const char* what) {
+  const auto [view, file] = source.get(name);
+  const bool float_dtype = view->dtype == DType::F32 || view->dtype == DType::BF16 || view->dtype == DType::F16;
+  FP4MOE_CHECK(float_dtype && view->shape == shape, path, ": tensor '", name, "' (in ", *file, ") is ",
+               describe(view->dtype, view->shape), "; expected F32, BF16 or F16 ", shape_to_string(shape), " (",
+               what, ")");
+  const size_t count = static_cast<size_t>(view->numel());
+  std::vector<float> values(count);
+  for (size_t i = 0; i < count; ++i) {
+    if (view->dtype == DType::F32) {
+      std::memcpy(&values[i], view->data + i * 4, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, view->data + i * 2, 2);
+      values[i] = view->dtype == DType::BF16 ? bf16_to_float(h) : f16_to_float(h);
+    }
+  }
+  const auto bad = std::find_if(values.begin(), values.end(), [](float v) { return !std::isfinite(v); });
+  FP4MOE_CHECK(bad == values.end(), path, ": tensor '", name, "' element ", bad - values.begin(), " is ",
+               bad == values.end() ? 0.0f : *bad, "; expected finite values (", what, ")");
+  return values;
+}
+
+}  // namespace
+
+std::optional<RouterWeights> load_router_weights(const std::string& path, const std::string& prefix) {
+  TensorSource source(path);
+  // DeepSeek/GLM/Kimi/Qwen/Mixtral name the router "gate", gpt-oss "router".
+  const std::string gate = prefix + "gate.", router = prefix + "router.";
+  const std::string stem = source.contains(gate + "weight") ? gate : source.contains(router + "weight") ? router : "";
+  if (stem.empty()) return std::nullopt;
+  RouterWeights r;
+  r.weight_name = stem + "weight";
+  const TensorView& w = *source.get(r.weight_name).first;
+  FP4MOE_CHECK(w.shape.size() == 2 && w.shape[0] > 0 && w.shape[1] > 0, path, ": tensor '", r.weight_name, "' is ",
+               describe(w.dtype, w.shape), "; expected F32, BF16 or F16 [num_experts, hidden] (the router)");
+  r.num_experts = w.shape[0];
+  r.hidden = w.shape[1];
+  r.weight = read_float_tensor(source, path, r.weight_name, {r.num_experts, r.hidden}, "the router weight");
+  if (source.contains(stem + "bias"))
+    r.bias = read_float_tensor(source, path, stem + "bias", {r.num_experts}, "the router bias");
+  if (source.contains(gate + "e_score_correction_bias"))
+    r.correction_bias = read_float_tensor(source, path, gate + "e_score_correction_bias", {r.num_experts},
+                                          "noaux_tc's correction bias");
+  return r;
 }
 
 }  // namespace fp4moe
