@@ -114,7 +114,7 @@ std::string detect_prefix(const std::string& path) {
       list += (list.empty() ? "'" : ", '") + p + "'";
     }
     FP4MOE_THROW(path, " holds the experts of ", prefixes.size(),
-                 " layers; choose one with --prefix: ", list);
+                 " layers; choose one with --prefix (or --layer N): ", list);
   }
   return *prefixes.begin();
 }

@@ -113,6 +113,20 @@ void check_config_sizes(const MoeModelConfig& c, const MoeWeights& weights) {
   FP4MOE_CHECK(!c.moe_intermediate_size || *c.moe_intermediate_size == weights.inter, c.where, ": ",
                c.moe_intermediate_key, " = ", c.moe_intermediate_size.value_or(0),
                " but the experts' weights have inter = ", weights.inter);
+  // A shared expert the config declares must be there (never dropped
+  // silently), as wide as declared.
+  const int64_t shared_width = c.num_shared_experts > 0 ? c.num_shared_experts * weights.inter
+                                                        : c.shared_expert_intermediate_size;
+  const std::string declared = c.num_shared_experts > 0
+                                   ? "n_shared_experts = " + std::to_string(c.num_shared_experts) + " (" +
+                                         std::to_string(shared_width) + " wide)"
+                                   : "shared_expert_intermediate_size = " + std::to_string(shared_width);
+  FP4MOE_CHECK(shared_width == 0 || weights.shared_expert, c.where, ": ", declared,
+               " but the checkpoint has no shared expert tensors for the layer ('<prefix>shared_experts.*' or "
+               "'<prefix>shared_expert.*')");
+  FP4MOE_CHECK(shared_width == 0 || weights.shared_expert->inter == shared_width, c.where, ": ", declared,
+               " but the checkpoint's shared expert is ", weights.shared_expert ? weights.shared_expert->inter : 0,
+               " wide");
 }
 
 void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
@@ -185,11 +199,15 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
                                          ? " finalize=" + opts.finalize +
                                                (opts.ep > 0 ? " ep=" + std::to_string(opts.ep) : "")
                                          : " threads=" + std::to_string(stats.num_threads);
+  const std::string shared =
+      weights.shared_expert ? " shared=" + std::to_string(weights.shared_expert->inter) +
+                                  (weights.shared_expert->gate.empty() ? "" : "(gated)")
+                            : "";
   std::fprintf(stderr,
-               "moe: T=%lld E=%lld k=%d H=%lld I=%lld routing=%s activation=%s backend=%s%s "
+               "moe: T=%lld E=%lld k=%d H=%lld I=%lld%s routing=%s activation=%s backend=%s%s "
                "layer %.3f ms, total %.2f ms\n",
                static_cast<long long>(num_tokens), static_cast<long long>(num_experts), routing.top_k,
-               static_cast<long long>(hidden), static_cast<long long>(weights.inter),
+               static_cast<long long>(hidden), static_cast<long long>(weights.inter), shared.c_str(),
                input.routing_source.c_str(), activation.c_str(), stats.backend.c_str(),
                backend_detail.c_str(), stats.time_ms, total_timer.elapsed_ms());
 }

@@ -1,7 +1,8 @@
 // The small kernels around the two grouped GEMMs of an MoE layer and their
 // host launchers (the contract is in moe_ops.hpp): routing (one block per
 // token, experts ranked in parallel), the counting sort of (token, slot) pairs by expert (one block),
-// the bf16 row gather and the finalize reduction to bf16.
+// the bf16 row gather, the shared experts' slots and the finalize reduction
+// to bf16.
 //
 // Tested in tests/kernels/test_moe_ops.cpp: routing against the CPU reference
 // fp4moe::route() for every mode, expert count, top-k and token count (and
@@ -471,6 +472,56 @@ __global__ void finalize_accumulated_kernel(float4* __restrict__ accum,  // [num
   }
 }
 
+// ------------------------------------------------------ shared experts
+
+constexpr int kSharedSlotThreads = 128;  // one block per token
+
+// Writes a token's rows_per_token = top_k + num_shared slots: its routed
+// slots as given (ids outside [0, num_experts) other than kAbsentSlot become
+// INT32_MAX, so that the sort, which sees the shared chunks as experts
+// num_experts.., still refuses them), then one slot per shared chunk, expert
+// num_experts + j, weighted 1 or sigmoid(shared_gate · x) (a dot product in
+// fp32, summed per thread, per warp, then over warps in a fixed order).
+__global__ void __launch_bounds__(kSharedSlotThreads)
+    append_shared_slots_kernel(const int32_t* __restrict__ topk_ids,         // [num_tokens, top_k]
+                               const float* __restrict__ topk_weights,       // [num_tokens, top_k]
+                               int top_k, int num_experts, int num_shared,
+                               const __nv_bfloat16* __restrict__ hidden_states,  // [num_tokens, hidden]
+                               const float* __restrict__ shared_gate,        // [hidden] or null
+                               int64_t hidden,
+                               int32_t* __restrict__ out_ids,                // [num_tokens, top_k + num_shared]
+                               float* __restrict__ out_weights) {            // [num_tokens, top_k + num_shared]
+  __shared__ float warp_partial[kSharedSlotThreads / 32];
+  ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
+  ptx::allow_dependent_launch();
+  const int64_t token = blockIdx.x;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int rows = top_k + num_shared;
+  if (tid < top_k) {
+    const int32_t id = topk_ids[token * top_k + tid];
+    const bool keep = id == kAbsentSlot || static_cast<uint32_t>(id) < static_cast<uint32_t>(num_experts);
+    out_ids[token * rows + tid] = keep ? id : INT32_MAX;
+    out_weights[token * rows + tid] = topk_weights[token * top_k + tid];
+  }
+  float weight = 1.0f;
+  if (shared_gate != nullptr) {  // block-uniform branch
+    float partial = 0.0f;
+    const __nv_bfloat16* x = hidden_states + token * hidden;
+    for (int64_t h = tid; h < hidden; h += kSharedSlotThreads)
+      partial += __bfloat162float(x[h]) * __ldg(shared_gate + h);
+    partial = warp_sum(partial);
+    if (tid % 32 == 0) warp_partial[tid / 32] = partial;
+    __syncthreads();
+    float dot = 0.0f;
+    for (int w = 0; w < kSharedSlotThreads / 32; ++w) dot += warp_partial[w];  // fixed order
+    weight = sigmoid(dot);
+  }
+  if (tid < num_shared) {
+    out_ids[token * rows + top_k + tid] = num_experts + tid;
+    out_weights[token * rows + top_k + tid] = weight;
+  }
+}
+
 // ------------------------------------------------------------------ host
 
 // Grid of a grid-stride elementwise kernel: enough blocks to fill the GPU,
@@ -577,6 +628,28 @@ void launch_route_and_sort(const float* router_logits, const float* correction_b
                 params.mode == RoutingMode::kNoauxTc ? correction_bias : nullptr,
                 static_cast<int>(num_experts), params, topk_ids, topk_weights, expert_offsets,
                 token_of_row, pair_of_row, error_flags, arrivals);
+}
+
+void launch_append_shared_slots(const int32_t* topk_ids, const float* topk_weights, int64_t num_tokens, int top_k,
+                                int64_t num_experts, int num_shared, const void* hidden_states,
+                                const float* shared_gate, int64_t hidden, int32_t* out_ids, float* out_weights,
+                                cudaStream_t stream, bool programmatic) {
+  FP4MOE_CHECK(num_tokens >= 0 && num_tokens <= INT_MAX, "launch_append_shared_slots: num_tokens = ", num_tokens,
+               "; expected in [0, ", INT_MAX, "]");
+  FP4MOE_CHECK(top_k >= 1 && num_shared >= 1 && top_k + num_shared <= kMaxTopK,
+               "launch_append_shared_slots: top_k = ", top_k, ", num_shared = ", num_shared,
+               "; expected both >= 1 and top_k + num_shared <= ", kMaxTopK);
+  FP4MOE_CHECK(num_shared <= kSharedSlotThreads, "launch_append_shared_slots: num_shared = ", num_shared,
+               "; expected <= ", kSharedSlotThreads);
+  check_num_experts("launch_append_shared_slots", num_experts + num_shared);
+  FP4MOE_CHECK(hidden >= 1, "launch_append_shared_slots: hidden = ", hidden, "; expected >= 1");
+  if (num_tokens == 0) return;
+  FP4MOE_CHECK(topk_ids && topk_weights && out_ids && out_weights && (!shared_gate || hidden_states),
+               "launch_append_shared_slots: topk_ids, topk_weights, out_ids, out_weights (and hidden_states "
+               "with a shared gate) must be non-null");
+  launch_kernel(append_shared_slots_kernel, static_cast<unsigned>(num_tokens), kSharedSlotThreads, 0, stream,
+                programmatic, topk_ids, topk_weights, top_k, static_cast<int>(num_experts), num_shared,
+                static_cast<const __nv_bfloat16*>(hidden_states), shared_gate, hidden, out_ids, out_weights);
 }
 
 void launch_gather_rows(const void* x, const int32_t* token_of_row, const int32_t* expert_offsets,

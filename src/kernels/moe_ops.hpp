@@ -78,6 +78,20 @@ void launch_route_and_sort(const float* router_logits, const float* correction_b
                            int32_t* token_of_row, int32_t* pair_of_row, int32_t* error_flags,
                            int32_t* arrivals, cudaStream_t stream, bool programmatic = false);
 
+// Shared experts as extra experts of the grouped GEMMs: writes out_ids and
+// out_weights [num_tokens, top_k + num_shared], each token's top_k routed
+// slots copied from topk_ids/topk_weights [num_tokens, top_k] (ids outside
+// [0, num_experts) other than kAbsentSlot become INT32_MAX, out of range for
+// the sort over num_experts + num_shared experts, which reports them), then
+// its num_shared slots with experts num_experts .. num_experts + num_shared -
+// 1, weighted 1, or sigmoid(shared_gate · x_t) in fp32 when shared_gate
+// (fp32 [hidden]) is given, x_t the token's row of hidden_states (bf16
+// [num_tokens, hidden]). top_k + num_shared <= kMaxTopK.
+void launch_append_shared_slots(const int32_t* topk_ids, const float* topk_weights, int64_t num_tokens, int top_k,
+                                int64_t num_experts, int num_shared, const void* hidden_states,
+                                const float* shared_gate, int64_t hidden, int32_t* out_ids, float* out_weights,
+                                cudaStream_t stream, bool programmatic = false);
+
 // x_sorted[r, :] = x[token_of_row[r], :] for r < num_rows, bf16 rows of
 // `hidden` elements (hidden % 8 == 0, pointers 16-byte aligned). Rows r with
 // r >= expert_offsets[num_experts] (ids that were not placed) are skipped.

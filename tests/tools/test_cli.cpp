@@ -35,6 +35,7 @@
 #include "cli_test_support.hpp"
 #include "fp4moe/modelopt.hpp"
 #include "fp4moe/nvfp4.hpp"
+#include "fp4moe/reference.hpp"
 #include "fp4moe/safetensors.hpp"
 #include "gpu_test_util.hpp"
 
@@ -690,6 +691,88 @@ TEST_F(MoeTest, ConfigJsonSetsTheRouting) {
   expect_refused("--layer 0", {config + ": hidden_size = 128 but the experts' weights have hidden = 64"});
   write_config(R"({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48})");
   expect_refused("--layer 0", {"moe_intermediate_size = 48", "inter = 32"});
+}
+
+// A layer with a shared expert (DeepSeek's ungated "shared_experts", Qwen2-MoE's
+// gated "shared_expert") runs it: the output is the reference's with the
+// shared expert, bit for bit after the bf16 rounding, and differs from the
+// routed experts' alone. A config.json that declares a shared expert the
+// checkpoint lacks, or of another width, is refused in one line.
+TEST_F(MoeTest, SharedExpertIsPartOfTheLayer) {
+  const TestRouting routing = write_given_routing_input(2, 21);
+  std::mt19937 rng(5);
+  const int64_t width = 2 * kInter;
+  const std::vector<float> gate = normal_values(rng, width * kHidden, 0.15, false);
+  const std::vector<float> up = normal_values(rng, width * kHidden, 0.15, false);
+  const std::vector<float> down = normal_values(rng, kHidden * width, 0.2, false);
+  const float gate_up_scale =
+      nvfp4_global_scale(std::max(abs_max(gate.data(), gate.size()), abs_max(up.data(), up.size())));
+  SharedExpertWeights shared;
+  shared.inter = width;
+  shared.mlp.gate = quantize_nvfp4(gate.data(), width, kHidden, gate_up_scale);
+  shared.mlp.up = quantize_nvfp4(up.data(), width, kHidden, gate_up_scale);
+  shared.mlp.down = quantize_nvfp4(down.data(), kHidden, width);
+
+  for (const bool gated : {false, true}) {
+    SCOPED_TRACE(gated ? "gated" : "ungated");
+    const std::string dir = path(gated ? "qwen2" : "deepseek");
+    fs::create_directory(dir);
+    fs::copy_file(checkpoint_, dir + "/model.safetensors", fs::copy_options::overwrite_existing);
+    MoeWeights with_shared;
+    with_shared.hidden = kHidden;
+    with_shared.shared_expert = shared;
+    if (gated) with_shared.shared_expert->gate = normal_values(rng, kHidden, 0.2, false);
+    SafetensorsWriter w;
+    add_moe_weights(w, with_shared, kExpertPrefix);  // no routed experts: only the shared one's tensors
+    w.write(dir + "/shared.safetensors");
+
+    fs::remove(path("y.safetensors"));
+    const std::string args = "moe --device cpu --weights '" + dir + "' --prefix " + kExpertPrefix + " --input '" +
+                             path("x.safetensors") + "' --output '" + path("y.safetensors") + "'";
+    const CliResult r = run(args);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_NE(r.err.find(gated ? "shared=64(gated)" : "shared=64 "), std::string::npos) << r.err;
+    const std::vector<float> out = read_floats(SafetensorsFile::open(path("y.safetensors")).get("output"));
+
+    const MoeWeights loaded = load_moe_weights(dir, kExpertPrefix);
+    ASSERT_TRUE(loaded.shared_expert.has_value());
+    Routing given;
+    given.num_tokens = kNumTokens;
+    given.top_k = routing.top_k;
+    given.topk_ids = routing.ids;
+    given.topk_weights = routing.weights;
+    std::vector<float> expected(out.size()), routed_only(out.size());
+    moe_reference(loaded, hidden_.data(), given, Activation::kSwiGLU, expected.data());
+    MoeWeights without = loaded;
+    without.shared_expert.reset();
+    moe_reference(without, hidden_.data(), given, Activation::kSwiGLU, routed_only.data());
+    double changed = 0.0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      ASSERT_EQ(out[i], round_bf16(expected[i])) << "element " << i;
+      changed = std::max(changed, static_cast<double>(std::fabs(expected[i] - routed_only[i])));
+    }
+    EXPECT_GT(changed, 1e-2) << "the shared expert changed nothing: the test data is degenerate";
+
+    // Declared by config.json: present and as wide, else refused.
+    const auto refused = [&](const std::string& config, const std::string& fragment) {
+      std::ofstream(dir + "/config.json") << config;
+      fs::remove(path("y.safetensors"));
+      const CliResult bad = run(args);
+      EXPECT_EQ(bad.exit_code, 1) << bad.err;
+      EXPECT_EQ(std::count(bad.err.begin(), bad.err.end(), '\n'), 1) << bad.err;
+      EXPECT_NE(bad.err.find(fragment), std::string::npos) << bad.err;
+    };
+    if (gated) {
+      refused(R"({"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+          "shared_expert_intermediate_size": 96})", "shared_expert_intermediate_size = 96 but the checkpoint's shared expert is 64 wide");
+    } else {
+      refused(R"({"model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+          "topk_group": 1, "n_shared_experts": 1})", "n_shared_experts = 1 (32 wide) but the checkpoint's shared expert is 64 wide");
+      fs::remove(dir + "/shared.safetensors");
+      refused(R"({"model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+          "topk_group": 1, "n_shared_experts": 2})", "n_shared_experts = 2 (64 wide) but the checkpoint has no shared expert");
+    }
+  }
 }
 
 // A ModelOpt export as written: a checkpoint directory with config.json and
