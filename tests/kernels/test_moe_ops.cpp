@@ -747,6 +747,85 @@ TEST(MoeOpsGpu, GatherRejectsBadParameters) {
   EXPECT_NO_THROW(kernels::launch_gather_rows(nullptr, nullptr, nullptr, 8, 0, 16, nullptr, nullptr));
 }
 
+// ----------------------------------------------------------- shared slots
+
+// Every token's routed slots come through (out-of-range ids as INT32_MAX,
+// absent slots as they are), followed by one slot per shared chunk with
+// expert E + j and weight 1, or sigmoid(gate · x) against a host evaluation
+// in double (fp32 on the device: 1e-5 relative).
+TEST(MoeOpsGpu, AppendSharedSlots) {
+  FP4MOE_REQUIRE_GPU();
+  std::mt19937 rng(17);
+  constexpr int64_t kNumExperts = 60;
+  for (const int64_t num_tokens : {1, 5, 300})
+    for (const int top_k : {1, 4, 8})
+      for (const int num_shared : {1, 4})
+        for (const bool gated : {false, true}) {
+          const int64_t hidden = 264;  // not a multiple of the block
+          const std::string what = "tokens=" + std::to_string(num_tokens) + " k=" + std::to_string(top_k) +
+                                   " shared=" + std::to_string(num_shared) + (gated ? " gated" : "");
+          std::uniform_int_distribution<int32_t> expert(0, kNumExperts - 1);
+          std::vector<int32_t> ids(static_cast<size_t>(num_tokens * top_k));
+          for (int32_t& id : ids) id = expert(rng);
+          ids[0] = kernels::kAbsentSlot;
+          if (ids.size() > 2) ids[2] = static_cast<int32_t>(kNumExperts);  // out of range
+          const std::vector<float> weights = random_normal(ids.size(), rng);
+          const std::vector<uint16_t> x = testing::random_bf16(static_cast<size_t>(num_tokens * hidden), rng);
+          const std::vector<float> gate = gated ? random_normal(static_cast<size_t>(hidden), rng, 0.05f)
+                                                : std::vector<float>();
+          const DeviceBuffer<int32_t> d_ids(ids);
+          const DeviceBuffer<float> d_weights(weights), d_gate(gate);
+          const DeviceBuffer<uint16_t> d_x(x);
+          const int rows = top_k + num_shared;
+          DeviceBuffer<int32_t> out_ids(static_cast<size_t>(num_tokens * rows));
+          DeviceBuffer<float> out_weights(static_cast<size_t>(num_tokens * rows));
+          out_ids.fill_bytes(0xFF);
+          out_weights.fill_bytes(0xFF);
+          kernels::launch_append_shared_slots(d_ids.get(), d_weights.get(), num_tokens, top_k, kNumExperts,
+                                              num_shared, d_x.get(), gated ? d_gate.get() : nullptr, hidden,
+                                              out_ids.get(), out_weights.get(), nullptr);
+          FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+          const std::vector<int32_t> got_ids = out_ids.download();
+          const std::vector<float> got_weights = out_weights.download();
+          int64_t num_bad = 0;
+          for (int64_t t = 0; t < num_tokens && num_bad < 3; ++t) {
+            double dot = 0.0;
+            for (int64_t h = 0; h < hidden && gated; ++h)
+              dot += static_cast<double>(bf16_to_float(x[t * hidden + h])) * gate[h];
+            const double shared_weight = gated ? 1.0 / (1.0 + std::exp(-dot)) : 1.0;
+            for (int j = 0; j < rows; ++j) {
+              const size_t at = static_cast<size_t>(t * rows + j);
+              int32_t want_id;
+              double want_weight;
+              if (j < top_k) {
+                const int32_t id = ids[static_cast<size_t>(t * top_k + j)];
+                want_id = id == kernels::kAbsentSlot || (id >= 0 && id < kNumExperts) ? id : INT32_MAX;
+                want_weight = weights[static_cast<size_t>(t * top_k + j)];
+              } else {
+                want_id = static_cast<int32_t>(kNumExperts + j - top_k);
+                want_weight = shared_weight;
+              }
+              if (got_ids[at] != want_id || std::fabs(got_weights[at] - want_weight) > 1e-5 * std::fabs(want_weight)) {
+                ++num_bad;
+                ADD_FAILURE() << what << ": token " << t << " slot " << j << ": id " << got_ids[at] << " weight "
+                              << got_weights[at] << ", expected " << want_id << " " << want_weight;
+              }
+            }
+          }
+        }
+  DeviceBuffer<int32_t> idx(64);
+  DeviceBuffer<float> w(64);
+  EXPECT_THROW(kernels::launch_append_shared_slots(idx.get(), w.get(), 1, 30, 60, 3, nullptr, nullptr, 64,
+                                                   idx.get(), w.get(), nullptr),
+               Error);  // 33 rows per token
+  EXPECT_THROW(kernels::launch_append_shared_slots(idx.get(), w.get(), 1, 2, 511, 2, nullptr, nullptr, 64,
+                                                   idx.get(), w.get(), nullptr),
+               Error);  // 513 experts
+  EXPECT_THROW(kernels::launch_append_shared_slots(idx.get(), w.get(), 1, 2, 60, 2, nullptr, w.get(), 64,
+                                                   idx.get(), w.get(), nullptr),
+               Error);  // a gate without hidden states
+}
+
 // ---------------------------------------------------------------- finalize
 
 // The host twin of finalize_pairs: fp32 from 0.0f in slot order, then bf16
