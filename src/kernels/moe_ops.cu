@@ -57,8 +57,9 @@ struct RouteShared {
   alignas(16) float key[kMaxExperts + 4];
   float group_score[kMaxExperts / 2];
   uint8_t group_kept[kMaxExperts / 2];
-  int chosen[kMaxTopK];            // expert of rank j
+  int chosen[kMaxTopK];            // expert of rank j, then the shared chunks' experts
   float partial[kRouteThreads / 32];
+  float gate_partial[kRouteThreads / 32];  // the shared expert's gate dot product, per warp
 };
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -74,18 +75,26 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;  // xor butterfly: every lane adds the same pairs, so all get the same bits
 }
 
-// Routes one token with the whole block (kRouteThreads threads).
+// Routes one token with the whole block (kRouteThreads threads). With
+// shared expert slots, the token's row of ids and weights has top_k +
+// shared.num_shared entries: its choices, then experts num_experts + j with
+// the shared weight (1, or sigmoid(gate · x) in fp32).
 __device__ void route_token(RouteShared& sh,
                             const float* __restrict__ router_logits,    // [num_tokens, num_experts]
                             const float* __restrict__ correction_bias,  // [num_experts] or null (noaux_tc)
                             int num_experts, const RoutingParams& params, int64_t token,
-                            int32_t* __restrict__ topk_ids,      // [num_tokens, top_k]
-                            float* __restrict__ topk_weights,    // [num_tokens, top_k]
-                            int32_t* __restrict__ error_flags) { // layer error word, or null
+                            int32_t* __restrict__ topk_ids,      // [num_tokens, top_k + num_shared]
+                            float* __restrict__ topk_weights,    // [num_tokens, top_k + num_shared]
+                            int32_t* __restrict__ error_flags,   // layer error word, or null
+                            const SharedSlots& shared) {
   const int tid = static_cast<int>(threadIdx.x);
   const float* logits = router_logits + token * num_experts;
   const int top_k = params.top_k;
+  const int rows = top_k + shared.num_shared;  // ids per token
   const bool noaux = params.mode == RoutingMode::kNoauxTc;
+  // The ranking below writes chosen[0, top_k) only; the shared chunks' ids
+  // follow, for the fused single-token sort (visible after the syncs below).
+  if (tid < shared.num_shared) sh.chosen[top_k + tid] = num_experts + tid;
 
   bool saw_nonfinite = false;
   for (int e = tid; e < num_experts; e += kRouteThreads) {
@@ -175,6 +184,22 @@ __device__ void route_token(RouteShared& sh,
     __syncthreads();
   }
 
+  // The shared slots' weight: sigmoid(gate · x) summed per thread, per warp,
+  // then over warps in a fixed order (block-uniform branch).
+  float shared_weight = 1.0f;
+  if (shared.num_shared > 0 && shared.gate != nullptr) {
+    const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(shared.hidden_states) + token * shared.hidden;
+    float partial = 0.0f;
+    for (int64_t h = tid; h < shared.hidden; h += kRouteThreads)
+      partial += __bfloat162float(x[h]) * __ldg(shared.gate + h);
+    partial = warp_sum(partial);
+    if (tid % 32 == 0) sh.gate_partial[tid / 32] = partial;
+    __syncthreads();
+    float dot = 0.0f;
+    for (int w = 0; w < kRouteThreads / 32; ++w) dot += sh.gate_partial[w];
+    shared_weight = sigmoid(dot);
+  }
+
   if (tid < 32) {  // lane j: the j-th choice and its weight
     const int lane = tid;
     const int expert = lane < top_k ? sh.chosen[lane] : 0;
@@ -195,8 +220,11 @@ __device__ void route_token(RouteShared& sh,
       weight = max_logit == -INFINITY ? 0.0f : numerator / denominator;
     }
     if (lane < top_k) {
-      topk_ids[token * top_k + lane] = expert;
-      topk_weights[token * top_k + lane] = weight;
+      topk_ids[token * rows + lane] = expert;
+      topk_weights[token * rows + lane] = weight;
+    } else if (lane < rows) {
+      topk_ids[token * rows + lane] = num_experts + lane - top_k;
+      topk_weights[token * rows + lane] = shared_weight;
     }
   }
 }
@@ -204,12 +232,12 @@ __device__ void route_token(RouteShared& sh,
 __global__ void __launch_bounds__(kRouteThreads)
     route_kernel(const float* __restrict__ router_logits, const float* __restrict__ correction_bias,
                  int num_experts, RoutingParams params, int32_t* __restrict__ topk_ids,
-                 float* __restrict__ topk_weights, int32_t* __restrict__ error_flags) {
+                 float* __restrict__ topk_weights, int32_t* __restrict__ error_flags, SharedSlots shared) {
   __shared__ RouteShared sh;
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   route_token(sh, router_logits, correction_bias, num_experts, params, blockIdx.x, topk_ids,
-              topk_weights, error_flags);
+              topk_weights, error_flags, shared);
 }
 
 // ------------------------------------------------------------------- sort
@@ -365,18 +393,21 @@ __global__ void __launch_bounds__(kRouteThreads)
                           RoutingParams params, int32_t* topk_ids, float* __restrict__ topk_weights,
                           int32_t* __restrict__ expert_offsets, int32_t* __restrict__ token_of_row,
                           int32_t* __restrict__ pair_of_row, int32_t* __restrict__ error_flags,
-                          int32_t* __restrict__ arrivals) {
+                          int32_t* __restrict__ arrivals, SharedSlots shared) {
   __shared__ RouteShared route_sh;
   __shared__ SortShared<kRouteThreads> sort_sh;
   __shared__ bool is_last;
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   route_token(route_sh, router_logits, correction_bias, num_experts, params, blockIdx.x, topk_ids,
-              topk_weights, error_flags);
+              topk_weights, error_flags, shared);
+  // The sort sees the shared chunks as experts num_experts.., one more slot
+  // per token each.
+  const int rows = params.top_k + shared.num_shared;
+  const int sorted_experts = num_experts + shared.num_shared;
   if (gridDim.x == 1) {  // route_token synchronised the block after filling route_sh.chosen
-    sort_pairs_in_block<kRouteThreads, IdSource::kShared>(sort_sh, route_sh.chosen, params.top_k,
-                                                          params.top_k, num_experts, expert_offsets,
-                                                          token_of_row, pair_of_row, error_flags);
+    sort_pairs_in_block<kRouteThreads, IdSource::kShared>(sort_sh, route_sh.chosen, rows, rows, sorted_experts,
+                                                          expert_offsets, token_of_row, pair_of_row, error_flags);
     return;
   }
   // NOTE: the classic threadfence reduction: each writer fences its ids
@@ -389,8 +420,8 @@ __global__ void __launch_bounds__(kRouteThreads)
   __threadfence();
   if (threadIdx.x == 0) *arrivals = 0;
   sort_pairs_in_block<kRouteThreads, IdSource::kGlobal>(
-      sort_sh, topk_ids, static_cast<int64_t>(gridDim.x) * params.top_k, params.top_k, num_experts,
-      expert_offsets, token_of_row, pair_of_row, error_flags);
+      sort_sh, topk_ids, static_cast<int64_t>(gridDim.x) * rows, rows, sorted_experts, expert_offsets,
+      token_of_row, pair_of_row, error_flags);
 }
 
 // ------------------------------------------------------- gather, finalize
@@ -569,13 +600,26 @@ void check_routing_params(int64_t num_tokens, int64_t num_experts, const Routing
                "; expected finite and > 0");
 }
 
+// The shared slots the routing kernels append: within the kernels' limits,
+// and with hidden states to compute a gate from.
+void check_shared_slots(const char* op, int64_t num_experts, int top_k, const SharedSlots& shared) {
+  if (shared.num_shared == 0) return;
+  FP4MOE_CHECK(shared.num_shared > 0 && top_k + shared.num_shared <= kMaxTopK &&
+                   num_experts + shared.num_shared <= kMaxExperts,
+               op, ": top_k = ", top_k, " with ", shared.num_shared, " shared slots over ", num_experts,
+               " experts; expected top_k + shared <= ", kMaxTopK, " and experts + shared <= ", kMaxExperts);
+  FP4MOE_CHECK(shared.gate == nullptr || (shared.hidden_states != nullptr && shared.hidden >= 1), op,
+               ": a shared expert gate needs hidden_states and hidden >= 1");
+}
+
 }  // namespace
 
 void launch_route(const float* router_logits, const float* correction_bias, int64_t num_tokens,
                   int64_t num_experts, const RoutingParams& params, int32_t* topk_ids,
                   float* topk_weights, cudaStream_t stream, bool programmatic,
-                  int32_t* error_flags) {
+                  int32_t* error_flags, const SharedSlots& shared) {
   check_routing_params(num_tokens, num_experts, params);
+  check_shared_slots("launch_route", num_experts, params.top_k, shared);
   if (num_tokens == 0) return;
   FP4MOE_CHECK(router_logits && topk_ids && topk_weights,
                "launch_route: router_logits, topk_ids and topk_weights must be non-null");
@@ -584,7 +628,7 @@ void launch_route(const float* router_logits, const float* correction_bias, int6
   launch_kernel(route_kernel, static_cast<unsigned>(num_tokens), kRouteThreads, 0, stream,
                 programmatic, router_logits,
                 params.mode == RoutingMode::kNoauxTc ? correction_bias : nullptr,
-                static_cast<int>(num_experts), params, topk_ids, topk_weights, error_flags);
+                static_cast<int>(num_experts), params, topk_ids, topk_weights, error_flags, shared);
 }
 
 void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_k,
@@ -609,12 +653,15 @@ void launch_route_and_sort(const float* router_logits, const float* correction_b
                            int64_t num_tokens, int64_t num_experts, const RoutingParams& params,
                            int32_t* topk_ids, float* topk_weights, int32_t* expert_offsets,
                            int32_t* token_of_row, int32_t* pair_of_row, int32_t* error_flags,
-                           int32_t* arrivals, cudaStream_t stream, bool programmatic) {
+                           int32_t* arrivals, cudaStream_t stream, bool programmatic,
+                           const SharedSlots& shared) {
   check_routing_params(num_tokens, num_experts, params);
-  if (num_tokens * params.top_k > kFusedSortMaxPairs) {
+  check_shared_slots("launch_route_and_sort", num_experts, params.top_k, shared);
+  const int rows = params.top_k + shared.num_shared;
+  if (num_tokens * rows > kFusedSortMaxPairs) {
     launch_route(router_logits, correction_bias, num_tokens, num_experts, params, topk_ids,
-                 topk_weights, stream, programmatic, error_flags);
-    launch_sort_by_expert(topk_ids, num_tokens, params.top_k, num_experts, expert_offsets,
+                 topk_weights, stream, programmatic, error_flags, shared);
+    launch_sort_by_expert(topk_ids, num_tokens, rows, num_experts + shared.num_shared, expert_offsets,
                           token_of_row, pair_of_row, error_flags, stream, programmatic);
     return;
   }
@@ -627,7 +674,7 @@ void launch_route_and_sort(const float* router_logits, const float* correction_b
                 programmatic, router_logits,
                 params.mode == RoutingMode::kNoauxTc ? correction_bias : nullptr,
                 static_cast<int>(num_experts), params, topk_ids, topk_weights, expert_offsets,
-                token_of_row, pair_of_row, error_flags, arrivals);
+                token_of_row, pair_of_row, error_flags, arrivals, shared);
 }
 
 void launch_append_shared_slots(const int32_t* topk_ids, const float* topk_weights, int64_t num_tokens, int top_k,

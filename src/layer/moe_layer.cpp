@@ -2,7 +2,7 @@
 // upload, workspace layout, planning per token count and the forward's
 // sequence of launches:
 //
-//   route (or caller ids) -> [shared expert slots] -> sort pairs by expert
+//   route (+ shared slots; or caller ids -> shared slots) -> sort pairs by expert
 //     -> [gather] -> GEMM1 + SwiGLU -> GEMM2 + finalize scatter -> finalize reduction
 //
 // A shared expert runs as extra experts of the same grouped GEMMs: its
@@ -258,7 +258,6 @@ void validate_weights(const MoeWeights& w, const MoeLayerOptions& o) {
 // Byte offsets of one forward's scratch, after the header.
 struct ScratchLayout {
   size_t topk_ids = 0, topk_weights = 0, offsets = 0, token_of_row = 0, pair_of_row = 0;
-  size_t routed_ids = 0, routed_weights = 0;  // shared experts: the routing's [T, top_k] before the shared slots
   size_t x_sorted = 0, activated = 0, finalize = 0, gemm1_ws = 0, gemm2_ws = 0;
   size_t gemm1_ws_bytes = 0, gemm2_ws_bytes = 0;
   size_t end = 0;
@@ -411,10 +410,6 @@ struct MoeLayer::Impl {
     s.topk_ids = take(pairs * 4);
     s.topk_weights = take(pairs * 4);
     s.offsets = take(static_cast<size_t>(gemm_experts() + 1) * 4);
-    if (num_shared > 0) {
-      s.routed_ids = take(static_cast<size_t>(num_tokens * top_k) * 4);
-      s.routed_weights = take(static_cast<size_t>(num_tokens * top_k) * 4);
-    }
     s.token_of_row = take(pairs * 4);
     s.pair_of_row = take(pairs * 4);
     if (separate_gather) s.x_sorted = take(pairs * hidden * 2);
@@ -766,17 +761,23 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   record(ev.start, stream);
   const int32_t* topk_ids = args.topk_ids;
   const float* topk_weights = args.topk_weights;
-  if (m.num_shared > 0) {
-    // Routed slots (routed here or the caller's), then the shared slots, in
-    // [T, rows] order for the sort and the finalize.
-    if (device_routing) {
-      auto* routed_ids = reinterpret_cast<int32_t*>(ws + s.routed_ids);
-      auto* routed_weights = reinterpret_cast<float*>(ws + s.routed_weights);
-      kernels::launch_route(args.router_logits, args.correction_bias, T, m.num_experts, m.options.routing,
-                            routed_ids, routed_weights, stream, pdl, layer_errors);
-      topk_ids = routed_ids;
-      topk_weights = routed_weights;
-    }
+  // The shared expert's slots follow each token's routed ones ([T, rows]):
+  // the routing kernel appends them, or for caller-given routing one small
+  // kernel copies the caller's slots and appends them.
+  kernels::SharedSlots shared_slots;
+  shared_slots.num_shared = m.num_shared;
+  shared_slots.hidden_states = args.hidden_states;
+  shared_slots.gate = m.shared_gate.get();  // null: weight 1
+  shared_slots.hidden = m.hidden;
+  if (device_routing) {
+    // One kernel for small batches, so the stage boundary is not observable.
+    kernels::launch_route_and_sort(args.router_logits, args.correction_bias, T, m.num_experts,
+                                   m.options.routing, ids, weights, offsets, token_of_row,
+                                   pair_of_row, layer_errors, route_arrivals, stream, pdl, shared_slots);
+    topk_ids = ids;
+    topk_weights = weights;
+    record(ev.routed, stream);
+  } else if (m.num_shared > 0) {
     kernels::launch_append_shared_slots(topk_ids, topk_weights, T, m.top_k, m.num_experts, m.num_shared,
                                         args.hidden_states, m.shared_gate.get(), m.hidden, ids, weights, stream,
                                         pdl);
@@ -785,14 +786,6 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
     record(ev.routed, stream);
     kernels::launch_sort_by_expert(topk_ids, T, rows, gemm_experts, offsets, token_of_row, pair_of_row,
                                    layer_errors, stream, pdl);
-  } else if (device_routing) {
-    // One kernel for small batches, so the stage boundary is not observable.
-    kernels::launch_route_and_sort(args.router_logits, args.correction_bias, T, m.num_experts,
-                                   m.options.routing, ids, weights, offsets, token_of_row,
-                                   pair_of_row, layer_errors, route_arrivals, stream, pdl);
-    topk_ids = ids;
-    topk_weights = weights;
-    record(ev.routed, stream);
   } else {
     record(ev.routed, stream);
     kernels::launch_sort_by_expert(topk_ids, T, m.top_k, m.num_experts, offsets, token_of_row,
