@@ -51,18 +51,52 @@ std::string format_bytes(double bytes) {
   return buf;
 }
 
-std::string detect_prefix(const std::string& path) {
-  // Per-expert gate tensors (ModelOpt's names or Mixtral's), and stacked
-  // ones (3-D stacks, transformers 5's fused gate_up_proj).
+namespace {
+
+// The prefixes of per-expert gate tensors (ModelOpt's names or Mixtral's),
+// and the first prefix of stacked ones (3-D stacks, transformers 5's fused
+// gate_up_proj).
+struct ExpertPrefixes {
+  std::set<std::string> per_expert;
+  std::optional<std::string> stacked;
+};
+ExpertPrefixes expert_prefixes(const std::string& path) {
   static const std::regex kExpertName(R"((.*)experts\.\d+\.(gate_proj|w1)\.weight)");
   static const std::regex kStackName(R"((.*)experts\.(gate_proj\.weight|gate_up_proj.*))");
-  std::set<std::string> prefixes;
-  std::optional<std::string> stack_prefix;
+  ExpertPrefixes found;
   for (const std::string& name : checkpoint_tensor_names(path)) {
     std::smatch match;
-    if (std::regex_match(name, match, kExpertName)) prefixes.insert(match[1]);
-    if (!stack_prefix && std::regex_match(name, match, kStackName)) stack_prefix = match[1];
+    if (std::regex_match(name, match, kExpertName)) found.per_expert.insert(match[1]);
+    if (!found.stacked && std::regex_match(name, match, kStackName)) found.stacked = match[1];
   }
+  return found;
+}
+
+}  // namespace
+
+std::string layer_prefix(const std::string& path, int layer) {
+  const std::string marker = "layers." + std::to_string(layer) + ".";
+  const ExpertPrefixes found = expert_prefixes(path);
+  std::vector<std::string> matches;
+  for (const std::string& p : found.per_expert) {
+    const size_t at = p.find(marker);
+    if (at != std::string::npos && (at == 0 || p[at - 1] == '.')) matches.push_back(p);
+  }
+  if (matches.empty() && found.stacked && found.stacked->find(marker) != std::string::npos)
+    return *found.stacked;  // the loader says why it cannot use stacked experts
+  FP4MOE_CHECK(!matches.empty(), path, ": no experts of layer ", layer, " (no expert tensor under a prefix holding '",
+               marker, "')",
+               found.per_expert.empty() ? std::string()
+                                        : "; its first expert layer is '" + *found.per_expert.begin() + "'");
+  FP4MOE_CHECK(matches.size() == 1, path, ": several expert prefixes hold '", marker, "': '", matches[0], "', '",
+               matches[1], "'; choose one with --prefix");
+  return matches[0];
+}
+
+std::string detect_prefix(const std::string& path) {
+  const ExpertPrefixes found = expert_prefixes(path);
+  const std::set<std::string>& prefixes = found.per_expert;
+  const std::optional<std::string>& stack_prefix = found.stacked;
   if (prefixes.empty()) {
     // The loader says why it cannot use stacked experts.
     FP4MOE_CHECK(stack_prefix, path, ": no expert tensors named '<prefix>experts.<e>.gate_proj.weight' "
@@ -80,7 +114,7 @@ std::string detect_prefix(const std::string& path) {
       list += (list.empty() ? "'" : ", '") + p + "'";
     }
     FP4MOE_THROW(path, " holds the experts of ", prefixes.size(),
-                 " layers; choose one with --prefix: ", list);
+                 " layers; choose one with --prefix (or --layer N): ", list);
   }
   return *prefixes.begin();
 }

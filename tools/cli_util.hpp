@@ -37,6 +37,12 @@ std::string format_bytes(double bytes);
 // refuse with its reason.
 std::string detect_prefix(const std::string& path);
 
+// The layer prefix of layer number `layer` ("model.layers.3.mlp.", Mixtral's
+// "model.layers.3.block_sparse_moe."): the one expert prefix holding
+// "layers.<layer>."; throws naming the checkpoint when there is none or
+// several.
+std::string layer_prefix(const std::string& path, int layer);
+
 // ------------------------------------------------------------ progress, time
 
 // A one-line progress indicator on stderr, with the time elapsed and, once

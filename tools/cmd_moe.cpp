@@ -5,7 +5,10 @@
 //   --input X    hidden_states [T, H] (BF16 or F32), and either
 //                  topk_ids [T, k] I32 + topk_weights [T, k] F32   (routing given)
 //                  router_logits [T, E] F32 (+ e_score_correction_bias [E])
-//                                         (routed by the flags; read by moe_input.cpp)
+//                  nothing more: the logits come from the checkpoint's router
+//                (routed as config.json says, else by the flags; read by
+//                moe_input.cpp)
+//   --prefix P / --layer N  the layer (default: the checkpoint's only one)
 //   --output Y   output [T, H] BF16 (rounded to nearest even)
 //   --device     auto (the GPU when there is one), cpu (the reference), cuda
 //   --finalize   CUDA: deterministic (fixed summation order) or atomic
@@ -20,10 +23,12 @@
 #include <cstdio>
 #include <memory>
 #include <optional>
+#include <sstream>
 
 #include "cli_util.hpp"
 #include "commands.hpp"
 #include "fp4moe/error.hpp"
+#include "fp4moe/model_config.hpp"
 #include "fp4moe/modelopt.hpp"
 #include "fp4moe/nvfp4.hpp"
 #include "fp4moe/reference.hpp"
@@ -38,6 +43,7 @@ struct MoeOptions {
   std::string input;
   std::string output;
   std::optional<std::string> prefix;
+  std::optional<int> layer;
   std::string routing = "softmax";
   std::optional<int> top_k;
   bool no_renormalize = false;
@@ -50,6 +56,81 @@ struct MoeOptions {
   std::string activations = "checkpoint";
   int ep = 0;  // 0: one GPU, no NCCL
 };
+
+std::string number_text(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+// The routing of the layer: config.json's where the checkpoint has one (a
+// flag that says otherwise is refused, naming both values), else the flags.
+LogitRoutingFlags resolve_routing(const MoeOptions& opts, const CLI::App& cmd,
+                                  const std::optional<MoeModelConfig>& config) {
+  LogitRoutingFlags flags;
+  flags.mode = opts.routing;
+  flags.top_k = opts.top_k;
+  flags.renormalize = !opts.no_renormalize;
+  flags.num_groups = opts.num_groups;
+  flags.topk_groups = opts.topk_groups;
+  flags.routed_scaling_factor = opts.routed_scaling_factor;
+  if (!config) return flags;
+
+  const MoeModelConfig& c = *config;
+  const RoutingParams& r = c.routing;
+  auto refuse_if = [&](const char* flag, bool contradicts, const std::string& given, const std::string& configured) {
+    FP4MOE_CHECK(!(cmd.count(flag) > 0 && contradicts), flag, given.empty() ? "" : " ", given, " contradicts ",
+                 c.where, ": ", configured, " (leave the flag out: config.json sets the routing)");
+  };
+  const std::string routing_says = "routing " + c.describe_routing();
+  refuse_if("--routing", opts.routing != to_string(r.mode), opts.routing, routing_says);
+  if (c.top_k)
+    refuse_if("--topk", opts.top_k && *opts.top_k != *c.top_k, opts.top_k ? std::to_string(*opts.top_k) : "",
+              c.top_k_key + " = " + std::to_string(*c.top_k));
+  refuse_if("--no-renormalize", r.mode != RoutingMode::kSoftmaxTopK || r.renormalize, "", routing_says);
+  const bool noaux = r.mode == RoutingMode::kNoauxTc;
+  refuse_if("--n-group", opts.num_groups != (noaux ? r.num_groups : 1), std::to_string(opts.num_groups),
+            routing_says);
+  refuse_if("--topk-group", opts.topk_groups != (noaux ? r.topk_groups : 1), std::to_string(opts.topk_groups),
+            routing_says);
+  refuse_if("--routed-scaling-factor",
+            opts.routed_scaling_factor != (noaux ? r.routed_scaling_factor : 1.0f),
+            number_text(opts.routed_scaling_factor), routing_says);
+  refuse_if("--activation", parse_activation(opts.activation) != c.activation, opts.activation,
+            "activation " + to_string(c.activation) + (c.model_type.empty() ? "" : " (model_type " + c.model_type + ")"));
+
+  flags.mode = to_string(r.mode);
+  if (c.top_k) flags.top_k = *c.top_k;
+  flags.renormalize = r.renormalize;
+  flags.num_groups = r.num_groups;
+  flags.topk_groups = r.topk_groups;
+  flags.routed_scaling_factor = r.routed_scaling_factor;
+  return flags;
+}
+
+// config.json's sizes must be the loaded layer's: a config of another model
+// beside the weights would route them wrongly.
+void check_config_sizes(const MoeModelConfig& c, const MoeWeights& weights) {
+  FP4MOE_CHECK(!c.hidden_size || *c.hidden_size == weights.hidden, c.where, ": hidden_size = ", c.hidden_size.value_or(0),
+               " but the experts' weights have hidden = ", weights.hidden);
+  FP4MOE_CHECK(!c.moe_intermediate_size || *c.moe_intermediate_size == weights.inter, c.where, ": ",
+               c.moe_intermediate_key, " = ", c.moe_intermediate_size.value_or(0),
+               " but the experts' weights have inter = ", weights.inter);
+  // A shared expert the config declares must be there (never dropped
+  // silently), as wide as declared.
+  const int64_t shared_width = c.num_shared_experts > 0 ? c.num_shared_experts * weights.inter
+                                                        : c.shared_expert_intermediate_size;
+  const std::string declared = c.num_shared_experts > 0
+                                   ? "n_shared_experts = " + std::to_string(c.num_shared_experts) + " (" +
+                                         std::to_string(shared_width) + " wide)"
+                                   : "shared_expert_intermediate_size = " + std::to_string(shared_width);
+  FP4MOE_CHECK(shared_width == 0 || weights.shared_expert, c.where, ": ", declared,
+               " but the checkpoint has no shared expert tensors for the layer ('<prefix>shared_experts.*' or "
+               "'<prefix>shared_expert.*')");
+  FP4MOE_CHECK(shared_width == 0 || weights.shared_expert->inter == shared_width, c.where, ": ", declared,
+               " but the checkpoint's shared expert is ", weights.shared_expert ? weights.shared_expert->inter : 0,
+               " wide");
+}
 
 void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   Timer total_timer;
@@ -66,8 +147,12 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   }
   check_output_path(opts.output);
 
-  const std::string prefix = opts.prefix ? *opts.prefix : detect_prefix(opts.weights);
+  const std::string prefix = opts.prefix ? *opts.prefix
+                             : opts.layer ? layer_prefix(opts.weights, *opts.layer)
+                                          : detect_prefix(opts.weights);
   const MoeWeights weights = load_moe_weights(opts.weights, prefix);
+  const std::optional<MoeModelConfig> config = read_moe_model_config(opts.weights);
+  if (config) check_config_sizes(*config, weights);
   const int64_t num_experts = weights.num_experts;
   const int64_t hidden = weights.hidden;
   FP4MOE_CHECK(num_experts > 0, opts.weights, ": no experts under prefix '", prefix, "'");
@@ -77,14 +162,10 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
       resolve_activation_numerics(weights, parse_activation_numerics(opts.activations));
 
   const SafetensorsFile in = SafetensorsFile::open(opts.input);
-  LogitRoutingFlags flags;
-  flags.mode = opts.routing;
-  flags.top_k = opts.top_k;
-  flags.renormalize = !opts.no_renormalize;
-  flags.num_groups = opts.num_groups;
-  flags.topk_groups = opts.topk_groups;
-  flags.routed_scaling_factor = opts.routed_scaling_factor;
-  const MoeInput input = read_moe_input(in, hidden, num_experts, flags);
+  const LogitRoutingFlags flags = resolve_routing(opts, cmd, config);
+  const std::string activation = config ? to_string(config->activation) : opts.activation;
+  const std::optional<RouterWeights> router = load_router_weights(opts.weights, prefix);
+  const MoeInput input = read_moe_input(in, hidden, num_experts, flags, router ? &*router : nullptr);
   const int64_t num_tokens = input.num_tokens;
   const Routing& routing = input.routing;
   if (input.routing_source == "topk_ids") {
@@ -98,7 +179,7 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
 
   std::vector<float> output(static_cast<size_t>(num_tokens * hidden));
   MoeLayerOptions layer_options;
-  layer_options.activation = parse_activation(opts.activation);
+  layer_options.activation = parse_activation(activation);
   layer_options.finalize = parse_finalize_mode(opts.finalize);
   layer_options.activations = activations;
   if (device == Device::kCpu && cmd.count("--finalize") > 0)
@@ -122,12 +203,16 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
                                          ? " finalize=" + opts.finalize +
                                                (opts.ep > 0 ? " ep=" + std::to_string(opts.ep) : "")
                                          : " threads=" + std::to_string(stats.num_threads);
+  const std::string shared =
+      weights.shared_expert ? " shared=" + std::to_string(weights.shared_expert->inter) +
+                                  (weights.shared_expert->gate.empty() ? "" : "(gated)")
+                            : "";
   std::fprintf(stderr,
-               "moe: T=%lld E=%lld k=%d H=%lld I=%lld routing=%s activation=%s activations=%s backend=%s%s "
+               "moe: T=%lld E=%lld k=%d H=%lld I=%lld%s routing=%s activation=%s activations=%s backend=%s%s "
                "layer %.3f ms, total %.2f ms\n",
                static_cast<long long>(num_tokens), static_cast<long long>(num_experts), routing.top_k,
-               static_cast<long long>(hidden), static_cast<long long>(weights.inter),
-               input.routing_source.c_str(), opts.activation.c_str(), to_string(activations).c_str(),
+               static_cast<long long>(hidden), static_cast<long long>(weights.inter), shared.c_str(),
+               input.routing_source.c_str(), activation.c_str(), to_string(activations).c_str(),
                stats.backend.c_str(),
                backend_detail.c_str(), stats.time_ms, total_timer.elapsed_ms());
 }
@@ -140,7 +225,9 @@ void add_moe_command(CLI::App& app) {
       "moe",
       "Run one MoE layer of an NVFP4 checkpoint. The input holds hidden_states [T, H] (BF16 or F32) "
       "and either topk_ids [T, k] I32 + topk_weights [T, k] F32, or router_logits [T, E] F32 "
-      "(+ optional e_score_correction_bias [E]) routed by the flags below. Writes output [T, H] BF16.");
+      "(+ optional e_score_correction_bias [E]), or nothing more: the logits then come from the checkpoint's "
+      "router. Logits are routed as the checkpoint's config.json says (a flag that contradicts it is refused), "
+      "else by the flags below. Writes output [T, H] BF16.");
   cmd->add_option("--weights,-w", opts->weights, "checkpoint: .safetensors file or directory")
       ->required()
       ->check(CLI::ExistingPath);
@@ -151,6 +238,10 @@ void add_moe_command(CLI::App& app) {
   cmd->add_option("--prefix", opts->prefix,
                   "tensor name prefix of the layer, e.g. 'model.layers.3.mlp.' (default: the only "
                   "layer with experts in the checkpoint)");
+  cmd->add_option("--layer", opts->layer,
+                  "the layer by number: the checkpoint's expert prefix that holds 'layers.N.' (instead of --prefix)")
+      ->check(CLI::NonNegativeNumber)
+      ->excludes("--prefix");
   cmd->add_option("--routing", opts->routing, "routing of router_logits")
       ->check(CLI::IsMember({"softmax", "noaux_tc", "gptoss"}))
       ->capture_default_str();

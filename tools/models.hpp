@@ -19,7 +19,7 @@ namespace fp4moe::cli {
 struct ModelShape {
   std::string_view name;     // CLI spelling, e.g. "glm-5"
   std::string_view display;  // human name, e.g. "GLM-5"
-  int64_t num_experts;       // routed experts (shared experts are not part of the grouped GEMMs)
+  int64_t num_experts;       // routed experts (the demo, plan and bench leave shared experts out)
   int top_k;                 // experts per token
   int64_t hidden;            // H: GEMM1's K, GEMM2's N
   int64_t inter;             // I: moe_intermediate_size, GEMM1's N (per gate/up), GEMM2's K

@@ -59,11 +59,26 @@ struct ExpertWeights {
   std::vector<float> down_bias;  // [hidden]
 };
 
+// A shared expert: an MLP every token runs beside its routed experts
+// (DeepSeek-V3/GLM/Kimi "shared_experts", n_shared_experts of them fused into
+// one MLP n_shared_experts * moe_intermediate_size wide; Qwen2-MoE
+// "shared_expert", shared_expert_intermediate_size wide, with a gate).
+// Its output is added to the routed experts' weighted sum with weight 1 (no
+// routed_scaling_factor: that scales the routed experts only) or, with a
+// gate, sigmoid(gate · x).
+struct SharedExpertWeights {
+  int64_t inter = 0;        // its intermediate width, a multiple of 16
+  ExpertWeights mlp;        // gate/up [inter, hidden], down [hidden, inter]; no biases
+  std::vector<float> gate;  // Qwen2-MoE shared_expert_gate.weight [hidden]; empty: weight 1
+};
+
 struct MoeWeights {
   int64_t num_experts = 0;
   int64_t hidden = 0;  // H
   int64_t inter = 0;   // I (moe_intermediate_size)
   std::vector<ExpertWeights> experts;
+  // The layer's shared expert, when the checkpoint has one.
+  std::optional<SharedExpertWeights> shared_expert;
   // The format the checkpoint declares for the layer (hf_quant_config.json,
   // or config.json's quantization_config): "NVFP4" (W4A4: its input_scale
   // quantises activations, ActivationNumerics::kCheckpoint follows it) or
@@ -89,6 +104,10 @@ std::string expert_tensor_name(const std::string& prefix, int64_t expert_idx,
 // group_size 16, for MIXED_PRECISION the layer's experts in quantized_layers;
 // config.json's expert count (n_routed_experts, num_local_experts or
 // num_experts) is the count expected, else the largest index found sets it.
+// A shared expert is loaded when present: "<prefix>shared_experts.<proj>.*"
+// (DeepSeek/GLM/Kimi) or "<prefix>shared_expert.<proj>.*" with
+// "<prefix>shared_expert_gate.weight" (Qwen2-MoE, float [1, hidden]); a set
+// with a projection, a field or its gate missing is refused.
 // Every error is one line naming the tensor or file and what was expected.
 MoeWeights load_moe_weights(const std::string& path, const std::string& prefix);
 

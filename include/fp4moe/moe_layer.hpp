@@ -127,7 +127,7 @@ struct PlanOrigin {
 // What a forward of `num_tokens` tokens will launch.
 struct MoeLayerPlan {
   int64_t num_tokens = 0;
-  int64_t num_rows = 0;  // num_tokens * top_k
+  int64_t num_rows = 0;  // num_tokens * (top_k + shared expert chunks)
   GemmPlan gemm1;        // [rows, hidden] x [2 inter, hidden]^T -> SwiGLU -> [rows, inter]
   GemmPlan gemm2;        // [rows, inter] x [hidden, inter]^T -> finalize -> [T, hidden]
   PlanOrigin gemm1_origin;
@@ -193,7 +193,11 @@ class MoeLayer {
  public:
   // Validates the weights (shapes, finite global scales, biases) and
   // uploads them, repacked, to the current device. Gate and up may have
-  // different global scales: each is applied exactly. Throws fp4moe::Error
+  // different global scales: each is applied exactly. A shared expert
+  // (MoeWeights::shared_expert) runs in the same grouped GEMMs as
+  // shared_expert->inter / inter extra experts that every token routes to,
+  // weighted 1 or sigmoid(gate · x); its width must be a multiple of inter
+  // (refused otherwise), and top_k plus those chunks at most 32 rows per token. Throws fp4moe::Error
   // with what was wrong. This is the expensive one-time step. When an
   // allocation or upload fails (out of device memory), whatever was allocated
   // is freed before the error propagates.
@@ -247,7 +251,8 @@ class MoeLayer {
   // hidden] and 16-byte aligned, receives at row token * top_k + slot the
   // router-weighted expert output of every slot with a valid id, exactly
   // the rows the deterministic finalize sums in slot order; rows of absent
-  // slots are left as they were. Needs FinalizeMode::kDeterministic.
+  // slots are left as they were. Needs FinalizeMode::kDeterministic and a
+  // layer without a shared expert (its rows have no place in that layout).
   void forward_pair_rows(const MoeForwardArgs& args, float* pair_rows, void* workspace,
                          size_t workspace_bytes, cudaStream_t stream) const;
 

@@ -95,7 +95,9 @@ std::string to_string(RoutingMode mode);
 RoutingMode parse_routing_mode(const std::string& name);  // "softmax", "noaux_tc", "gptoss"
 
 // output [num_tokens, hidden] = sum_j w_j * down_e(act(gate_e x, up_e x)) for the
-// token's top-k experts e with weights w_j; biases added where present.
+// token's top-k experts e with weights w_j; biases added where present; plus,
+// when weights.shared_expert is set, s * down_s(act(gate_s x, up_s x)) with
+// s = 1, or sigmoid(gate · x) for a gated one (added after the slots).
 // hidden_states [num_tokens, hidden] row-major float. Uses all hardware threads.
 // The result is bitwise independent of the thread count: every (token, slot)
 // contribution is computed by one sequential dot product per output element,

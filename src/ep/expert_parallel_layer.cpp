@@ -145,6 +145,11 @@ ExpertParallelMoeLayer ExpertParallelMoeLayer::prepare(const MoeWeights& weights
   FP4MOE_CHECK(options.finalize == FinalizeMode::kDeterministic,
                "ExpertParallelMoeLayer: needs FinalizeMode::kDeterministic (the home rank sums "
                "each token's rows in slot order)");
+  // Refused rather than dropped: the ranks would need the shared expert's
+  // rows too (each token's home rank could run them).
+  FP4MOE_CHECK(!weights.shared_expert, "ExpertParallelMoeLayer: the layer has a shared expert (",
+               weights.shared_expert ? weights.shared_expert->inter : 0,
+               " wide), which the expert-parallel layer does not run; use MoeLayer on one GPU");
   FP4MOE_CHECK(weights.hidden % 8 == 0, "ExpertParallelMoeLayer: hidden = ", weights.hidden,
                "; expected a multiple of 8 (rows move as 16-byte vectors)");
   MoeWeights local;

@@ -26,6 +26,7 @@
 
 #include "format/checkpoint.hpp"
 #include "fp4moe/error.hpp"
+#include "fp4moe/model_config.hpp"
 #include "fp4moe/nvfp4.hpp"
 
 namespace fp4moe {
@@ -483,6 +484,32 @@ std::string find_stacked_expert_tensor(const std::vector<std::string>& names, co
   return {};
 }
 
+// A float tensor's values (F32, BF16, F16) after its dtype and shape are
+// checked; `what` says what it is for the message.
+std::vector<float> read_float_tensor(TensorSource& source, const std::string& path, const std::string& name,
+                                     const std::vector<int64_t>& shape, const char* what) {
+  const auto [view, file] = source.get(name);
+  const bool float_dtype = view->dtype == DType::F32 || view->dtype == DType::BF16 || view->dtype == DType::F16;
+  FP4MOE_CHECK(float_dtype && view->shape == shape, path, ": tensor '", name, "' (in ", *file, ") is ",
+               describe(view->dtype, view->shape), "; expected F32, BF16 or F16 ", shape_to_string(shape), " (",
+               what, ")");
+  const size_t count = static_cast<size_t>(view->numel());
+  std::vector<float> values(count);
+  for (size_t i = 0; i < count; ++i) {
+    if (view->dtype == DType::F32) {
+      std::memcpy(&values[i], view->data + i * 4, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, view->data + i * 2, 2);
+      values[i] = view->dtype == DType::BF16 ? bf16_to_float(h) : f16_to_float(h);
+    }
+  }
+  const auto bad = std::find_if(values.begin(), values.end(), [](float v) { return !std::isfinite(v); });
+  FP4MOE_CHECK(bad == values.end(), path, ": tensor '", name, "' element ", bad - values.begin(), " is ",
+               bad == values.end() ? 0.0f : *bad, "; expected finite values (", what, ")");
+  return values;
+}
+
 }  // namespace
 
 std::vector<std::string> checkpoint_tensor_names(const std::string& path) {
@@ -671,6 +698,86 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
                    exact(*scale_2[1]), "; ModelOpt shares one weight_scale_2 between gate and up");
   }
   problems.throw_if_any(path, prefix);
+
+  // The shared expert, whole or not at all: DeepSeek/GLM/Kimi's
+  // "shared_experts." or Qwen2-MoE's gated "shared_expert.".
+  const std::string gate_name = prefix + "shared_expert_gate.weight";
+  std::string stem;
+  for (const std::string& candidate : {prefix + "shared_experts.", prefix + "shared_expert."})
+    for (const std::string& name : source.names())
+      if (stem.empty() && name.compare(0, candidate.size(), candidate) == 0) stem = candidate;
+  FP4MOE_CHECK(!stem.empty() || !source.contains(gate_name), path, ": '", gate_name,
+               "' but no shared expert for it to gate (expected '", prefix, "shared_expert.gate_proj.weight')");
+  if (stem.empty()) return weights;
+  const bool gated = stem == prefix + "shared_expert.";
+  // A shared expert left in high precision (ModelOpt's experts-only configs
+  // quantise the routed experts alone) is refused by name, not as a missing
+  // scale: the layer runs it as extra NVFP4 experts of the same GEMMs.
+  const TensorView* shared_w = source.contains(stem + "gate_proj.weight") ? source.get(stem + "gate_proj.weight").first
+                                                                            : nullptr;
+  if (shared_w != nullptr && shared_w->dtype != DType::U8)
+    FP4MOE_THROW(path, ": the shared expert '", stem, "*' is not NVFP4-quantised ('", stem, "gate_proj.weight' is ",
+                 describe(shared_w->dtype, shared_w->shape), "); fp4moe runs NVFP4 shared experts only: export with a "
+                 "config that quantises it (NVFP4_DEFAULT_CFG, W4A16_NVFP4_CFG) or quantise it with fp4moe quantize");
+  for (const char* proj : kProjNames)
+    for (const char* field : kRequiredFields) {
+      const std::string name = stem + proj + "." + field;
+      FP4MOE_CHECK(source.contains(name), path, ": missing tensor '", name, "' (other tensors under '", stem,
+                   "' are there: a shared expert needs all of {gate_proj,up_proj,down_proj}.{weight,weight_scale,"
+                   "weight_scale_2})", source.where_else(name));
+    }
+  FP4MOE_CHECK(!gated || source.contains(gate_name), path, ": missing tensor '", gate_name,
+               "' (a Qwen2-MoE shared expert '", stem, "*' is scaled by sigmoid(shared_expert_gate · x))");
+  const std::string shared_shape_source = stem + "gate_proj.weight";
+  const TensorView& shared_gate0 = *source.get(shared_shape_source).first;
+  FP4MOE_CHECK(shared_gate0.dtype == DType::U8 && shared_gate0.shape.size() == 2 &&
+                   shared_gate0.shape[1] * 2 == H && shared_gate0.shape[0] > 0 &&
+                   shared_gate0.shape[0] % kNvfp4BlockSize == 0,
+               path, ": tensor '", shared_shape_source, "' is ", describe(shared_gate0.dtype, shared_gate0.shape),
+               "; expected U8 [shared inter, ", H / 2, "] (packed fp4, shared inter a positive multiple of ",
+               kNvfp4BlockSize, ")");
+  SharedExpertWeights shared;
+  shared.inter = shared_gate0.shape[0];
+  Nvfp4Matrix* shared_matrices[3] = {&shared.mlp.gate, &shared.mlp.up, &shared.mlp.down};
+  std::optional<float> shared_scale_2[3];
+  for (int p = 0; p < 3; ++p) {
+    Nvfp4Matrix& m = *shared_matrices[p];
+    m.rows = p < 2 ? shared.inter : H;
+    m.cols = p < 2 ? H : shared.inter;
+    auto name = [&](const char* field) { return stem + kProjNames[p] + "." + field; };
+    if (const TensorView* v = checked(name("weight"), {DType::U8}, {{m.rows, m.cols / 2}}))
+      m.packed.assign(v->data, v->data + v->nbytes);
+    if (const TensorView* v = checked(name("weight_scale"), {DType::F8_E4M3}, {{m.rows, m.cols / kNvfp4BlockSize}})) {
+      m.scales.assign(v->data, v->data + v->nbytes);
+      const auto nan = std::find_if(m.scales.begin(), m.scales.end(), e4m3_is_nan);
+      if (nan != m.scales.end())
+        problems.add("'", name("weight_scale"), "': element ", nan - m.scales.begin(), " is an e4m3 NaN");
+    }
+    if (const TensorView* v = checked(name("weight_scale_2"), {DType::F32}, {{}, {1}})) {
+      m.global_scale = read_f32_scale(*v, path);
+      shared_scale_2[p] = m.global_scale;
+    }
+    // As for the routed experts: optional, 1.0 and has_input_scale false
+    // when absent (W4A16 exports).
+    if (source.contains(name("input_scale"))) {
+      if (const TensorView* v = checked(name("input_scale"), {DType::F32}, {{}, {1}})) {
+        m.input_scale = read_input_scale(*v, path);
+        m.has_input_scale = true;
+      }
+    }
+  }
+  if (shared_scale_2[0] && shared_scale_2[1] && *shared_scale_2[0] != *shared_scale_2[1])
+    problems.add("'", stem, "gate_proj.weight_scale_2' = ", exact(*shared_scale_2[0]), " differs from '", stem,
+                 "up_proj.weight_scale_2' = ", exact(*shared_scale_2[1]),
+                 "; ModelOpt shares one weight_scale_2 between gate and up");
+  problems.throw_if_any(path, prefix);
+  if (gated) {
+    // nn.Linear(hidden, 1): [1, hidden]; a flat [hidden] is read too.
+    const TensorView& g = *source.get(gate_name).first;
+    const std::vector<int64_t> shape = g.shape.size() == 1 ? std::vector<int64_t>{H} : std::vector<int64_t>{1, H};
+    shared.gate = read_float_tensor(source, path, gate_name, shape, "the shared expert's gate");
+  }
+  weights.shared_expert = std::move(shared);
   return weights;
 }
 
@@ -719,6 +826,57 @@ void add_moe_weights(SafetensorsWriter& writer, const MoeWeights& weights,
       }
     }
   }
+  if (!weights.shared_expert) return;
+  // DeepSeek's names without a gate, Qwen2-MoE's with one.
+  const SharedExpertWeights& shared = *weights.shared_expert;
+  const bool gated = !shared.gate.empty();
+  const std::string stem = prefix + (gated ? "shared_expert." : "shared_experts.");
+  const Nvfp4Matrix* matrices[3] = {&shared.mlp.gate, &shared.mlp.up, &shared.mlp.down};
+  for (int p = 0; p < 3; ++p) {
+    const Nvfp4Matrix& m = *matrices[p];
+    const int64_t rows = p < 2 ? shared.inter : weights.hidden;
+    const int64_t cols = p < 2 ? weights.hidden : shared.inter;
+    FP4MOE_CHECK(m.rows == rows && m.cols == cols && m.packed.size() == static_cast<size_t>(rows * cols / 2) &&
+                     m.scales.size() == static_cast<size_t>(rows * cols / kNvfp4BlockSize),
+                 "add_moe_weights: shared expert ", kProjNames[p], " is [", m.rows, ", ", m.cols, "] with ",
+                 m.packed.size(), " packed bytes; expected [", rows, ", ", cols, "]");
+    const std::string base = stem + kProjNames[p] + ".";
+    writer.add(base + "weight", DType::U8, {rows, cols / 2}, m.packed.data(), m.packed.size());
+    writer.add(base + "weight_scale", DType::F8_E4M3, {rows, cols / kNvfp4BlockSize}, m.scales.data(),
+               m.scales.size());
+    writer.add(base + "weight_scale_2", DType::F32, {}, &m.global_scale, sizeof(float));
+    writer.add(base + "input_scale", DType::F32, {}, &m.input_scale, sizeof(float));
+  }
+  if (gated) {
+    FP4MOE_CHECK(static_cast<int64_t>(shared.gate.size()) == weights.hidden, "add_moe_weights: shared expert gate has ",
+                 shared.gate.size(), " values; expected hidden = ", weights.hidden);
+    writer.add(prefix + "shared_expert_gate.weight", DType::F32, {1, weights.hidden}, shared.gate.data(),
+               shared.gate.size() * sizeof(float));
+  }
+}
+
+// ------------------------------------------------------------------ router
+
+std::optional<RouterWeights> load_router_weights(const std::string& path, const std::string& prefix) {
+  TensorSource source(path);
+  // DeepSeek/GLM/Kimi/Qwen/Mixtral name the router "gate", gpt-oss "router".
+  const std::string gate = prefix + "gate.", router = prefix + "router.";
+  const std::string stem = source.contains(gate + "weight") ? gate : source.contains(router + "weight") ? router : "";
+  if (stem.empty()) return std::nullopt;
+  RouterWeights r;
+  r.weight_name = stem + "weight";
+  const TensorView& w = *source.get(r.weight_name).first;
+  FP4MOE_CHECK(w.shape.size() == 2 && w.shape[0] > 0 && w.shape[1] > 0, path, ": tensor '", r.weight_name, "' is ",
+               describe(w.dtype, w.shape), "; expected F32, BF16 or F16 [num_experts, hidden] (the router)");
+  r.num_experts = w.shape[0];
+  r.hidden = w.shape[1];
+  r.weight = read_float_tensor(source, path, r.weight_name, {r.num_experts, r.hidden}, "the router weight");
+  if (source.contains(stem + "bias"))
+    r.bias = read_float_tensor(source, path, stem + "bias", {r.num_experts}, "the router bias");
+  if (source.contains(gate + "e_score_correction_bias"))
+    r.correction_bias = read_float_tensor(source, path, gate + "e_score_correction_bias", {r.num_experts},
+                                          "noaux_tc's correction bias");
+  return r;
 }
 
 }  // namespace fp4moe

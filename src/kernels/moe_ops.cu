@@ -1,7 +1,8 @@
 // The small kernels around the two grouped GEMMs of an MoE layer and their
 // host launchers (the contract is in moe_ops.hpp): routing (one block per
 // token, experts ranked in parallel), the counting sort of (token, slot) pairs by expert (one block),
-// the bf16 row gather and the finalize reduction to bf16.
+// the bf16 row gather, the shared experts' slots and the finalize reduction
+// to bf16.
 //
 // Tested in tests/kernels/test_moe_ops.cpp: routing against the CPU reference
 // fp4moe::route() for every mode, expert count, top-k and token count (and
@@ -57,8 +58,9 @@ struct RouteShared {
   alignas(16) float key[kMaxExperts + 4];
   float group_score[kMaxExperts / 2];
   uint8_t group_kept[kMaxExperts / 2];
-  int chosen[kMaxTopK];            // expert of rank j
+  int chosen[kMaxTopK];            // expert of rank j, then the shared chunks' experts
   float partial[kRouteThreads / 32];
+  float gate_partial[kRouteThreads / 32];  // the shared expert's gate dot product, per warp
 };
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -74,18 +76,26 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;  // xor butterfly: every lane adds the same pairs, so all get the same bits
 }
 
-// Routes one token with the whole block (kRouteThreads threads).
+// Routes one token with the whole block (kRouteThreads threads). With
+// shared expert slots, the token's row of ids and weights has top_k +
+// shared.num_shared entries: its choices, then experts num_experts + j with
+// the shared weight (1, or sigmoid(gate · x) in fp32).
 __device__ void route_token(RouteShared& sh,
                             const float* __restrict__ router_logits,    // [num_tokens, num_experts]
                             const float* __restrict__ correction_bias,  // [num_experts] or null (noaux_tc)
                             int num_experts, const RoutingParams& params, int64_t token,
-                            int32_t* __restrict__ topk_ids,      // [num_tokens, top_k]
-                            float* __restrict__ topk_weights,    // [num_tokens, top_k]
-                            int32_t* __restrict__ error_flags) { // layer error word, or null
+                            int32_t* __restrict__ topk_ids,      // [num_tokens, top_k + num_shared]
+                            float* __restrict__ topk_weights,    // [num_tokens, top_k + num_shared]
+                            int32_t* __restrict__ error_flags,   // layer error word, or null
+                            const SharedSlots& shared) {
   const int tid = static_cast<int>(threadIdx.x);
   const float* logits = router_logits + token * num_experts;
   const int top_k = params.top_k;
+  const int rows = top_k + shared.num_shared;  // ids per token
   const bool noaux = params.mode == RoutingMode::kNoauxTc;
+  // The ranking below writes chosen[0, top_k) only; the shared chunks' ids
+  // follow, for the fused single-token sort (visible after the syncs below).
+  if (tid < shared.num_shared) sh.chosen[top_k + tid] = num_experts + tid;
 
   bool saw_nonfinite = false;
   for (int e = tid; e < num_experts; e += kRouteThreads) {
@@ -175,6 +185,22 @@ __device__ void route_token(RouteShared& sh,
     __syncthreads();
   }
 
+  // The shared slots' weight: sigmoid(gate · x) summed per thread, per warp,
+  // then over warps in a fixed order (block-uniform branch).
+  float shared_weight = 1.0f;
+  if (shared.num_shared > 0 && shared.gate != nullptr) {
+    const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(shared.hidden_states) + token * shared.hidden;
+    float partial = 0.0f;
+    for (int64_t h = tid; h < shared.hidden; h += kRouteThreads)
+      partial += __bfloat162float(x[h]) * __ldg(shared.gate + h);
+    partial = warp_sum(partial);
+    if (tid % 32 == 0) sh.gate_partial[tid / 32] = partial;
+    __syncthreads();
+    float dot = 0.0f;
+    for (int w = 0; w < kRouteThreads / 32; ++w) dot += sh.gate_partial[w];
+    shared_weight = sigmoid(dot);
+  }
+
   if (tid < 32) {  // lane j: the j-th choice and its weight
     const int lane = tid;
     const int expert = lane < top_k ? sh.chosen[lane] : 0;
@@ -195,8 +221,11 @@ __device__ void route_token(RouteShared& sh,
       weight = max_logit == -INFINITY ? 0.0f : numerator / denominator;
     }
     if (lane < top_k) {
-      topk_ids[token * top_k + lane] = expert;
-      topk_weights[token * top_k + lane] = weight;
+      topk_ids[token * rows + lane] = expert;
+      topk_weights[token * rows + lane] = weight;
+    } else if (lane < rows) {
+      topk_ids[token * rows + lane] = num_experts + lane - top_k;
+      topk_weights[token * rows + lane] = shared_weight;
     }
   }
 }
@@ -204,12 +233,12 @@ __device__ void route_token(RouteShared& sh,
 __global__ void __launch_bounds__(kRouteThreads)
     route_kernel(const float* __restrict__ router_logits, const float* __restrict__ correction_bias,
                  int num_experts, RoutingParams params, int32_t* __restrict__ topk_ids,
-                 float* __restrict__ topk_weights, int32_t* __restrict__ error_flags) {
+                 float* __restrict__ topk_weights, int32_t* __restrict__ error_flags, SharedSlots shared) {
   __shared__ RouteShared sh;
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   route_token(sh, router_logits, correction_bias, num_experts, params, blockIdx.x, topk_ids,
-              topk_weights, error_flags);
+              topk_weights, error_flags, shared);
 }
 
 // ------------------------------------------------------------------- sort
@@ -365,18 +394,21 @@ __global__ void __launch_bounds__(kRouteThreads)
                           RoutingParams params, int32_t* topk_ids, float* __restrict__ topk_weights,
                           int32_t* __restrict__ expert_offsets, int32_t* __restrict__ token_of_row,
                           int32_t* __restrict__ pair_of_row, int32_t* __restrict__ error_flags,
-                          int32_t* __restrict__ arrivals) {
+                          int32_t* __restrict__ arrivals, SharedSlots shared) {
   __shared__ RouteShared route_sh;
   __shared__ SortShared<kRouteThreads> sort_sh;
   __shared__ bool is_last;
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   route_token(route_sh, router_logits, correction_bias, num_experts, params, blockIdx.x, topk_ids,
-              topk_weights, error_flags);
+              topk_weights, error_flags, shared);
+  // The sort sees the shared chunks as experts num_experts.., one more slot
+  // per token each.
+  const int rows = params.top_k + shared.num_shared;
+  const int sorted_experts = num_experts + shared.num_shared;
   if (gridDim.x == 1) {  // route_token synchronised the block after filling route_sh.chosen
-    sort_pairs_in_block<kRouteThreads, IdSource::kShared>(sort_sh, route_sh.chosen, params.top_k,
-                                                          params.top_k, num_experts, expert_offsets,
-                                                          token_of_row, pair_of_row, error_flags);
+    sort_pairs_in_block<kRouteThreads, IdSource::kShared>(sort_sh, route_sh.chosen, rows, rows, sorted_experts,
+                                                          expert_offsets, token_of_row, pair_of_row, error_flags);
     return;
   }
   // NOTE: the classic threadfence reduction: each writer fences its ids
@@ -389,8 +421,8 @@ __global__ void __launch_bounds__(kRouteThreads)
   __threadfence();
   if (threadIdx.x == 0) *arrivals = 0;
   sort_pairs_in_block<kRouteThreads, IdSource::kGlobal>(
-      sort_sh, topk_ids, static_cast<int64_t>(gridDim.x) * params.top_k, params.top_k, num_experts,
-      expert_offsets, token_of_row, pair_of_row, error_flags);
+      sort_sh, topk_ids, static_cast<int64_t>(gridDim.x) * rows, rows, sorted_experts, expert_offsets,
+      token_of_row, pair_of_row, error_flags);
 }
 
 // ------------------------------------------------------- gather, finalize
@@ -506,6 +538,56 @@ __global__ void finalize_accumulated_kernel(float4* __restrict__ accum,  // [num
   }
 }
 
+// ------------------------------------------------------ shared experts
+
+constexpr int kSharedSlotThreads = 128;  // one block per token
+
+// Writes a token's rows_per_token = top_k + num_shared slots: its routed
+// slots as given (ids outside [0, num_experts) other than kAbsentSlot become
+// INT32_MAX, so that the sort, which sees the shared chunks as experts
+// num_experts.., still refuses them), then one slot per shared chunk, expert
+// num_experts + j, weighted 1 or sigmoid(shared_gate · x) (a dot product in
+// fp32, summed per thread, per warp, then over warps in a fixed order).
+__global__ void __launch_bounds__(kSharedSlotThreads)
+    append_shared_slots_kernel(const int32_t* __restrict__ topk_ids,         // [num_tokens, top_k]
+                               const float* __restrict__ topk_weights,       // [num_tokens, top_k]
+                               int top_k, int num_experts, int num_shared,
+                               const __nv_bfloat16* __restrict__ hidden_states,  // [num_tokens, hidden]
+                               const float* __restrict__ shared_gate,        // [hidden] or null
+                               int64_t hidden,
+                               int32_t* __restrict__ out_ids,                // [num_tokens, top_k + num_shared]
+                               float* __restrict__ out_weights) {            // [num_tokens, top_k + num_shared]
+  __shared__ float warp_partial[kSharedSlotThreads / 32];
+  ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
+  ptx::allow_dependent_launch();
+  const int64_t token = blockIdx.x;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int rows = top_k + num_shared;
+  if (tid < top_k) {
+    const int32_t id = topk_ids[token * top_k + tid];
+    const bool keep = id == kAbsentSlot || static_cast<uint32_t>(id) < static_cast<uint32_t>(num_experts);
+    out_ids[token * rows + tid] = keep ? id : INT32_MAX;
+    out_weights[token * rows + tid] = topk_weights[token * top_k + tid];
+  }
+  float weight = 1.0f;
+  if (shared_gate != nullptr) {  // block-uniform branch
+    float partial = 0.0f;
+    const __nv_bfloat16* x = hidden_states + token * hidden;
+    for (int64_t h = tid; h < hidden; h += kSharedSlotThreads)
+      partial += __bfloat162float(x[h]) * __ldg(shared_gate + h);
+    partial = warp_sum(partial);
+    if (tid % 32 == 0) warp_partial[tid / 32] = partial;
+    __syncthreads();
+    float dot = 0.0f;
+    for (int w = 0; w < kSharedSlotThreads / 32; ++w) dot += warp_partial[w];  // fixed order
+    weight = sigmoid(dot);
+  }
+  if (tid < num_shared) {
+    out_ids[token * rows + top_k + tid] = num_experts + tid;
+    out_weights[token * rows + top_k + tid] = weight;
+  }
+}
+
 // ------------------------------------------------------------------ host
 
 // Grid of a grid-stride elementwise kernel: enough blocks to fill the GPU,
@@ -553,13 +635,26 @@ void check_routing_params(int64_t num_tokens, int64_t num_experts, const Routing
                "; expected finite and > 0");
 }
 
+// The shared slots the routing kernels append: within the kernels' limits,
+// and with hidden states to compute a gate from.
+void check_shared_slots(const char* op, int64_t num_experts, int top_k, const SharedSlots& shared) {
+  if (shared.num_shared == 0) return;
+  FP4MOE_CHECK(shared.num_shared > 0 && top_k + shared.num_shared <= kMaxTopK &&
+                   num_experts + shared.num_shared <= kMaxExperts,
+               op, ": top_k = ", top_k, " with ", shared.num_shared, " shared slots over ", num_experts,
+               " experts; expected top_k + shared <= ", kMaxTopK, " and experts + shared <= ", kMaxExperts);
+  FP4MOE_CHECK(shared.gate == nullptr || (shared.hidden_states != nullptr && shared.hidden >= 1), op,
+               ": a shared expert gate needs hidden_states and hidden >= 1");
+}
+
 }  // namespace
 
 void launch_route(const float* router_logits, const float* correction_bias, int64_t num_tokens,
                   int64_t num_experts, const RoutingParams& params, int32_t* topk_ids,
                   float* topk_weights, cudaStream_t stream, bool programmatic,
-                  int32_t* error_flags) {
+                  int32_t* error_flags, const SharedSlots& shared) {
   check_routing_params(num_tokens, num_experts, params);
+  check_shared_slots("launch_route", num_experts, params.top_k, shared);
   if (num_tokens == 0) return;
   FP4MOE_CHECK(router_logits && topk_ids && topk_weights,
                "launch_route: router_logits, topk_ids and topk_weights must be non-null");
@@ -568,7 +663,7 @@ void launch_route(const float* router_logits, const float* correction_bias, int6
   launch_kernel(route_kernel, static_cast<unsigned>(num_tokens), kRouteThreads, 0, stream,
                 programmatic, router_logits,
                 params.mode == RoutingMode::kNoauxTc ? correction_bias : nullptr,
-                static_cast<int>(num_experts), params, topk_ids, topk_weights, error_flags);
+                static_cast<int>(num_experts), params, topk_ids, topk_weights, error_flags, shared);
 }
 
 void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_k,
@@ -593,12 +688,15 @@ void launch_route_and_sort(const float* router_logits, const float* correction_b
                            int64_t num_tokens, int64_t num_experts, const RoutingParams& params,
                            int32_t* topk_ids, float* topk_weights, int32_t* expert_offsets,
                            int32_t* token_of_row, int32_t* pair_of_row, int32_t* error_flags,
-                           int32_t* arrivals, cudaStream_t stream, bool programmatic) {
+                           int32_t* arrivals, cudaStream_t stream, bool programmatic,
+                           const SharedSlots& shared) {
   check_routing_params(num_tokens, num_experts, params);
-  if (num_tokens * params.top_k > kFusedSortMaxPairs) {
+  check_shared_slots("launch_route_and_sort", num_experts, params.top_k, shared);
+  const int rows = params.top_k + shared.num_shared;
+  if (num_tokens * rows > kFusedSortMaxPairs) {
     launch_route(router_logits, correction_bias, num_tokens, num_experts, params, topk_ids,
-                 topk_weights, stream, programmatic, error_flags);
-    launch_sort_by_expert(topk_ids, num_tokens, params.top_k, num_experts, expert_offsets,
+                 topk_weights, stream, programmatic, error_flags, shared);
+    launch_sort_by_expert(topk_ids, num_tokens, rows, num_experts + shared.num_shared, expert_offsets,
                           token_of_row, pair_of_row, error_flags, stream, programmatic);
     return;
   }
@@ -611,7 +709,29 @@ void launch_route_and_sort(const float* router_logits, const float* correction_b
                 programmatic, router_logits,
                 params.mode == RoutingMode::kNoauxTc ? correction_bias : nullptr,
                 static_cast<int>(num_experts), params, topk_ids, topk_weights, expert_offsets,
-                token_of_row, pair_of_row, error_flags, arrivals);
+                token_of_row, pair_of_row, error_flags, arrivals, shared);
+}
+
+void launch_append_shared_slots(const int32_t* topk_ids, const float* topk_weights, int64_t num_tokens, int top_k,
+                                int64_t num_experts, int num_shared, const void* hidden_states,
+                                const float* shared_gate, int64_t hidden, int32_t* out_ids, float* out_weights,
+                                cudaStream_t stream, bool programmatic) {
+  FP4MOE_CHECK(num_tokens >= 0 && num_tokens <= INT_MAX, "launch_append_shared_slots: num_tokens = ", num_tokens,
+               "; expected in [0, ", INT_MAX, "]");
+  FP4MOE_CHECK(top_k >= 1 && num_shared >= 1 && top_k + num_shared <= kMaxTopK,
+               "launch_append_shared_slots: top_k = ", top_k, ", num_shared = ", num_shared,
+               "; expected both >= 1 and top_k + num_shared <= ", kMaxTopK);
+  FP4MOE_CHECK(num_shared <= kSharedSlotThreads, "launch_append_shared_slots: num_shared = ", num_shared,
+               "; expected <= ", kSharedSlotThreads);
+  check_num_experts("launch_append_shared_slots", num_experts + num_shared);
+  FP4MOE_CHECK(hidden >= 1, "launch_append_shared_slots: hidden = ", hidden, "; expected >= 1");
+  if (num_tokens == 0) return;
+  FP4MOE_CHECK(topk_ids && topk_weights && out_ids && out_weights && (!shared_gate || hidden_states),
+               "launch_append_shared_slots: topk_ids, topk_weights, out_ids, out_weights (and hidden_states "
+               "with a shared gate) must be non-null");
+  launch_kernel(append_shared_slots_kernel, static_cast<unsigned>(num_tokens), kSharedSlotThreads, 0, stream,
+                programmatic, topk_ids, topk_weights, top_k, static_cast<int>(num_experts), num_shared,
+                static_cast<const __nv_bfloat16*>(hidden_states), shared_gate, hidden, out_ids, out_weights);
 }
 
 void launch_gather_rows(const void* x, const int32_t* token_of_row, const int32_t* expert_offsets,

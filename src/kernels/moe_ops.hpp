@@ -36,6 +36,17 @@ inline constexpr int32_t kAbsentSlot = -1;
 // Largest top_k the routing and finalize kernels support.
 inline constexpr int kMaxTopK = 32;
 
+// A shared expert's slots, appended by the routing kernels to every token
+// after its top_k choices: experts num_experts .. num_experts + num_shared - 1
+// (the shared expert's chunks in the grouped GEMMs), weighted 1, or
+// sigmoid(gate · x_t) in fp32 when gate is given. num_shared = 0: none.
+struct SharedSlots {
+  int num_shared = 0;
+  const void* hidden_states = nullptr;  // bf16 [num_tokens, hidden]: x_t for the gate
+  const float* gate = nullptr;          // fp32 [hidden], or null (weight 1)
+  int64_t hidden = 0;
+};
+
 // Routes router_logits fp32 [num_tokens, num_experts] into topk_ids int32 and
 // topk_weights fp32 [num_tokens, top_k] (row-major), with the CPU reference's
 // semantics and tie rule (fp4moe::route, include/fp4moe/reference.hpp): equal
@@ -47,10 +58,12 @@ inline constexpr int kMaxTopK = 32;
 // not null.
 // Throws (before launch) on the parameter errors route() throws on, and when
 // num_experts > kMaxExperts (512, plan/smem_model.hpp) or top_k > kMaxTopK.
+// With shared slots, topk_ids and topk_weights are [num_tokens, top_k +
+// shared.num_shared]: each token's choices, then its shared slots.
 void launch_route(const float* router_logits, const float* correction_bias, int64_t num_tokens,
                   int64_t num_experts, const RoutingParams& params, int32_t* topk_ids,
                   float* topk_weights, cudaStream_t stream, bool programmatic = false,
-                  int32_t* error_flags = nullptr);
+                  int32_t* error_flags = nullptr, const SharedSlots& shared = {});
 
 // Counting sort of the num_tokens * top_k pairs by expert. Pair p = token *
 // top_k + slot has expert topk_ids[p]. Writes
@@ -71,12 +84,31 @@ void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_
 // finish sorts, which saves a launch and the sort kernel's own latency at
 // decode batch sizes. *arrivals is the int32 the fused kernel counts its
 // blocks in: zero before the first launch, zero again after each; launches
-// that may run concurrently need distinct counters.
+// that may run concurrently need distinct counters. With shared slots (see
+// launch_route), the sort runs over top_k + shared.num_shared slots per token
+// and num_experts + shared.num_shared experts (fused while the slots number
+// at most 1024).
 void launch_route_and_sort(const float* router_logits, const float* correction_bias,
                            int64_t num_tokens, int64_t num_experts, const RoutingParams& params,
                            int32_t* topk_ids, float* topk_weights, int32_t* expert_offsets,
                            int32_t* token_of_row, int32_t* pair_of_row, int32_t* error_flags,
-                           int32_t* arrivals, cudaStream_t stream, bool programmatic = false);
+                           int32_t* arrivals, cudaStream_t stream, bool programmatic = false,
+                           const SharedSlots& shared = {});
+
+// Shared experts for caller-given routing (device routing appends the slots
+// in the routing kernels, SharedSlots): writes out_ids and
+// out_weights [num_tokens, top_k + num_shared], each token's top_k routed
+// slots copied from topk_ids/topk_weights [num_tokens, top_k] (ids outside
+// [0, num_experts) other than kAbsentSlot become INT32_MAX, out of range for
+// the sort over num_experts + num_shared experts, which reports them), then
+// its num_shared slots with experts num_experts .. num_experts + num_shared -
+// 1, weighted 1, or sigmoid(shared_gate · x_t) in fp32 when shared_gate
+// (fp32 [hidden]) is given, x_t the token's row of hidden_states (bf16
+// [num_tokens, hidden]). top_k + num_shared <= kMaxTopK.
+void launch_append_shared_slots(const int32_t* topk_ids, const float* topk_weights, int64_t num_tokens, int top_k,
+                                int64_t num_experts, int num_shared, const void* hidden_states,
+                                const float* shared_gate, int64_t hidden, int32_t* out_ids, float* out_weights,
+                                cudaStream_t stream, bool programmatic = false);
 
 // x_sorted[r, :] = x[token_of_row[r], :] for r < num_rows, bf16 rows of
 // `hidden` elements (hidden % 8 == 0, pointers 16-byte aligned). Rows r with

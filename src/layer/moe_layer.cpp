@@ -2,8 +2,15 @@
 // upload, workspace layout, planning per token count and the forward's
 // sequence of launches:
 //
-//   route (or caller ids) -> sort pairs by expert -> [gather] -> GEMM1 + SwiGLU
-//     -> GEMM2 + finalize scatter -> finalize reduction
+//   route (+ shared slots; or caller ids -> shared slots) -> sort pairs by expert
+//     -> [gather] -> GEMM1 + SwiGLU -> GEMM2 + finalize scatter -> finalize reduction
+//
+// A shared expert runs as extra experts of the same grouped GEMMs: its
+// intermediate dimension is cut into chunks of the routed experts' width
+// (exact: SwiGLU is per intermediate column and down_proj sums over them;
+// every chunk keeps the shared expert's global scales), appended as experts
+// E .. E + c - 1, and every token gets c more slots for them, weighted 1 or
+// sigmoid(gate · x), so a forward has T * (top_k + c) rows.
 //
 // Workspace: a fixed header holds everything that must stay zero between
 // forwards (device error words, split-K tile counters), so forwards of any
@@ -156,8 +163,74 @@ void validate_shape(int64_t num_experts, int64_t hidden, int64_t inter, const Mo
                "; expected 1..", std::min<int64_t>(num_experts, kernels::kMaxTopK));
 }
 
+// The number of chunks of the routed experts' width the shared expert is
+// cut into (0 without one), after checking that it can be.
+int shared_chunks(const MoeWeights& w, const MoeLayerOptions& o) {
+  if (!w.shared_expert) return 0;
+  const SharedExpertWeights& sh = *w.shared_expert;
+  FP4MOE_CHECK(sh.inter > 0 && sh.inter % w.inter == 0, "MoeLayer: the shared expert is ", sh.inter,
+               " wide; expected a multiple of the routed experts' inter = ", w.inter,
+               " (it runs as extra experts of that width)");
+  const int64_t chunks = sh.inter / w.inter;
+  FP4MOE_CHECK(o.routing.top_k + chunks <= kernels::kMaxTopK && w.num_experts + chunks <= kMaxExperts,
+               "MoeLayer: the shared expert makes ", chunks, " extra experts of width ", w.inter, "; top_k + ", chunks,
+               " = ", o.routing.top_k + chunks, " rows per token and ", w.num_experts + chunks,
+               " experts; expected at most ", kernels::kMaxTopK, " and ", kMaxExperts);
+  FP4MOE_CHECK(!w.has_bias(), "MoeLayer: a shared expert beside routed experts with biases (gpt-oss has none)");
+  check_matrix(sh.mlp.gate, sh.inter, w.hidden, -1, "shared gate");
+  check_matrix(sh.mlp.up, sh.inter, w.hidden, -1, "shared up");
+  check_matrix(sh.mlp.down, w.hidden, sh.inter, -1, "shared down");
+  FP4MOE_CHECK(std::isfinite(sh.mlp.gate.global_scale) && std::isfinite(sh.mlp.up.global_scale) &&
+                   std::isfinite(sh.mlp.down.global_scale),
+               "MoeLayer: the shared expert's weight_scale_2 are not all finite");
+  FP4MOE_CHECK(sh.gate.empty() || sh.gate.size() == static_cast<size_t>(w.hidden), "MoeLayer: the shared expert's "
+               "gate has ", sh.gate.size(), " values; expected 0 (none) or hidden = ", w.hidden);
+  return static_cast<int>(chunks);
+}
+
+// Columns [begin, begin + count) of an NVFP4 matrix (begin and count
+// multiples of 16, so block scales split with them); the global scale is
+// the matrix's.
+Nvfp4Matrix column_slice(const Nvfp4Matrix& m, int64_t begin, int64_t count) {
+  Nvfp4Matrix out;
+  out.rows = m.rows;
+  out.cols = count;
+  out.global_scale = m.global_scale;
+  out.input_scale = m.input_scale;
+  out.packed.resize(static_cast<size_t>(m.rows * count / 2));
+  out.scales.resize(static_cast<size_t>(m.rows * count / 16));
+  for (int64_t r = 0; r < m.rows; ++r) {
+    std::copy_n(m.packed.begin() + r * (m.cols / 2) + begin / 2, count / 2, out.packed.begin() + r * (count / 2));
+    std::copy_n(m.scales.begin() + r * (m.cols / 16) + begin / 16, count / 16, out.scales.begin() + r * (count / 16));
+  }
+  return out;
+}
+
+// Rows [begin, begin + count) of an NVFP4 matrix.
+Nvfp4Matrix row_slice(const Nvfp4Matrix& m, int64_t begin, int64_t count) {
+  Nvfp4Matrix out;
+  out.rows = count;
+  out.cols = m.cols;
+  out.global_scale = m.global_scale;
+  out.input_scale = m.input_scale;
+  out.packed.assign(m.packed.begin() + begin * (m.cols / 2), m.packed.begin() + (begin + count) * (m.cols / 2));
+  out.scales.assign(m.scales.begin() + begin * (m.cols / 16), m.scales.begin() + (begin + count) * (m.cols / 16));
+  return out;
+}
+
+// Chunk j of the shared expert as an expert of the routed width: gate and
+// up rows [j I, (j+1) I), down columns [j I, (j+1) I).
+ExpertWeights shared_chunk(const SharedExpertWeights& sh, int64_t inter, int64_t j) {
+  ExpertWeights e;
+  e.gate = row_slice(sh.mlp.gate, j * inter, inter);
+  e.up = row_slice(sh.mlp.up, j * inter, inter);
+  e.down = column_slice(sh.mlp.down, j * inter, inter);
+  return e;
+}
+
 void validate_weights(const MoeWeights& w, const MoeLayerOptions& o) {
   validate_shape(w.num_experts, w.hidden, w.inter, o);
+  shared_chunks(w, o);
   FP4MOE_CHECK(static_cast<int64_t>(w.experts.size()) == w.num_experts, "MoeLayer: num_experts = ",
                w.num_experts, " but ", w.experts.size(), " experts are given");
   const bool bias = w.has_bias();
@@ -202,6 +275,12 @@ struct MoeLayer::Impl {
   int device = 0;  // where prepare() uploaded the weights
   int64_t num_experts = 0, hidden = 0, inter = 0;
   int top_k = 0;
+  // Shared expert chunks: extra experts num_experts .. num_experts +
+  // num_shared - 1 of the GEMMs, one more slot each per token.
+  int num_shared = 0;
+  DeviceBuffer<float> shared_gate;  // [hidden]: Qwen2-MoE's sigmoid gate; empty: weight 1
+  int rows_per_token() const { return top_k + num_shared; }
+  int64_t gemm_experts() const { return num_experts + num_shared; }
   bool has_bias = false;
   MoeLayerOptions options;
   GatherMode gather = GatherMode::kAuto;
@@ -227,7 +306,12 @@ struct MoeLayer::Impl {
   tune::TunedGemm tuned[2];
 
   GemmProblem problem(int gemm, int64_t num_tokens) const {
-    return moe_gemm_problem(gemm, num_experts, top_k, hidden, inter, num_tokens, options.batch_invariant);
+    GemmProblem p = moe_gemm_problem(gemm, num_experts, top_k, hidden, inter, num_tokens, options.batch_invariant);
+    // The shared chunks: always active, one row per token each.
+    p.num_experts += num_shared;
+    p.num_rows = num_tokens * rows_per_token();
+    p.expected_active_experts += num_shared;
+    return p;
   }
 
   // Reads the tune cache for this device (MoeLayerOptions::use_tune_cache)
@@ -290,7 +374,7 @@ struct MoeLayer::Impl {
   MoeLayerPlan make_plan(int64_t num_tokens) const {
     MoeLayerPlan p;
     p.num_tokens = num_tokens;
-    p.num_rows = num_tokens * top_k;
+    p.num_rows = num_tokens * rows_per_token();
     p.gemm1 = plan_one_gemm(1, num_tokens, &p.gemm1_origin);
     p.gemm2 = plan_one_gemm(2, num_tokens, &p.gemm2_origin);
     return p;
@@ -329,7 +413,7 @@ struct MoeLayer::Impl {
   }
 
   ScratchLayout scratch(int64_t num_tokens, const MoeLayerPlan& p, bool separate_gather) const {
-    const size_t pairs = static_cast<size_t>(num_tokens * top_k);
+    const size_t pairs = static_cast<size_t>(num_tokens * rows_per_token());
     ScratchLayout s;
     size_t at = kHeaderBytes;
     auto take = [&](size_t bytes) {
@@ -339,7 +423,7 @@ struct MoeLayer::Impl {
     };
     s.topk_ids = take(pairs * 4);
     s.topk_weights = take(pairs * 4);
-    s.offsets = take(static_cast<size_t>(num_experts + 1) * 4);
+    s.offsets = take(static_cast<size_t>(gemm_experts() + 1) * 4);
     s.token_of_row = take(pairs * 4);
     s.pair_of_row = take(pairs * 4);
     if (separate_gather) s.x_sorted = take(pairs * hidden * 2);
@@ -371,7 +455,7 @@ struct MoeLayer::Impl {
     for (const TileConfig& c : compiled_configs()) max_block_m = std::max(max_block_m, c.block_m);
     const int64_t min_n_tiles = (std::min(2 * inter, hidden) + 127) / 128;
     for (int64_t t = 1; t < max_tokens; ++t) {
-      if ((t * top_k / max_block_m) * min_n_tiles > kMaxSplitKTiles) break;
+      if ((t * rows_per_token() / max_block_m) * min_n_tiles > kMaxSplitKTiles) break;
       bytes = std::max(bytes, bytes_for(t));
     }
     workspace_by_tokens.insert(max_tokens, bytes);
@@ -403,6 +487,7 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
                                     GatherMode gather) {
   validate_weights(weights, options);
   auto impl = std::make_unique<MoeLayer::Impl>();
+  impl->num_shared = shared_chunks(weights, options);
   impl->gather = gather;
   impl->num_experts = weights.num_experts;
   impl->hidden = weights.hidden;
@@ -410,14 +495,22 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
   impl->top_k = options.routing.top_k;
   impl->has_bias = weights.has_bias();
   impl->options = options;
-  const int64_t E = weights.num_experts;
+  // The experts of the GEMMs: the routed ones, then the shared expert's
+  // chunks.
+  std::vector<ExpertWeights> chunks;
+  for (int j = 0; j < impl->num_shared; ++j)
+    chunks.push_back(shared_chunk(*weights.shared_expert, weights.inter, j));
+  std::vector<const ExpertWeights*> experts;
+  for (const ExpertWeights& x : weights.experts) experts.push_back(&x);
+  for (const ExpertWeights& x : chunks) experts.push_back(&x);
+  const int64_t E = static_cast<int64_t>(experts.size());
   // Activation numerics, and for fp4 the per-expert input scales, checked
   // before any packing.
   impl->fp4_activations = resolve_activation_numerics(weights, options.activations) == ActivationNumerics::kFp4;
   std::vector<float> in13, in2;
   if (impl->fp4_activations) {
     for (int64_t e = 0; e < E; ++e) {
-      const ExpertWeights& x = weights.experts[static_cast<size_t>(e)];
+      const ExpertWeights& x = *experts[static_cast<size_t>(e)];
       in13.push_back(gemm1_input_scale(x));
       in2.push_back(x.down.input_scale);
       check_input_scale(in13.back(), "MoeLayer: gate/up input_scale", e);
@@ -430,7 +523,7 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
   {
     std::vector<Nvfp4Matrix> gate_up(static_cast<size_t>(E));
     parallel_for(E, [&](int64_t e) {
-      const ExpertWeights& x = weights.experts[static_cast<size_t>(e)];
+      const ExpertWeights& x = *experts[static_cast<size_t>(e)];
       gate_up[static_cast<size_t>(e)] = interleave_gate_up(x.gate, x.up);
     });
     std::vector<const Nvfp4Matrix*> ptrs;
@@ -439,7 +532,7 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
   }
   {
     std::vector<const Nvfp4Matrix*> ptrs;
-    for (const auto& x : weights.experts) ptrs.push_back(&x.down);
+    for (const ExpertWeights* x : experts) ptrs.push_back(&x->down);
     packed2 = prepare_gemm_weights(ptrs);
   }
   // W4A4: the activations reach the GEMMs as e2m1 x e4m3, so their
@@ -461,11 +554,13 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
   // other exporters need not): the SwiGLU epilogue then scales each its own.
   std::vector<float> up_scales;
   bool shared = true;
-  for (const ExpertWeights& x : weights.experts) {
-    up_scales.push_back(x.up.global_scale * (impl->fp4_activations ? gemm1_input_scale(x) : 1.0f));
-    shared = shared && x.up.global_scale == x.gate.global_scale;
+  for (const ExpertWeights* x : experts) {
+    up_scales.push_back(x->up.global_scale * (impl->fp4_activations ? gemm1_input_scale(*x) : 1.0f));
+    shared = shared && x->up.global_scale == x->gate.global_scale;
   }
   if (!shared) impl->w13_up_scales = DeviceBuffer<float>(up_scales);
+  if (impl->num_shared > 0 && !weights.shared_expert->gate.empty())
+    impl->shared_gate = DeviceBuffer<float>(weights.shared_expert->gate);
   if (impl->has_bias) {
     std::vector<float> b13, b2;
     for (const auto& x : weights.experts) {
@@ -622,7 +717,8 @@ ActivationNumerics MoeLayer::activation_numerics() const {
 }
 size_t MoeLayer::device_weight_bytes() const {
   return impl_->w13.bytes() + impl_->w13_up_scales.bytes() + impl_->w2.bytes() + impl_->bias13.bytes() +
-         impl_->bias2.bytes() + impl_->input_scales13.bytes() + impl_->input_scales2.bytes();
+         impl_->bias2.bytes() + impl_->input_scales13.bytes() + impl_->input_scales2.bytes() +
+         impl_->shared_gate.bytes();
 }
 
 namespace {
@@ -632,13 +728,13 @@ int64_t max_tokens_for(int top_k) { return ((int64_t{1} << 31) + top_k - 1) / to
 }  // namespace
 
 MoeLayerPlan MoeLayer::plan(int64_t num_tokens) const {
-  FP4MOE_CHECK(num_tokens >= 1 && num_tokens < max_tokens_for(impl_->top_k),
+  FP4MOE_CHECK(num_tokens >= 1 && num_tokens < max_tokens_for(impl_->rows_per_token()),
                "MoeLayer::plan: num_tokens = ", num_tokens, "; expected 1 .. 2^31 / top_k");
   return *impl_->plan(num_tokens);
 }
 
 size_t MoeLayer::workspace_bytes(int64_t max_tokens) const {
-  FP4MOE_CHECK(max_tokens >= 1 && max_tokens < max_tokens_for(impl_->top_k),
+  FP4MOE_CHECK(max_tokens >= 1 && max_tokens < max_tokens_for(impl_->rows_per_token()),
                "MoeLayer::workspace_bytes: max_tokens = ", max_tokens,
                "; expected 1 .. 2^31 / top_k");
   return impl_->workspace_bytes(max_tokens);
@@ -674,6 +770,8 @@ void MoeLayer::forward_pair_rows(const MoeForwardArgs& args, float* pair_rows, v
   FP4MOE_CHECK(impl_->options.finalize == FinalizeMode::kDeterministic,
                "MoeLayer::forward_pair_rows: needs FinalizeMode::kDeterministic (the atomic mode "
                "never holds a row per slot)");
+  FP4MOE_CHECK(impl_->num_shared == 0, "MoeLayer::forward_pair_rows: the layer has a shared expert, whose rows "
+               "are not part of the [num_tokens * top_k] pair rows; use forward()");
   run(args, nullptr, pair_rows, workspace, workspace_bytes, stream, nullptr);
 }
 
@@ -681,7 +779,7 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
                    size_t workspace_bytes, cudaStream_t stream, const MoeStageEvents* events) const {
   const Impl& m = *impl_;
   const int64_t T = args.num_tokens;
-  FP4MOE_CHECK(T >= 0 && T < max_tokens_for(m.top_k), "MoeLayer::forward: num_tokens = ", T,
+  FP4MOE_CHECK(T >= 0 && T < max_tokens_for(m.rows_per_token()), "MoeLayer::forward: num_tokens = ", T,
                "; expected 0 .. 2^31 / top_k");
   if (T == 0) return;
   FP4MOE_CHECK(args.hidden_states && aligned16(args.hidden_states),
@@ -722,7 +820,10 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   auto* token_of_row = reinterpret_cast<int32_t*>(ws + s.token_of_row);
   auto* pair_of_row = reinterpret_cast<int32_t*>(ws + s.pair_of_row);
   auto* finalize = reinterpret_cast<float*>(ws + s.finalize);
-  const int64_t pairs = T * m.top_k;
+  // Rows per token: the routed slots, then the shared expert's chunks.
+  const int rows = m.rows_per_token();
+  const int64_t pairs = T * rows;
+  const int64_t gemm_experts = m.gemm_experts();
   const bool pdl = m.options.programmatic_launch;
   const MoeStageEvents no_events;
   const MoeStageEvents& ev = events ? *events : no_events;
@@ -730,14 +831,31 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   record(ev.start, stream);
   const int32_t* topk_ids = args.topk_ids;
   const float* topk_weights = args.topk_weights;
+  // The shared expert's slots follow each token's routed ones ([T, rows]):
+  // the routing kernel appends them, or for caller-given routing one small
+  // kernel copies the caller's slots and appends them.
+  kernels::SharedSlots shared_slots;
+  shared_slots.num_shared = m.num_shared;
+  shared_slots.hidden_states = args.hidden_states;
+  shared_slots.gate = m.shared_gate.get();  // null: weight 1
+  shared_slots.hidden = m.hidden;
   if (device_routing) {
     // One kernel for small batches, so the stage boundary is not observable.
     kernels::launch_route_and_sort(args.router_logits, args.correction_bias, T, m.num_experts,
                                    m.options.routing, ids, weights, offsets, token_of_row,
-                                   pair_of_row, layer_errors, route_arrivals, stream, pdl);
+                                   pair_of_row, layer_errors, route_arrivals, stream, pdl, shared_slots);
     topk_ids = ids;
     topk_weights = weights;
     record(ev.routed, stream);
+  } else if (m.num_shared > 0) {
+    kernels::launch_append_shared_slots(topk_ids, topk_weights, T, m.top_k, m.num_experts, m.num_shared,
+                                        args.hidden_states, m.shared_gate.get(), m.hidden, ids, weights, stream,
+                                        pdl);
+    topk_ids = ids;
+    topk_weights = weights;
+    record(ev.routed, stream);
+    kernels::launch_sort_by_expert(topk_ids, T, rows, gemm_experts, offsets, token_of_row, pair_of_row,
+                                   layer_errors, stream, pdl);
   } else {
     record(ev.routed, stream);
     kernels::launch_sort_by_expert(topk_ids, T, m.top_k, m.num_experts, offsets, token_of_row,
@@ -745,10 +863,10 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   }
   record(ev.sorted, stream);
   if (m.fp4_activations)
-    kernels::launch_gather_rows_fp4(args.hidden_states, token_of_row, offsets, m.num_experts, pairs, m.hidden,
+    kernels::launch_gather_rows_fp4(args.hidden_states, token_of_row, offsets, gemm_experts, pairs, m.hidden,
                                     m.input_scales13.get(), ws + s.x_sorted, stream, pdl);
   else if (separate_gather)
-    kernels::launch_gather_rows(args.hidden_states, token_of_row, offsets, m.num_experts, pairs,
+    kernels::launch_gather_rows(args.hidden_states, token_of_row, offsets, gemm_experts, pairs,
                                 m.hidden, ws + s.x_sorted, stream, pdl);
   record(ev.gathered, stream);
 
@@ -757,7 +875,7 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   g1.scales = m.w13.scales.get();
   g1.global_scales = m.w13.global_scales.get();
   g1.up_global_scales = m.w13_up_scales.get();  // null when gate and up share one
-  g1.num_experts = m.num_experts;
+  g1.num_experts = gemm_experts;
   g1.n = 2 * m.inter;
   g1.k = m.hidden;
   g1.x = separate_gather ? static_cast<const void*>(ws + s.x_sorted) : args.hidden_states;
@@ -785,7 +903,7 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   g2.weights = m.w2.weights.get();
   g2.scales = m.w2.scales.get();
   g2.global_scales = m.w2.global_scales.get();
-  g2.num_experts = m.num_experts;
+  g2.num_experts = gemm_experts;
   g2.n = m.hidden;
   g2.k = m.inter;
   g2.x = ws + s.activated;
@@ -796,7 +914,7 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   g2.row_weights = topk_weights;
   g2.out_f32 = pair_rows ? pair_rows : finalize;
   g2.out_rows = atomic ? T : pairs;
-  g2.out_row_divisor = atomic ? m.top_k : 1;
+  g2.out_row_divisor = atomic ? rows : 1;
   g2.atomic_out = atomic;
   g2.workspace = ws + s.gemm2_ws;
   g2.workspace_bytes = s.gemm2_ws_bytes;
@@ -811,7 +929,7 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   if (atomic)
     kernels::launch_finalize_accumulated(finalize, T, m.hidden, output, stream, pdl);
   else
-    kernels::launch_finalize_pairs(finalize, topk_ids, T, m.top_k, m.num_experts, m.hidden, output,
+    kernels::launch_finalize_pairs(finalize, topk_ids, T, rows, gemm_experts, m.hidden, output,
                                    stream, pdl);
   record(ev.end, stream);
 }

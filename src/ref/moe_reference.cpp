@@ -122,6 +122,20 @@ void validate_weights(const MoeWeights& w) {
     check_bias(ex.up_bias, e, "up_bias", w.inter);
     check_bias(ex.down_bias, e, "down_bias", w.hidden);
   }
+  if (!w.shared_expert) return;
+  const SharedExpertWeights& sh = *w.shared_expert;
+  FP4MOE_CHECK(sh.inter >= kNvfp4BlockSize && sh.inter % kNvfp4BlockSize == 0 && sh.inter <= kMaxDim,
+               "moe_reference: shared expert inter = ", sh.inter, "; expected a positive multiple of ",
+               kNvfp4BlockSize, " up to ", kMaxDim);
+  constexpr int64_t kShared = -1;  // names the shared expert in check_matrix's messages
+  check_matrix(sh.mlp.gate, kShared, "(shared) gate", sh.inter, w.hidden);
+  check_matrix(sh.mlp.up, kShared, "(shared) up", sh.inter, w.hidden);
+  check_matrix(sh.mlp.down, kShared, "(shared) down", w.hidden, sh.inter);
+  FP4MOE_CHECK(sh.mlp.gate_bias.empty() && sh.mlp.up_bias.empty() && sh.mlp.down_bias.empty(),
+               "moe_reference: the shared expert has biases; expected none");
+  FP4MOE_CHECK(sh.gate.empty() || sh.gate.size() == static_cast<size_t>(w.hidden),
+               "moe_reference: the shared expert's gate has ", sh.gate.size(), " values; expected 0 (none) or hidden = ",
+               w.hidden);
 }
 
 // One unit of work: rows [row_begin, row_end) of one expert's projection(s).
@@ -178,13 +192,17 @@ ActivationNumerics resolve_activation_numerics(const MoeWeights& weights, Activa
   if (requested == ActivationNumerics::kBf16) return requested;
   // The first expert matrix without an input_scale, if any.
   static const char* const kProj[3] = {"gate", "up", "down"};
-  for (size_t e = 0; e < weights.experts.size(); ++e) {
-    const ExpertWeights& ex = weights.experts[e];
+  // The routed experts, then the shared expert (if any).
+  const size_t num_mlps = weights.experts.size() + (weights.shared_expert ? 1 : 0);
+  for (size_t e = 0; e < num_mlps; ++e) {
+    const bool is_shared = e == weights.experts.size();
+    const ExpertWeights& ex = is_shared ? weights.shared_expert->mlp : weights.experts[e];
     const Nvfp4Matrix* m[3] = {&ex.gate, &ex.up, &ex.down};
     for (int p = 0; p < 3; ++p) {
       if (m[p]->has_input_scale) continue;
       if (requested == ActivationNumerics::kCheckpoint) return ActivationNumerics::kBf16;
-      FP4MOE_THROW("fp4 activations (W4A4) need an input_scale for every expert matrix; expert ", e, " ",
+      FP4MOE_THROW("fp4 activations (W4A4) need an input_scale for every expert matrix; ",
+                   is_shared ? std::string("the shared expert's") : "expert " + std::to_string(e), " ",
                    kProj[p], " has none (",
                    weights.checkpoint_format.empty() ? std::string("the checkpoint declares no format")
                                                      : "a " + weights.checkpoint_format + " checkpoint",
@@ -223,11 +241,13 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
   validate_weights(weights);
   const bool fp4_activations = resolve_activation_numerics(weights, numerics) == ActivationNumerics::kFp4;
   if (fp4_activations) {
-    for (int64_t e = 0; e < weights.num_experts; ++e) {
-      const ExpertWeights& ex = weights.experts[static_cast<size_t>(e)];
+    for (int64_t e = 0; e < weights.num_experts + (weights.shared_expert ? 1 : 0); ++e) {
+      const ExpertWeights& ex =
+          e == weights.num_experts ? weights.shared_expert->mlp : weights.experts[static_cast<size_t>(e)];
       for (const float s : {ex.gate.input_scale, ex.up.input_scale, ex.down.input_scale})
-        FP4MOE_CHECK(std::isfinite(s) && s > 0.0f, "moe_reference: expert ", e, " has input_scale ", s,
-                     "; fp4 activations need finite, positive input scales");
+        FP4MOE_CHECK(std::isfinite(s) && s > 0.0f, "moe_reference: ",
+                     e == weights.num_experts ? std::string("the shared expert") : "expert " + std::to_string(e),
+                     " has input_scale ", s, "; fp4 activations need finite, positive input scales");
     }
   }
   validate_routing(routing, weights.num_experts);
@@ -240,17 +260,26 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
   const int64_t hidden = weights.hidden;
   const int64_t inter = weights.inter;
   const int top_k = routing.top_k;
-  // Per token: its activations, and per slot the intermediate and the output.
-  // (+ with fp4 activations, the quantised activations per (token, slot):
-  // each slot's expert has its own input_scale.)
+  const SharedExpertWeights* shared = weights.shared_expert ? &*weights.shared_expert : nullptr;
+  const int64_t shared_inter = shared ? shared->inter : 0;
+  // Per token: its activations, per slot the intermediate and the output,
+  // and the shared expert's intermediate, output and weight (+ with fp4
+  // activations, the quantised activations per (token, slot): each slot's
+  // expert has its own input_scale; and per token for the shared expert).
   const size_t bytes_per_token =
-      sizeof(double) * static_cast<size_t>(hidden + top_k * (inter + hidden + (fp4_activations ? hidden : 0)));
+      sizeof(double) * static_cast<size_t>(hidden + top_k * (inter + hidden + (fp4_activations ? hidden : 0)) +
+                                           (shared ? shared_inter + hidden + 1 : 0) +
+                                           (shared && fp4_activations ? hidden : 0));
   const int64_t chunk_tokens = std::max<int64_t>(1, static_cast<int64_t>(kChunkBufferBytes / bytes_per_token));
 
   std::vector<double> x;     // [chunk, hidden]
   std::vector<double> act;   // [chunk * top_k, inter]   act(gate x, up x) per (token, slot)
   std::vector<double> y;     // [chunk * top_k, hidden]  down(act) per (token, slot)
   std::vector<double> xq;    // fp4: [chunk * top_k, hidden] x quantised with the slot's expert's input_scale
+  std::vector<double> shared_act;     // [chunk, shared_inter]
+  std::vector<double> shared_y;       // [chunk, hidden]
+  std::vector<double> shared_weight;  // [chunk]: 1, or sigmoid(gate · x)
+  std::vector<double> shared_xq;      // fp4: [chunk, hidden] x quantised with the shared expert's input_scale
   for (int64_t t0 = 0; t0 < routing.num_tokens; t0 += chunk_tokens) {
     const int64_t num_tokens = std::min(chunk_tokens, routing.num_tokens - t0);
     const int64_t num_pairs = num_tokens * top_k;
@@ -322,7 +351,57 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
       }
     }, num_threads);
 
-    // output[t] = sum over slots j, in slot order, of w_j * y[(t, j)].
+    // The shared expert, whole (never chunked: an independent check of the
+    // GPU layer, which runs it as extra experts of the routed width).
+    if (shared) {
+      shared_act.resize(static_cast<size_t>(num_tokens * shared_inter));
+      shared_y.resize(static_cast<size_t>(num_tokens * hidden));
+      shared_weight.resize(static_cast<size_t>(num_tokens));
+      // With fp4 activations its inputs are quantised as a routed expert's
+      // are: x with gate/up's input_scale, act with down's.
+      if (fp4_activations) {
+        shared_xq = x;
+        parallel_for(num_tokens, [&](int64_t t) {
+          quantize_activation_row(shared_xq.data() + t * hidden, hidden, gemm1_input_scale(shared->mlp));
+        }, num_threads);
+      }
+      const std::vector<double>& shared_x = fp4_activations ? shared_xq : x;
+      const std::vector<WorkUnit> act_units = split_rows({0}, shared_inter);
+      parallel_for(static_cast<int64_t>(act_units.size()), [&](int64_t u) {
+        const WorkUnit& unit = act_units[static_cast<size_t>(u)];
+        for (int64_t i = unit.row_begin; i < unit.row_end; ++i)
+          for (int64_t t = 0; t < num_tokens; ++t) {
+            const double* xt = shared_x.data() + t * hidden;
+            const double a = activate(activation, row_dot(shared->mlp.gate, i, xt), row_dot(shared->mlp.up, i, xt));
+            shared_act[static_cast<size_t>(t * shared_inter + i)] =
+                intermediate == Intermediate::kBf16
+                    ? static_cast<double>(bf16_to_float(float_to_bf16(static_cast<float>(a))))
+                    : a;
+          }
+      }, num_threads);
+      if (fp4_activations) {
+        parallel_for(num_tokens, [&](int64_t t) {
+          quantize_activation_row(shared_act.data() + t * shared_inter, shared_inter, shared->mlp.down.input_scale);
+        }, num_threads);
+      }
+      const std::vector<WorkUnit> down_units_shared = split_rows({0}, hidden);
+      parallel_for(static_cast<int64_t>(down_units_shared.size()), [&](int64_t u) {
+        const WorkUnit& unit = down_units_shared[static_cast<size_t>(u)];
+        for (int64_t n = unit.row_begin; n < unit.row_end; ++n)
+          for (int64_t t = 0; t < num_tokens; ++t)
+            shared_y[static_cast<size_t>(t * hidden + n)] =
+                row_dot(shared->mlp.down, n, shared_act.data() + t * shared_inter);
+      }, num_threads);
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        double logit = 0.0;
+        for (size_t h = 0; h < shared->gate.size(); ++h)
+          logit += static_cast<double>(shared->gate[h]) * x[static_cast<size_t>(t * hidden) + h];
+        shared_weight[static_cast<size_t>(t)] = shared->gate.empty() ? 1.0 : sigmoid(logit);
+      }
+    }
+
+    // output[t] = sum over slots j, in slot order, of w_j * y[(t, j)], then
+    // the shared expert's weighted output.
     parallel_for(num_tokens, [&](int64_t t) {
       float* out = output + (t0 + t) * hidden;
       for (int64_t n = 0; n < hidden; ++n) {
@@ -332,6 +411,8 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
           sum += static_cast<double>(routing.topk_weights[static_cast<size_t>(t0 * top_k + p)]) *
                  y[static_cast<size_t>(p * hidden + n)];
         }
+        if (shared)
+          sum += shared_weight[static_cast<size_t>(t)] * shared_y[static_cast<size_t>(t * hidden + n)];
         out[n] = static_cast<float>(sum);
       }
     }, num_threads);

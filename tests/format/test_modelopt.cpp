@@ -30,6 +30,7 @@
 #include <tuple>
 #include <vector>
 
+#include "expect_error.hpp"
 #include "format/checkpoint.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/modelopt.hpp"
@@ -1224,6 +1225,64 @@ TEST_F(ModeloptCheckpoint, IndexMayNotNameFilesOutsideTheCheckpoint) {
   for (const std::string& name : whole.names()) weight_map[name] = "sub/layer.safetensors";
   write_text(ckpt / "model.safetensors.index.json", index_json(weight_map));
   expect_same_weights(weights_, load_moe_weights(dir, kPrefix));
+}
+
+// A shared expert `width` wide: DeepSeek's (no gate) or Qwen2-MoE's (gated).
+SharedExpertWeights make_shared_expert(int64_t hidden, int64_t width, bool gated, uint32_t seed) {
+  SharedExpertWeights shared;
+  shared.inter = width;
+  shared.mlp = make_weights(1, hidden, width, seed).experts[0];
+  if (gated)
+    for (int64_t h = 0; h < hidden; ++h) shared.gate.push_back(0.01f * static_cast<float>(h % 7) - 0.03f);
+  return shared;
+}
+
+// Shared experts load whole, under DeepSeek's names ("shared_experts.") or
+// Qwen2-MoE's ("shared_expert." + "shared_expert_gate.weight"); a set with a
+// tensor missing, a gate without its expert, a gated expert without its gate
+// and an unquantised one are refused in one line naming the tensor.
+TEST_F(ModeloptCheckpoint, SharedExpertLoadsWholeOrIsRefused) {
+  for (const bool gated : {false, true}) {
+    SCOPED_TRACE(gated ? "Qwen2-MoE shared_expert" : "DeepSeek shared_experts");
+    MoeWeights w = weights_;
+    w.shared_expert = make_shared_expert(kHidden, 2 * kInter, gated, 7);
+    const std::string path = write_checkpoint("shared.safetensors", w);
+    const MoeWeights loaded = load_moe_weights(path, kPrefix);
+    expect_same_weights(w, loaded);
+    ASSERT_TRUE(loaded.shared_expert.has_value());
+    EXPECT_EQ(loaded.shared_expert->inter, 2 * kInter);
+    expect_same_matrix(w.shared_expert->mlp.gate, loaded.shared_expert->mlp.gate, "shared gate");
+    expect_same_matrix(w.shared_expert->mlp.up, loaded.shared_expert->mlp.up, "shared up");
+    expect_same_matrix(w.shared_expert->mlp.down, loaded.shared_expert->mlp.down, "shared down");
+    EXPECT_EQ(loaded.shared_expert->gate, w.shared_expert->gate);
+    EXPECT_FALSE(load_moe_weights(path, "model.layers.33.mlp.").shared_expert.has_value());
+    EXPECT_FALSE(load_moe_weights(write_checkpoint("plain.safetensors", weights_), kPrefix).shared_expert);
+
+    const std::string stem = kPrefix + (gated ? "shared_expert." : "shared_experts.");
+    const std::string gate = kPrefix + "shared_expert_gate.weight";
+    const std::string broken = dir_ / "broken.safetensors";
+    const auto drop = [&](const std::function<bool(const std::string&)>& dropped) {
+      rewrite(path, broken, [&](const TensorView& v, SafetensorsWriter&) { return !dropped(v.name); });
+    };
+    drop([&](const std::string& name) { return name == stem + "down_proj.weight_scale"; });
+    expect_error([&] { load_moe_weights(broken, kPrefix); },
+                 {"missing tensor '" + stem + "down_proj.weight_scale'", "a shared expert needs all of"});
+    if (gated) {
+      drop([&](const std::string& name) { return name == gate; });
+      expect_error([&] { load_moe_weights(broken, kPrefix); }, {"missing tensor '" + gate + "'", "sigmoid"});
+      drop([&](const std::string& name) { return name.rfind(stem, 0) == 0; });
+      expect_error([&] { load_moe_weights(broken, kPrefix); }, {"'" + gate + "' but no shared expert"});
+    }
+    // Unquantised (BF16) shared expert weights.
+    rewrite(path, broken, [&](const TensorView& v, SafetensorsWriter& out) {
+      if (v.name != stem + "gate_proj.weight") return true;
+      const std::vector<uint16_t> bf16(static_cast<size_t>(2 * kInter * kHidden), 0x3F80);
+      out.add(v.name, DType::BF16, {2 * kInter, kHidden}, bf16.data(), bf16.size() * 2);
+      return false;
+    });
+    expect_error([&] { load_moe_weights(broken, kPrefix); },
+                 {"'" + stem + "gate_proj.weight' is BF16 [64, 64]", "not NVFP4-quantised", "NVFP4 shared experts only"});
+  }
 }
 
 }  // namespace

@@ -678,6 +678,111 @@ TEST(MoeOpsGpu, RouteAndSortMatchesRouteThenSort) {
   }
 }
 
+// Device routing with a shared expert's slots: each token's row is its
+// choices (the routing without shared slots, bit for bit), then experts E + j
+// weighted 1 or sigmoid(gate · x) (fp32 on the device, 1e-5 relative to a
+// double evaluation); the fused and two-kernel sorts place all T * (k + c)
+// pairs over E + c experts, and launch_route alone writes the same rows.
+TEST(MoeOpsGpu, RouteAndSortAppendSharedSlots) {
+  FP4MOE_REQUIRE_GPU();
+  struct Case {
+    const char* name;
+    int64_t num_experts;
+    RoutingParams params;
+    int num_shared;
+    bool gated;
+  };
+  RoutingParams noaux;  // DeepSeek-V3 with its shared expert
+  noaux.mode = RoutingMode::kNoauxTc;
+  noaux.num_groups = 8;
+  noaux.topk_groups = 4;
+  noaux.routed_scaling_factor = 2.5f;
+  RoutingParams qwen2;  // Qwen2-MoE: 60 experts, top-4, gated shared expert of 4 chunks
+  qwen2.top_k = 4;
+  qwen2.renormalize = false;
+  RoutingParams widest;  // the limits: 28 + 4 = 32 slots, 508 + 4 = 512 experts
+  widest.top_k = 28;
+  const Case cases[] = {{"noaux_tc E=256 k=8 + 1", 256, noaux, 1, false},
+                        {"softmax E=60 k=4 + 4 gated", 60, qwen2, 4, true},
+                        {"softmax E=508 k=28 + 4 gated", 508, widest, 4, true}};
+  std::mt19937 rng(29);
+  const int64_t hidden = 200;
+  for (const Case& c : cases) {
+    const int top_k = c.params.top_k, rows = top_k + c.num_shared;
+    for (int64_t num_tokens : {1, 3, 64, 129, 300}) {
+      const std::string what = std::string(c.name) + " T=" + std::to_string(num_tokens);
+      const std::vector<float> logits = random_normal(static_cast<size_t>(num_tokens * c.num_experts), rng);
+      const DeviceBuffer<float> d_logits(logits);
+      const DeviceBuffer<float> d_bias(random_normal(static_cast<size_t>(c.num_experts), rng, 0.1f));
+      const std::vector<uint16_t> x = testing::random_bf16(static_cast<size_t>(num_tokens * hidden), rng);
+      const std::vector<float> gate = random_normal(static_cast<size_t>(hidden), rng, 0.05f);
+      const DeviceBuffer<uint16_t> d_x(x);
+      const DeviceBuffer<float> d_gate(gate);
+      kernels::SharedSlots shared;
+      shared.num_shared = c.num_shared;
+      shared.hidden_states = d_x.get();
+      shared.gate = c.gated ? d_gate.get() : nullptr;
+      shared.hidden = hidden;
+
+      DeviceBuffer<int32_t> ref_ids(static_cast<size_t>(num_tokens * top_k));
+      DeviceBuffer<float> ref_weights(ref_ids.size());
+      kernels::launch_route(d_logits.get(), d_bias.get(), num_tokens, c.num_experts, c.params, ref_ids.get(),
+                            ref_weights.get(), nullptr);
+      FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<int32_t> routed_ids = ref_ids.download();
+      const std::vector<float> routed_weights = ref_weights.download();
+
+      const size_t num_pairs = static_cast<size_t>(num_tokens * rows);
+      DeviceBuffer<int32_t> ids(num_pairs), token_of_row(num_pairs), pair_of_row(num_pairs);
+      DeviceBuffer<float> weights(num_pairs);
+      DeviceBuffer<int32_t> offsets(static_cast<size_t>(c.num_experts + c.num_shared + 1));
+      DeviceBuffer<int32_t> error_and_arrivals(std::vector<int32_t>{0, 0});
+      for (const bool fused : {true, false}) {
+        const std::string run_what = what + (fused ? " route_and_sort" : " route");
+        ids.fill_bytes(0xFF);
+        weights.fill_bytes(0xFF);
+        offsets.fill_bytes(0xFF);
+        token_of_row.fill_bytes(0xFF);
+        pair_of_row.fill_bytes(0xFF);
+        if (fused)
+          kernels::launch_route_and_sort(d_logits.get(), d_bias.get(), num_tokens, c.num_experts, c.params, ids.get(),
+                                         weights.get(), offsets.get(), token_of_row.get(), pair_of_row.get(),
+                                         error_and_arrivals.get(), error_and_arrivals.get() + 1, nullptr, false,
+                                         shared);
+        else
+          kernels::launch_route(d_logits.get(), d_bias.get(), num_tokens, c.num_experts, c.params, ids.get(),
+                                weights.get(), nullptr, false, error_and_arrivals.get(), shared);
+        FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+        const std::vector<int32_t> got_ids = ids.download();
+        const std::vector<float> got_weights = weights.download();
+        int64_t num_bad = 0;
+        for (int64_t t = 0; t < num_tokens && num_bad < 3; ++t) {
+          double dot = 0.0;
+          for (int64_t h = 0; h < hidden; ++h) dot += static_cast<double>(bf16_to_float(x[t * hidden + h])) * gate[h];
+          const double shared_weight = c.gated ? 1.0 / (1.0 + std::exp(-dot)) : 1.0;
+          for (int j = 0; j < rows; ++j) {
+            const size_t at = static_cast<size_t>(t * rows + j);
+            const bool ok =
+                j < top_k ? got_ids[at] == routed_ids[static_cast<size_t>(t * top_k + j)] &&
+                                float_bits(got_weights[at]) == float_bits(routed_weights[static_cast<size_t>(t * top_k + j)])
+                          : got_ids[at] == c.num_experts + j - top_k &&
+                                std::fabs(got_weights[at] - shared_weight) <= 1e-5 * shared_weight;
+            if (!ok) {
+              ++num_bad;
+              ADD_FAILURE() << run_what << ": token " << t << " slot " << j << ": id " << got_ids[at] << " weight "
+                            << got_weights[at];
+            }
+          }
+        }
+        if (fused)
+          verify_sort(got_ids, num_tokens, rows, c.num_experts + c.num_shared, offsets.download(),
+                      token_of_row.download(), pair_of_row.download(), run_what);
+        EXPECT_EQ(error_and_arrivals.download(), (std::vector<int32_t>{0, 0})) << run_what;
+      }
+    }
+  }
+}
+
 TEST(MoeOpsGpu, SortRejectsBadParameters) {
   FP4MOE_REQUIRE_GPU();
   DeviceBuffer<int32_t> buf(1024);
@@ -843,6 +948,85 @@ TEST(MoeOpsGpu, GatherRowsFp4RejectsBadParameters) {
   EXPECT_THROW(kernels::launch_gather_rows_fp4(x.get() + 1, idx.get(), idx.get(), 8, 4, 16, scales.get(),
                                                sorted.get(), nullptr), Error);
   EXPECT_NO_THROW(kernels::launch_gather_rows_fp4(nullptr, nullptr, nullptr, 8, 0, 16, nullptr, nullptr, nullptr));
+}
+
+// ----------------------------------------------------------- shared slots
+
+// Every token's routed slots come through (out-of-range ids as INT32_MAX,
+// absent slots as they are), followed by one slot per shared chunk with
+// expert E + j and weight 1, or sigmoid(gate · x) against a host evaluation
+// in double (fp32 on the device: 1e-5 relative).
+TEST(MoeOpsGpu, AppendSharedSlots) {
+  FP4MOE_REQUIRE_GPU();
+  std::mt19937 rng(17);
+  constexpr int64_t kNumExperts = 60;
+  for (const int64_t num_tokens : {1, 5, 300})
+    for (const int top_k : {1, 4, 8})
+      for (const int num_shared : {1, 4})
+        for (const bool gated : {false, true}) {
+          const int64_t hidden = 264;  // not a multiple of the block
+          const std::string what = "tokens=" + std::to_string(num_tokens) + " k=" + std::to_string(top_k) +
+                                   " shared=" + std::to_string(num_shared) + (gated ? " gated" : "");
+          std::uniform_int_distribution<int32_t> expert(0, kNumExperts - 1);
+          std::vector<int32_t> ids(static_cast<size_t>(num_tokens * top_k));
+          for (int32_t& id : ids) id = expert(rng);
+          ids[0] = kernels::kAbsentSlot;
+          if (ids.size() > 2) ids[2] = static_cast<int32_t>(kNumExperts);  // out of range
+          const std::vector<float> weights = random_normal(ids.size(), rng);
+          const std::vector<uint16_t> x = testing::random_bf16(static_cast<size_t>(num_tokens * hidden), rng);
+          const std::vector<float> gate = gated ? random_normal(static_cast<size_t>(hidden), rng, 0.05f)
+                                                : std::vector<float>();
+          const DeviceBuffer<int32_t> d_ids(ids);
+          const DeviceBuffer<float> d_weights(weights), d_gate(gate);
+          const DeviceBuffer<uint16_t> d_x(x);
+          const int rows = top_k + num_shared;
+          DeviceBuffer<int32_t> out_ids(static_cast<size_t>(num_tokens * rows));
+          DeviceBuffer<float> out_weights(static_cast<size_t>(num_tokens * rows));
+          out_ids.fill_bytes(0xFF);
+          out_weights.fill_bytes(0xFF);
+          kernels::launch_append_shared_slots(d_ids.get(), d_weights.get(), num_tokens, top_k, kNumExperts,
+                                              num_shared, d_x.get(), gated ? d_gate.get() : nullptr, hidden,
+                                              out_ids.get(), out_weights.get(), nullptr);
+          FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+          const std::vector<int32_t> got_ids = out_ids.download();
+          const std::vector<float> got_weights = out_weights.download();
+          int64_t num_bad = 0;
+          for (int64_t t = 0; t < num_tokens && num_bad < 3; ++t) {
+            double dot = 0.0;
+            for (int64_t h = 0; h < hidden && gated; ++h)
+              dot += static_cast<double>(bf16_to_float(x[t * hidden + h])) * gate[h];
+            const double shared_weight = gated ? 1.0 / (1.0 + std::exp(-dot)) : 1.0;
+            for (int j = 0; j < rows; ++j) {
+              const size_t at = static_cast<size_t>(t * rows + j);
+              int32_t want_id;
+              double want_weight;
+              if (j < top_k) {
+                const int32_t id = ids[static_cast<size_t>(t * top_k + j)];
+                want_id = id == kernels::kAbsentSlot || (id >= 0 && id < kNumExperts) ? id : INT32_MAX;
+                want_weight = weights[static_cast<size_t>(t * top_k + j)];
+              } else {
+                want_id = static_cast<int32_t>(kNumExperts + j - top_k);
+                want_weight = shared_weight;
+              }
+              if (got_ids[at] != want_id || std::fabs(got_weights[at] - want_weight) > 1e-5 * std::fabs(want_weight)) {
+                ++num_bad;
+                ADD_FAILURE() << what << ": token " << t << " slot " << j << ": id " << got_ids[at] << " weight "
+                              << got_weights[at] << ", expected " << want_id << " " << want_weight;
+              }
+            }
+          }
+        }
+  DeviceBuffer<int32_t> idx(64);
+  DeviceBuffer<float> w(64);
+  EXPECT_THROW(kernels::launch_append_shared_slots(idx.get(), w.get(), 1, 30, 60, 3, nullptr, nullptr, 64,
+                                                   idx.get(), w.get(), nullptr),
+               Error);  // 33 rows per token
+  EXPECT_THROW(kernels::launch_append_shared_slots(idx.get(), w.get(), 1, 2, 511, 2, nullptr, nullptr, 64,
+                                                   idx.get(), w.get(), nullptr),
+               Error);  // 513 experts
+  EXPECT_THROW(kernels::launch_append_shared_slots(idx.get(), w.get(), 1, 2, 60, 2, nullptr, w.get(), 64,
+                                                   idx.get(), w.get(), nullptr),
+               Error);  // a gate without hidden states
 }
 
 // ---------------------------------------------------------------- finalize

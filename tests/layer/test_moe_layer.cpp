@@ -987,6 +987,89 @@ TEST(MoeLayerPairRows, SlotOrderSumOfThePairRowsIsTheForwardOutput) {
                Error);
 }
 
+// ------------------------------------------------------------ shared experts
+
+// A layer with a shared expert against the CPU reference, which runs it
+// whole (unchunked): DeepSeek-V3-like (noaux_tc, one ungated chunk), GLM-like
+// (two chunks, inter not a multiple of 128) and Qwen2-MoE-like (softmax not
+// renormalised, four gated chunks), for device and caller routing, both
+// finalize modes and several token counts. The plan has T * (top_k + chunks)
+// rows; forward_pair_rows, whose rows are [T * top_k], is refused.
+TEST(MoeLayerSharedExpert, MatchesReference) {
+  FP4MOE_REQUIRE_GPU();
+  struct Case {
+    ModelShape shape;
+    int chunks;
+    bool gated;
+  };
+  const Case cases[] = {
+      {{"DeepSeekV3Shared", 64, 256, 128, noaux_routing(8, 8, 4, 2.5f)}, 1, false},
+      {{"GLM45Shared", 32, 336, 208, noaux_routing(8, 1, 1, 2.5f)}, 2, false},
+      {{"Qwen2MoeShared", 60, 256, 144, softmax_routing(4, false)}, 4, true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.shape.name);
+    std::mt19937 rng(static_cast<uint32_t>(std::hash<std::string>{}(c.shape.name)));
+    MoeWeights weights = random_weights(c.shape, rng);
+    SharedExpertWeights shared;
+    shared.inter = c.chunks * c.shape.inter;
+    const float gate_up_scale = 0.1f / std::sqrt(static_cast<float>(c.shape.hidden));
+    shared.mlp.gate = testing::random_nvfp4(shared.inter, c.shape.hidden, gate_up_scale, rng);
+    shared.mlp.up = testing::random_nvfp4(shared.inter, c.shape.hidden, gate_up_scale, rng);
+    shared.mlp.down = testing::random_nvfp4(c.shape.hidden, shared.inter,
+                                            0.1f / std::sqrt(static_cast<float>(shared.inter)), rng);
+    if (c.gated) shared.gate = normal_floats(static_cast<size_t>(c.shape.hidden), 0.05f, rng);
+    weights.shared_expert = shared;
+    std::vector<float> correction_bias;
+    if (c.shape.routing.mode == RoutingMode::kNoauxTc)
+      correction_bias = normal_floats(static_cast<size_t>(c.shape.num_experts), 0.1f, rng);
+
+    for (const FinalizeMode finalize : {FinalizeMode::kDeterministic, FinalizeMode::kAtomic}) {
+      const MoeLayer layer = MoeLayer::prepare(weights, layer_options(c.shape, finalize));
+      EXPECT_EQ(layer.top_k(), c.shape.routing.top_k);
+      Stream stream;
+      constexpr int64_t kMax = 300;
+      const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMax);
+      DeviceBuffer<uint16_t> output(static_cast<size_t>(kMax * c.shape.hidden));
+      for (const int64_t T : {int64_t{1}, int64_t{3}, int64_t{64}, kMax}) {
+        EXPECT_EQ(layer.plan(T).num_rows, T * (c.shape.routing.top_k + c.chunks));
+        const std::vector<uint16_t> hidden = testing::random_bf16(static_cast<size_t>(T * c.shape.hidden), rng);
+        const std::vector<float> logits =
+            draw_router_logits(T, c.shape.num_experts, correction_bias, c.shape.routing, rng);
+        const Routing routing = route(logits.data(), T, c.shape.num_experts,
+                                      correction_bias.empty() ? nullptr : correction_bias.data(), c.shape.routing);
+        const std::vector<float> reference = reference_output(weights, hidden, routing, c.shape.activation);
+        const DeviceInputs inputs(hidden, logits, correction_bias, routing, T);
+        for (const bool device_routing : {true, false}) {
+          const std::string what = c.shape.name + " T=" + std::to_string(T) + " " + to_string(finalize) + " " +
+                                   (device_routing ? "device routing" : "caller routing");
+          SCOPED_TRACE(what);
+          const std::vector<uint16_t> out = forward_bits(
+              layer, device_routing ? inputs.device_routing() : inputs.caller_routing(), output, workspace,
+              stream.get());
+          const double rel_err = expect_matches_reference(out, reference, c.shape.hidden);
+          std::printf("  %-60s rel_err %.2e\n", what.c_str(), rel_err);
+        }
+        if (finalize == FinalizeMode::kDeterministic && T == 3) {
+          DeviceBuffer<float> pair_rows(static_cast<size_t>(T * layer.top_k() * c.shape.hidden));
+          EXPECT_THAT(
+              [&] {
+                try {
+                  layer.forward_pair_rows(inputs.caller_routing(), pair_rows.get(), workspace.get(),
+                                          workspace.bytes(), stream.get());
+                } catch (const Error& e) {
+                  return std::string(e.what());
+                }
+                return std::string();
+              }(),
+              HasSubstr("shared expert"));
+        }
+      }
+      EXPECT_EQ(layer.device_errors(workspace.get(), stream.get()), "");
+    }
+  }
+}
+
 // Repeated atomic forwards, with the token count changing in between, each
 // within tolerance: the accumulation buffer must be cleared for the next one.
 TEST(MoeLayerDeterminism, AtomicForwardsStayWithinTolerance) {

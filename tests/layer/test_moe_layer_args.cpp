@@ -321,6 +321,33 @@ TEST(MoeLayerArgs, RejectsFp4ActivationsWithoutUsableInputScales) {
 // The positive control: valid weights pass validation. With a GPU, prepare
 // succeeds; without one, the first thing that fails is the device, which
 // shows that the rejections above are validation, not CUDA, errors.
+// A shared expert runs as extra experts of the routed width: a width that is
+// not a multiple of it, or more rows per token than the kernels take, is
+// refused before any CUDA call; so is a gate of the wrong size.
+TEST(MoeLayerArgs, RejectsSharedExpertsTheLayerCannotChunk) {
+  const auto with_shared = [](int64_t width, size_t gate_size) {
+    MoeWeights w = valid_weights();
+    SharedExpertWeights shared;
+    shared.inter = width;
+    shared.mlp.gate = testing::fast_random_nvfp4(width, kHidden, 0.01f, 11);
+    shared.mlp.up = testing::fast_random_nvfp4(width, kHidden, 0.01f, 12);
+    shared.mlp.down = testing::fast_random_nvfp4(kHidden, width, 0.01f, 13);
+    shared.gate.assign(gate_size, 0.5f);
+    w.shared_expert = shared;
+    return w;
+  };
+  std::string msg = prepare_error(with_shared(kInter + 16, 0));
+  EXPECT_THAT(msg, HasSubstr("shared expert is " + std::to_string(kInter + 16) + " wide"));
+  EXPECT_THAT(msg, HasSubstr("multiple of the routed experts' inter = " + std::to_string(kInter)));
+  EXPECT_THAT(msg, is_validation_error());
+  msg = prepare_error(with_shared(31 * kInter, 0));  // top_k 2 + 31 chunks > 32 rows per token
+  EXPECT_THAT(msg, HasSubstr("33 rows per token"));
+  EXPECT_THAT(msg, is_validation_error());
+  msg = prepare_error(with_shared(kInter, static_cast<size_t>(kHidden - 1)));
+  EXPECT_THAT(msg, HasSubstr("gate has " + std::to_string(kHidden - 1) + " values"));
+  EXPECT_THAT(msg, is_validation_error());
+}
+
 TEST(MoeLayerArgs, AcceptsValidWeights) {
   for (bool with_bias : {false, true}) {
     SCOPED_TRACE(with_bias ? "with biases" : "without biases");

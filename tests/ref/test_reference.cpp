@@ -849,6 +849,142 @@ TEST(ReferenceW4a4, Fp4WithoutInputScalesIsRefused) {
   EXPECT_NO_THROW(moe_reference(w, x.data(), r, Activation::kSwiGLU, out.data()));  // kCheckpoint: bf16
 }
 
+// ------------------------------------------------------------ shared expert
+
+// out += s_t * down_s(act(gate_s x, up_s x)), s_t = 1 or sigmoid(gate · x),
+// dequantised naively and unchunked.
+void add_naive_shared(const MoeWeights& w, const std::vector<float>& x, int64_t num_tokens, Activation a,
+                      std::vector<double>& out) {
+  const SharedExpertWeights& sh = *w.shared_expert;
+  const int64_t H = w.hidden, S = sh.inter;
+  const std::vector<double> gate = naive_dequantize(sh.mlp.gate), up = naive_dequantize(sh.mlp.up),
+                            down = naive_dequantize(sh.mlp.down);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    double scale = 1.0;
+    if (!sh.gate.empty()) {
+      double z = 0.0;
+      for (int64_t k = 0; k < H; ++k) z += static_cast<double>(sh.gate[k]) * x[t * H + k];
+      scale = 1.0 / (1.0 + std::exp(-z));
+    }
+    std::vector<double> h(static_cast<size_t>(S));
+    for (int64_t i = 0; i < S; ++i) {
+      double g = 0.0, u = 0.0;
+      for (int64_t k = 0; k < H; ++k) {
+        g += gate[i * H + k] * x[t * H + k];
+        u += up[i * H + k] * x[t * H + k];
+      }
+      h[i] = naive_activation(a, g, u);
+    }
+    for (int64_t n = 0; n < H; ++n) {
+      double y = 0.0;
+      for (int64_t i = 0; i < S; ++i) y += down[n * S + i] * h[i];
+      out[t * H + n] += scale * y;
+    }
+  }
+}
+
+// Rows [begin, begin + count) or columns [begin, begin + count) of a matrix.
+Nvfp4Matrix slice(const Nvfp4Matrix& m, bool columns, int64_t begin, int64_t count) {
+  Nvfp4Matrix out = m;
+  out.rows = columns ? m.rows : count;
+  out.cols = columns ? count : m.cols;
+  out.packed.clear();
+  out.scales.clear();
+  for (int64_t r = 0; r < out.rows; ++r) {
+    const int64_t src_row = columns ? r : begin + r, col0 = columns ? begin : 0;
+    out.packed.insert(out.packed.end(), m.packed.begin() + src_row * m.cols / 2 + col0 / 2,
+                      m.packed.begin() + src_row * m.cols / 2 + (col0 + out.cols) / 2);
+    out.scales.insert(out.scales.end(), m.scales.begin() + src_row * m.cols / 16 + col0 / 16,
+                      m.scales.begin() + src_row * m.cols / 16 + (col0 + out.cols) / 16);
+  }
+  return out;
+}
+
+// The reference's shared expert against an independent float evaluation
+// (DeepSeek's ungated one, Qwen2-MoE's gated one; widths of 1 and 3 routed
+// widths), and against the same shared expert cut into chunks of the routed
+// width and routed to as extra experts with the same weight, which is how the
+// GPU layer runs it: the two agree to rounding.
+TEST(ReferenceMoe, SharedExpertMatchesIndependentPaths) {
+  const int tokens = 5, experts = 6, top_k = 2, hidden = 48, inter = 32;
+  for (const bool gated : {false, true})
+    for (const int chunks : {1, 3}) {
+      SCOPED_TRACE(std::string(gated ? "gated" : "ungated") + ", " + std::to_string(chunks) + " chunk(s)");
+      std::mt19937_64 rng(100 + chunks + (gated ? 10 : 0));
+      MoeWeights w = random_weights(experts, hidden, inter, false, rng);
+      SharedExpertWeights shared;
+      shared.inter = chunks * inter;
+      shared.mlp = random_weights(1, hidden, shared.inter, false, rng).experts[0];
+      if (gated) shared.gate = random_vector(hidden, 0.3f, rng);
+      w.shared_expert = shared;
+      const std::vector<float> x = random_vector(static_cast<size_t>(tokens * hidden), 1.0f, rng);
+      const std::vector<float> logits = random_vector(static_cast<size_t>(tokens * experts), 2.0f, rng);
+      RoutingParams p;
+      p.top_k = top_k;
+      const Routing routing = route(logits.data(), tokens, experts, nullptr, p);
+
+      std::vector<float> out(static_cast<size_t>(tokens * hidden), NAN);
+      moe_reference(w, x.data(), routing, Activation::kSwiGLU, out.data());
+      std::vector<double> expected = naive_moe(w, x, routing, Activation::kSwiGLU);
+      add_naive_shared(w, x, tokens, Activation::kSwiGLU, expected);
+      expect_close(out, expected, hidden, 1e-6);
+
+      // Chunks as experts E .. E + chunks - 1, every token routed to each.
+      MoeWeights as_experts = w;
+      as_experts.shared_expert.reset();
+      Routing extended;
+      extended.num_tokens = tokens;
+      extended.top_k = top_k + chunks;
+      for (int j = 0; j < chunks; ++j) {
+        ExpertWeights chunk;
+        chunk.gate = slice(shared.mlp.gate, false, j * inter, inter);
+        chunk.up = slice(shared.mlp.up, false, j * inter, inter);
+        chunk.down = slice(shared.mlp.down, true, j * inter, inter);
+        as_experts.experts.push_back(chunk);
+      }
+      as_experts.num_experts = experts + chunks;
+      for (int t = 0; t < tokens; ++t) {
+        double z = 0.0;
+        for (int k = 0; k < hidden; ++k) z += static_cast<double>(shared.gate.empty() ? 0.0f : shared.gate[k]) * x[t * hidden + k];
+        const float scale = gated ? static_cast<float>(sigmoid(z)) : 1.0f;
+        for (int j = 0; j < top_k; ++j) {
+          extended.topk_ids.push_back(routing.topk_ids[t * top_k + j]);
+          extended.topk_weights.push_back(routing.topk_weights[t * top_k + j]);
+        }
+        for (int j = 0; j < chunks; ++j) {
+          extended.topk_ids.push_back(experts + j);
+          extended.topk_weights.push_back(scale);
+        }
+      }
+      std::vector<float> chunked(out.size(), NAN);
+      moe_reference(as_experts, x.data(), extended, Activation::kSwiGLU, chunked.data());
+      expect_close(chunked, std::vector<double>(out.begin(), out.end()), hidden, 1e-6);
+    }
+}
+
+// A shared expert of the wrong shape, or with a gate of the wrong size, is
+// refused with what was expected.
+TEST(ReferenceMoe, SharedExpertShapeErrors) {
+  std::mt19937_64 rng(5);
+  MoeWeights w = random_weights(4, 32, 16, false, rng);
+  SharedExpertWeights shared;
+  shared.inter = 32;
+  shared.mlp = random_weights(1, 32, 16, false, rng).experts[0];  // 16 wide, not 32
+  w.shared_expert = shared;
+  Routing r;
+  r.num_tokens = 1;
+  r.top_k = 1;
+  r.topk_ids = {0};
+  r.topk_weights = {1.0f};
+  std::vector<float> x(32, 1.0f), out(32);
+  expect_error([&] { moe_reference(w, x.data(), r, Activation::kSwiGLU, out.data()); },
+               {"(shared) gate", "expected [32, 32]"});
+  w.shared_expert->inter = 16;
+  w.shared_expert->gate.assign(31, 0.5f);
+  expect_error([&] { moe_reference(w, x.data(), r, Activation::kSwiGLU, out.data()); },
+               {"shared expert's gate has 31 values", "hidden = 32"});
+}
+
 // Caller-given routing: one expert takes most pairs, several take none, and
 // the output must not depend (bitwise) on the thread count, nor on which
 // other tokens share the batch.

@@ -35,6 +35,7 @@
 #include "cli_test_support.hpp"
 #include "fp4moe/modelopt.hpp"
 #include "fp4moe/nvfp4.hpp"
+#include "fp4moe/reference.hpp"
 #include "fp4moe/safetensors.hpp"
 #include "gpu_test_util.hpp"
 
@@ -318,9 +319,10 @@ class MoeTest : public CliTest {
                              bool gptoss_activation = false, const std::string& device = "cpu") {
     SCOPED_TRACE(prefix + " " + args + " --device " + device);
     fs::remove(path("y.safetensors"));
-    const CliResult r = run("moe --device " + device + " --weights '" + checkpoint_ + "' --prefix " + prefix +
-                            " --input '" + path("x.safetensors") + "' --output '" + path("y.safetensors") + "' " +
-                            args);
+    const std::string layer = layer_ >= 0 ? " --layer " + std::to_string(layer_) : " --prefix " + prefix;
+    const CliResult r = run("moe --device " + device + " --weights '" + (weights_.empty() ? checkpoint_ : weights_) +
+                            "'" + layer + " --input '" + path("x.safetensors") + "' --output '" +
+                            path("y.safetensors") + "' " + args);
     EXPECT_EQ(r.exit_code, 0) << r.err;
     if (r.exit_code != 0) return r.err;
     EXPECT_NE(r.err.find("T=" + std::to_string(kNumTokens)), std::string::npos) << "summary line: " << r.err;
@@ -372,6 +374,10 @@ class MoeTest : public CliTest {
 
   static constexpr int64_t kNumTokens = 7;
   std::string checkpoint_;
+  // expect_matches runs these weights (empty: checkpoint_), and the layer by
+  // --layer N when layer_ >= 0 (else by --prefix).
+  std::string weights_;
+  int layer_ = -1;
   FloatLayer dequantized_stacked_, dequantized_per_expert_;
   std::vector<float> hidden_, logits_, bias_;
 };
@@ -503,9 +509,12 @@ TEST_F(MoeTest, BadInputsFailWithOneLineAndNoOutput) {
          add_i32(w, "topk_ids", {t, 2}, ids2);
        },
        "", "topk_weights"},
-      {"no routing at all",
+      {"no routing at all, no router in the checkpoint",
        [&](SafetensorsWriter& w) { add_bf16(w, "hidden_states", {t, kHidden}, hidden_); },
-       "", "router_logits"},
+       "", "router_logits", kExpertPrefix},
+      {"hidden states only, no --topk and no config.json",
+       [&](SafetensorsWriter& w) { add_bf16(w, "hidden_states", {t, kHidden}, hidden_); },
+       "", "needs --topk"},
       {"hidden size mismatch",
        [&](SafetensorsWriter& w) {
          add_bf16(w, "hidden_states", {t, kHidden / 2}, std::vector<float>(t * kHidden / 2, 1.0f));
@@ -598,6 +607,172 @@ TEST_F(MoeTest, DeviceAutoRunsOnTheBackendPresent) {
   const std::string err = expect_matches(kStackPrefix, "", routing, false, "auto");
   EXPECT_NE(err.find(gpu ? "backend=cuda" : "backend=cpu"), std::string::npos)
       << (gpu ? "with a GPU, auto must pick CUDA: " : "without a GPU, auto must run the CPU backend: ") << err;
+}
+
+// With a config.json beside the weights, `moe --layer N` needs no routing
+// flags: the routing, top-k and activation are the config's, the logits come
+// from the checkpoint's router (gate.weight) applied to the hidden states
+// when the input holds nothing else, and noaux_tc's correction bias from the
+// checkpoint. A flag that contradicts the config is refused in one line
+// naming both values; one that agrees is accepted.
+TEST_F(MoeTest, ConfigJsonSetsTheRouting) {
+  const std::string dir = path("model");
+  fs::create_directory(dir);
+  fs::copy_file(checkpoint_, dir + "/model.safetensors");
+  SafetensorsWriter gate_bias;
+  add_f32(gate_bias, kStackPrefix + "gate.e_score_correction_bias", {kNumExperts}, bias_);
+  gate_bias.write(dir + "/gate-bias.safetensors");
+  weights_ = dir;
+  layer_ = 0;  // kStackPrefix, the layer with a router
+
+  // The router logits as the CLI computes them: a double sum in order,
+  // rounded to float.
+  std::vector<float> logits(static_cast<size_t>(kNumTokens * kNumExperts));
+  for (int64_t t = 0; t < kNumTokens; ++t)
+    for (int64_t e = 0; e < kNumExperts; ++e) {
+      double sum = 0.0;
+      for (int64_t h = 0; h < kHidden; ++h)
+        sum += static_cast<double>(router_[e * kHidden + h]) * static_cast<double>(hidden_[t * kHidden + h]);
+      logits[static_cast<size_t>(t * kNumExperts + e)] = static_cast<float>(sum);
+    }
+  const auto write_input = [&](bool with_logits) {
+    SafetensorsWriter w;
+    add_bf16(w, "hidden_states", {kNumTokens, kHidden}, hidden_);
+    if (with_logits) add_f32(w, "router_logits", {kNumTokens, kNumExperts}, logits_);
+    w.write(path("x.safetensors"));
+  };
+  const auto write_config = [&](const std::string& json) { std::ofstream(dir + "/config.json") << json; };
+
+  // GLM-style noaux_tc: 2 groups of 2, keep 1, x2.5, the checkpoint's bias.
+  write_config(R"({"model_type": "glm4_moe", "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+      "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": true, "hidden_size": 64,
+      "moe_intermediate_size": 32})");
+  write_input(false);
+  std::string err = expect_matches(kStackPrefix, "", route_noaux_tc(logits, bias_, kNumTokens, 2, 2, 1, 2.5));
+  EXPECT_NE(err.find("routing=noaux_tc (router " + kStackPrefix + "gate.weight)"), std::string::npos) << err;
+  expect_matches(kStackPrefix, "--routing noaux_tc --topk 2 --n-group 2 --topk-group 1 --routed-scaling-factor 2.5",
+                 route_noaux_tc(logits, bias_, kNumTokens, 2, 2, 1, 2.5));
+  write_input(true);  // the input's logits, the checkpoint's correction bias
+  expect_matches(kStackPrefix, "", route_noaux_tc(logits_, bias_, kNumTokens, 2, 2, 1, 2.5));
+
+  const auto expect_refused = [&](const std::string& args, const std::vector<std::string>& fragments) {
+    SCOPED_TRACE(args);
+    fs::remove(path("y.safetensors"));
+    const CliResult r = run("moe --device cpu --weights '" + dir + "' --input '" + path("x.safetensors") +
+                            "' --output '" + path("y.safetensors") + "' " + args);
+    EXPECT_EQ(r.exit_code, 1) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "one line expected:\n" << r.err;
+    for (const std::string& fragment : fragments) EXPECT_NE(r.err.find(fragment), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(path("y.safetensors"))) << "a failed run left an output file";
+  };
+  const std::string config = dir + "/config.json";
+  expect_refused("--layer 0 --topk 3", {"--topk 3 contradicts " + config, "num_experts_per_tok = 2"});
+  expect_refused("--layer 0 --routing softmax", {"--routing softmax contradicts", "routing noaux_tc (n_group 2"});
+  expect_refused("--layer 0 --routed-scaling-factor 1", {"--routed-scaling-factor 1 contradicts", "2.5"});
+  expect_refused("--layer 0 --n-group 4", {"--n-group 4 contradicts", "n_group 2"});
+  expect_refused("--layer 0 --no-renormalize", {"--no-renormalize contradicts"});
+  expect_refused("--layer 0 --activation gptoss", {"--activation gptoss contradicts", "activation swiglu"});
+  expect_refused("--layer 5", {"no experts of layer 5"});
+
+  // Qwen3-MoE style: softmax over the router's logits, not renormalised.
+  write_config(R"({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 3, "norm_topk_prob": false,
+      "moe_intermediate_size": 32})");
+  write_input(false);
+  expect_matches(kStackPrefix, "", route_softmax(logits, kNumTokens, 3, false));
+  expect_refused("--layer 0 --routing noaux_tc", {"--routing noaux_tc contradicts", "routing softmax (not renormalised)"});
+
+  // gpt-oss: top-k then softmax, and its activation, from the config alone.
+  write_config(R"({"model_type": "gpt_oss", "num_local_experts": 4, "experts_per_token": 2, "intermediate_size": 32})");
+  err = expect_matches(kStackPrefix, "", route_gptoss(logits, kNumTokens, 2), /*gptoss_activation=*/true);
+  EXPECT_NE(err.find("activation=gptoss"), std::string::npos) << err;
+
+  // A config of another model's sizes.
+  write_config(R"({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "hidden_size": 128})");
+  expect_refused("--layer 0", {config + ": hidden_size = 128 but the experts' weights have hidden = 64"});
+  write_config(R"({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48})");
+  expect_refused("--layer 0", {"moe_intermediate_size = 48", "inter = 32"});
+}
+
+// A layer with a shared expert (DeepSeek's ungated "shared_experts", Qwen2-MoE's
+// gated "shared_expert") runs it: the output is the reference's with the
+// shared expert, bit for bit after the bf16 rounding, and differs from the
+// routed experts' alone. A config.json that declares a shared expert the
+// checkpoint lacks, or of another width, is refused in one line.
+TEST_F(MoeTest, SharedExpertIsPartOfTheLayer) {
+  const TestRouting routing = write_given_routing_input(2, 21);
+  std::mt19937 rng(5);
+  const int64_t width = 2 * kInter;
+  const std::vector<float> gate = normal_values(rng, width * kHidden, 0.15, false);
+  const std::vector<float> up = normal_values(rng, width * kHidden, 0.15, false);
+  const std::vector<float> down = normal_values(rng, kHidden * width, 0.2, false);
+  const float gate_up_scale =
+      nvfp4_global_scale(std::max(abs_max(gate.data(), gate.size()), abs_max(up.data(), up.size())));
+  SharedExpertWeights shared;
+  shared.inter = width;
+  shared.mlp.gate = quantize_nvfp4(gate.data(), width, kHidden, gate_up_scale);
+  shared.mlp.up = quantize_nvfp4(up.data(), width, kHidden, gate_up_scale);
+  shared.mlp.down = quantize_nvfp4(down.data(), kHidden, width);
+
+  for (const bool gated : {false, true}) {
+    SCOPED_TRACE(gated ? "gated" : "ungated");
+    const std::string dir = path(gated ? "qwen2" : "deepseek");
+    fs::create_directory(dir);
+    fs::copy_file(checkpoint_, dir + "/model.safetensors", fs::copy_options::overwrite_existing);
+    MoeWeights with_shared;
+    with_shared.hidden = kHidden;
+    with_shared.shared_expert = shared;
+    if (gated) with_shared.shared_expert->gate = normal_values(rng, kHidden, 0.2, false);
+    SafetensorsWriter w;
+    add_moe_weights(w, with_shared, kExpertPrefix);  // no routed experts: only the shared one's tensors
+    w.write(dir + "/shared.safetensors");
+
+    fs::remove(path("y.safetensors"));
+    const std::string args = "moe --device cpu --weights '" + dir + "' --prefix " + kExpertPrefix + " --input '" +
+                             path("x.safetensors") + "' --output '" + path("y.safetensors") + "'";
+    const CliResult r = run(args);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_NE(r.err.find(gated ? "shared=64(gated)" : "shared=64 "), std::string::npos) << r.err;
+    const std::vector<float> out = read_floats(SafetensorsFile::open(path("y.safetensors")).get("output"));
+
+    const MoeWeights loaded = load_moe_weights(dir, kExpertPrefix);
+    ASSERT_TRUE(loaded.shared_expert.has_value());
+    Routing given;
+    given.num_tokens = kNumTokens;
+    given.top_k = routing.top_k;
+    given.topk_ids = routing.ids;
+    given.topk_weights = routing.weights;
+    std::vector<float> expected(out.size()), routed_only(out.size());
+    moe_reference(loaded, hidden_.data(), given, Activation::kSwiGLU, expected.data());
+    MoeWeights without = loaded;
+    without.shared_expert.reset();
+    moe_reference(without, hidden_.data(), given, Activation::kSwiGLU, routed_only.data());
+    double changed = 0.0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      ASSERT_EQ(out[i], round_bf16(expected[i])) << "element " << i;
+      changed = std::max(changed, static_cast<double>(std::fabs(expected[i] - routed_only[i])));
+    }
+    EXPECT_GT(changed, 1e-2) << "the shared expert changed nothing: the test data is degenerate";
+
+    // Declared by config.json: present and as wide, else refused.
+    const auto refused = [&](const std::string& config, const std::string& fragment) {
+      std::ofstream(dir + "/config.json") << config;
+      fs::remove(path("y.safetensors"));
+      const CliResult bad = run(args);
+      EXPECT_EQ(bad.exit_code, 1) << bad.err;
+      EXPECT_EQ(std::count(bad.err.begin(), bad.err.end(), '\n'), 1) << bad.err;
+      EXPECT_NE(bad.err.find(fragment), std::string::npos) << bad.err;
+    };
+    if (gated) {
+      refused(R"({"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+          "shared_expert_intermediate_size": 96})", "shared_expert_intermediate_size = 96 but the checkpoint's shared expert is 64 wide");
+    } else {
+      refused(R"({"model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+          "topk_group": 1, "n_shared_experts": 1})", "n_shared_experts = 1 (32 wide) but the checkpoint's shared expert is 64 wide");
+      fs::remove(dir + "/shared.safetensors");
+      refused(R"({"model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+          "topk_group": 1, "n_shared_experts": 2})", "n_shared_experts = 2 (64 wide) but the checkpoint has no shared expert");
+    }
+  }
 }
 
 // A ModelOpt export as written: a checkpoint directory with config.json and

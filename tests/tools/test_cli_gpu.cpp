@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <numeric>
 #include <random>
@@ -19,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_test_support.hpp"
+#include "fp4moe/modelopt.hpp"
 #include "fp4moe/plan.hpp"
 #include "fp4moe/safetensors.hpp"
 #include "gpu_test_util.hpp"
@@ -117,6 +120,70 @@ TEST_F(CliGpuTest, MoeOnCudaMatchesTheCpuBackend) {
         std::printf("  %s, %s, %s: rel err cuda vs cpu %.2e\n", c.what.c_str(), prefix.c_str(), backend.c_str(),
                     rel_err);
       }
+    }
+  }
+}
+
+// `moe --layer 0` from hidden states alone, routed as config.json says
+// (GLM-style noaux_tc with the checkpoint's correction bias; Qwen2-MoE-style
+// softmax), with a shared expert (ungated two chunks; gated two chunks): the
+// CUDA layer matches the CPU backend in both finalize modes.
+TEST_F(CliGpuTest, ConfigRoutingAndSharedExpertOnCudaMatchTheCpuBackend) {
+  const std::string checkpoint = quantized_checkpoint();
+  constexpr int64_t kTokens = 37;
+  std::mt19937 rng(33);
+  const std::vector<float> hidden = normal_values(rng, kTokens * kHidden, 1.0, /*bf16=*/true);
+  SafetensorsWriter input;
+  add_bf16(input, "hidden_states", {kTokens, kHidden}, hidden);
+  input.write(path("x.safetensors"));
+
+  const int64_t width = 2 * kInter;
+  const std::vector<float> gate = normal_values(rng, width * kHidden, 0.15, false);
+  const std::vector<float> up = normal_values(rng, width * kHidden, 0.15, false);
+  const std::vector<float> down = normal_values(rng, kHidden * width, 0.2, false);
+  const float gate_up_scale =
+      nvfp4_global_scale(std::max(abs_max(gate.data(), gate.size()), abs_max(up.data(), up.size())));
+  for (const bool qwen2 : {false, true}) {
+    SCOPED_TRACE(qwen2 ? "Qwen2-MoE, gated shared expert" : "GLM, shared experts");
+    const std::string dir = path(qwen2 ? "qwen2" : "glm");
+    std::filesystem::create_directory(dir);
+    std::filesystem::copy_file(checkpoint, dir + "/model.safetensors");
+    MoeWeights shared_only;
+    shared_only.hidden = kHidden;
+    SharedExpertWeights shared;
+    shared.inter = width;
+    shared.mlp.gate = quantize_nvfp4(gate.data(), width, kHidden, gate_up_scale);
+    shared.mlp.up = quantize_nvfp4(up.data(), width, kHidden, gate_up_scale);
+    shared.mlp.down = quantize_nvfp4(down.data(), kHidden, width);
+    if (qwen2) shared.gate = normal_values(rng, kHidden, 0.2, false);
+    shared_only.shared_expert = shared;
+    SafetensorsWriter extra;
+    add_moe_weights(extra, shared_only, kStackPrefix);
+    if (!qwen2) add_f32(extra, kStackPrefix + "gate.e_score_correction_bias", {kNumExperts},
+                        normal_values(rng, kNumExperts, 0.3, false));
+    extra.write(dir + "/extra.safetensors");
+    std::ofstream(dir + "/config.json")
+        << (qwen2 ? R"({"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                       "norm_topk_prob": false, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64})"
+                  : R"({"model_type": "glm4_moe", "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+                       "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": true, "n_shared_experts": 2,
+                       "moe_intermediate_size": 32})");
+
+    const std::string common = "--weights '" + dir + "' --layer 0 --input '" + path("x.safetensors") + "'";
+    const std::vector<float> cpu = run_moe("--device cpu " + common, "cpu.safetensors");
+    for (const std::string finalize : {"deterministic", "atomic"}) {
+      SCOPED_TRACE(finalize);
+      const std::vector<float> gpu = run_moe("--device cuda --finalize " + finalize + " " + common, "gpu.safetensors");
+      ASSERT_EQ(gpu.size(), cpu.size());
+      ASSERT_FALSE(gpu.empty());
+      double err = 0.0, norm = 0.0;
+      for (size_t i = 0; i < gpu.size(); ++i) {
+        err += (static_cast<double>(gpu[i]) - cpu[i]) * (static_cast<double>(gpu[i]) - cpu[i]);
+        norm += static_cast<double>(cpu[i]) * cpu[i];
+      }
+      const double rel_err = std::sqrt(err / norm);
+      EXPECT_LT(rel_err, kGpuTolerance);
+      std::printf("  %s %s: rel err cuda vs cpu %.2e\n", qwen2 ? "qwen2" : "glm", finalize.c_str(), rel_err);
     }
   }
 }
