@@ -654,8 +654,10 @@ ordered_json config_quantization(const ordered_json& hf_quant) {
   return q;
 }
 
-void run_quantize(const QuantizeOptions& opts) {
+void run_quantize(QuantizeOptions opts) {
   Timer timer;
+  // "out/" names the directory "out"; its temporary sibling is "out.tmp.<pid>".
+  while (opts.output.size() > 1 && opts.output.back() == '/') opts.output.pop_back();
   FP4MOE_CHECK(opts.algo == kAlgo,
                opts.algo == "NVFP4"
                    ? std::string("--algo NVFP4 (W4A4) needs each layer's input_scale, an activation range "
@@ -867,10 +869,11 @@ void run_quantize(const QuantizeOptions& opts) {
       index["weight_map"] = std::move(weight_map);
       write_text_file(tmp_dir / "model.safetensors.index.json", index.dump(2) + "\n");
     }
-    write_text_file(tmp_dir / "hf_quant_config.json", quant_config.dump(4));
+    // ensure_ascii, as Python's json.dump writes them.
+    write_text_file(tmp_dir / "hf_quant_config.json", quant_config.dump(4, ' ', true));
     if (!model_config.is_null()) {
       model_config["quantization_config"] = config_quantization(quant_config);
-      write_text_file(tmp_dir / "config.json", model_config.dump(4));
+      write_text_file(tmp_dir / "config.json", model_config.dump(4, ' ', true));
     }
     // The directory's other files (tokenizer, generation config, ...) as they are.
     static const std::set<std::string> kWritten = {"config.json", "hf_quant_config.json",
