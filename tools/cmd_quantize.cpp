@@ -191,6 +191,9 @@ struct Matrix {
   size_t input = 0;    // input tensor index
   Slice slice;
   std::string group;   // shared global scale key; empty: its own
+  // The group is the whole input tensor (a bmm-layout stack): its amax is
+  // the tensor's.
+  bool group_is_input = false;
 };
 
 // One output tensor and where its bytes come from.
@@ -342,13 +345,14 @@ class Planner {
     plan_.outputs.push_back(std::move(o));
   }
 
-  void add_matrix(const std::string& module, size_t input, const Slice& slice) {
+  void add_matrix(const std::string& module, size_t input, const Slice& slice, bool whole_input_group = false) {
     const TensorView& t = in_.tensors[input].desc;
     FP4MOE_CHECK(slice.cols % kNvfp4BlockSize == 0, opts_.input, ": tensor '", t.name, "' ",
                  shape_to_string(t.shape), " has K = ", slice.cols, " columns, not a multiple of ", kNvfp4BlockSize,
                  " (the NVFP4 block size); exclude it with --exclude '", t.name, "'");
     const size_t m = plan_.matrices.size();
-    plan_.matrices.push_back(Matrix{module, input, slice, shared_input_group(module)});
+    plan_.matrices.push_back(whole_input_group ? Matrix{module, input, slice, t.name + " (stack)", true}
+                                               : Matrix{module, input, slice, shared_input_group(module), false});
     plan_.quantized_modules.push_back(module);
     const int64_t rows = slice.rows, cols = slice.cols;
     const auto field = [&](Output::Kind kind, const char* suffix, DType dtype, std::vector<int64_t> shape) {
@@ -445,6 +449,11 @@ class Planner {
       const int64_t num_experts = t.shape[0];
       const bool bare = !match[3].matched;  // transformers' fused experts name no ".weight"
       ++plan_.num_stacks;
+      // ModelOpt quantises a bmm-layout stack (Llama4, gpt-oss) with one
+      // quantizer per stack, so every expert's gate/up (and down) gets the
+      // stack's amax; split with that scale, each expert's tensors are the
+      // rows of ModelOpt's fused export bit for bit. transformers' fused
+      // experts have a quantizer per expert: gate and up share the expert's.
       for (int64_t e = 0; e < num_experts; ++e) {
         const std::string expert = base + "." + std::to_string(e) + ".";
         if (proj == "gate_up_proj") {
@@ -452,8 +461,8 @@ class Planner {
           const int64_t stride = l.interleaved ? 2 : 1;
           const int64_t up_offset = l.interleaved ? 1 : l.inter;
           const int64_t cols = l.transposed ? t.shape[1] : t.shape[2];
-          add_matrix(expert + "gate_proj", i, Slice{e, l.transposed, 0, stride, l.inter, cols});
-          add_matrix(expert + "up_proj", i, Slice{e, l.transposed, up_offset, stride, l.inter, cols});
+          add_matrix(expert + "gate_proj", i, Slice{e, l.transposed, 0, stride, l.inter, cols}, l.transposed);
+          add_matrix(expert + "up_proj", i, Slice{e, l.transposed, up_offset, stride, l.inter, cols}, l.transposed);
         } else {
           // down_proj beside a bmm-layout gate_up is [E, I, H]: transposed.
           bool transposed = false;
@@ -463,7 +472,7 @@ class Planner {
           }
           const int64_t rows = transposed ? t.shape[2] : t.shape[1];
           const int64_t cols = transposed ? t.shape[1] : t.shape[2];
-          add_matrix(expert + proj, i, Slice{e, transposed, 0, 1, rows, cols});
+          add_matrix(expert + proj, i, Slice{e, transposed, 0, 1, rows, cols}, transposed);
         }
       }
       return;
@@ -811,9 +820,13 @@ void run_quantize(QuantizeOptions opts) {
             if (it == group_amax.end()) {
               // The whole group lies in this input (it was not in the prepass).
               float shared = 0.0f;
-              for (size_t other : group_members.at(m.group)) {
-                const std::vector<float> other_rows = extract_rows(view, plan.matrices[other].slice);
-                shared = std::max(shared, abs_max(other_rows.data(), other_rows.size()));
+              if (m.group_is_input) {
+                shared = tensor_abs_max(view, 0, view.numel());
+              } else {
+                for (size_t other : group_members.at(m.group)) {
+                  const std::vector<float> other_rows = extract_rows(view, plan.matrices[other].slice);
+                  shared = std::max(shared, abs_max(other_rows.data(), other_rows.size()));
+                }
               }
               it = group_amax.emplace(m.group, shared).first;
             }

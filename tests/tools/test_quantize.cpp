@@ -405,6 +405,9 @@ TEST_F(QuantizeTest, SplitsBmmLayoutExpertsOfLlama4AndGptOss) {
     const std::string p = prefix + "experts.";
     t[p + "gate_up_proj"] = random_tensor({kE, kH, 2 * kI}, 1.0);
     t[p + "down_proj"] = random_tensor({kE, kI, kH}, 0.5);
+    // Expert 0 larger: its amax is the stack's, the others' are smaller.
+    // (a power of two keeps the values bf16-exact)
+    for (int64_t i = 0; i < kH * 2 * kI; ++i) t[p + "gate_up_proj"].values[static_cast<size_t>(i)] *= 4.0f;
     if (gptoss) {
       t[p + "gate_up_proj_bias"] = random_tensor({kE, 2 * kI}, 0.1);
       t[p + "down_proj_bias"] = random_tensor({kE, kH}, 0.1);
@@ -413,15 +416,19 @@ TEST_F(QuantizeTest, SplitsBmmLayoutExpertsOfLlama4AndGptOss) {
     const CliResult r = run("quantize -q '" + in + "' '" + path("q.safetensors") + "'");
     ASSERT_EQ(r.exit_code, 0) << r.err;
     const SafetensorsFile f = SafetensorsFile::open(path("q.safetensors"));
+    // One quantizer per bmm stack in ModelOpt: every expert has the stack's
+    // amax (gate_up's for gate and up, down's for down).
+    const float gate_up_amax = amax_of(t[p + "gate_up_proj"].values);
+    const float down_amax = amax_of(t[p + "down_proj"].values);
+    ASSERT_NE(gate_up_amax, amax_of(slice_of(t[p + "gate_up_proj"], 1))) << "fixture: the stack scale must be visible";
     for (int64_t e = 0; e < kE; ++e) {
       const std::string b = p + std::to_string(e) + ".";
-      const float shared = amax_of(slice_of(t[p + "gate_up_proj"], e));
       const int64_t stride = gptoss ? 2 : 1, up_offset = gptoss ? 1 : kI;
-      expect_quantized(f, b + "gate_proj", rows_of(t[p + "gate_up_proj"], e, true, 0, stride, kI), kI, kH, shared);
+      expect_quantized(f, b + "gate_proj", rows_of(t[p + "gate_up_proj"], e, true, 0, stride, kI), kI, kH,
+                       gate_up_amax);
       expect_quantized(f, b + "up_proj", rows_of(t[p + "gate_up_proj"], e, true, up_offset, stride, kI), kI, kH,
-                       shared);
-      expect_quantized(f, b + "down_proj", rows_of(t[p + "down_proj"], e, true, 0, 1, kH), kH, kI,
-                       amax_of(slice_of(t[p + "down_proj"], e)));
+                       gate_up_amax);
+      expect_quantized(f, b + "down_proj", rows_of(t[p + "down_proj"], e, true, 0, 1, kH), kH, kI, down_amax);
       if (gptoss) {
         const std::vector<float>& bias = t[p + "gate_up_proj_bias"].values;
         std::vector<float> gate_bias, up_bias;
