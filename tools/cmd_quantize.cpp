@@ -198,7 +198,7 @@ struct Matrix {
 
 // One output tensor and where its bytes come from.
 struct Output {
-  enum Kind { kCopy, kWeight, kWeightScale, kWeightScale2, kBiasSlice } kind = kCopy;
+  enum Kind { kCopy, kCopyAsF32, kWeight, kWeightScale, kWeightScale2, kBiasSlice } kind = kCopy;
   TensorSpec spec;
   size_t input = 0;     // the input tensor it derives from
   size_t matrix = 0;    // kWeight*: index into Plan::matrices
@@ -328,6 +328,16 @@ class Planner {
     });
   }
 
+  // Tensors transformers keeps in fp32 whatever the load dtype
+  // (_keep_in_fp32_modules_strict of the model class): ModelOpt exports
+  // what the loaded model holds, so a BF16/F16 input gives them as F32.
+  bool kept_in_fp32(const std::string& name) const {
+    if (name.ends_with("e_score_correction_bias")) return true;  // DeepSeek-V3, GLM-4.5 MoE, ...
+    if (model_type_.starts_with("ernie4_5"))
+      return name.ends_with(".gate.weight") || name.find("moe_statics") != std::string::npos;
+    return false;
+  }
+
   void add_copy(size_t input) {
     const TensorView& t = in_.tensors[input].desc;
     Output o;
@@ -335,6 +345,11 @@ class Planner {
     o.spec = {t.name, t.dtype, t.shape};
     o.input = input;
     o.nbytes = t.nbytes;
+    if ((t.dtype == DType::BF16 || t.dtype == DType::F16) && kept_in_fp32(t.name)) {
+      o.kind = Output::kCopyAsF32;
+      o.spec.dtype = DType::F32;
+      o.nbytes = static_cast<uint64_t>(t.numel()) * sizeof(float);
+    }
     push(std::move(o));
   }
 
@@ -485,6 +500,10 @@ class Planner {
       const InputTensor* weight = find(base + "." + proj);
       FP4MOE_CHECK(weight != nullptr && weight->desc.shape.size() == 3, opts_.input, ": bias '", t.name,
                    "' has no 3-D '", base, ".", proj, "' beside it");
+      if (excluded(base, weight->desc.name)) {  // its stack is copied whole: so is the bias
+        add_copy(i);
+        return;
+      }
       const int64_t num_experts = t.shape[0];
       for (int64_t e = 0; e < num_experts; ++e) {
         const std::string expert = base + "." + std::to_string(e) + ".";
@@ -689,14 +708,19 @@ void run_quantize(QuantizeOptions opts) {
   Input in = open_input(opts.input);
   Planner planner(in, opts);
   ordered_json model_config;
+  // config.json: copied with quantization_config for a directory; for a
+  // file, only its model_type is read (a shard's layout hint, e.g. gpt-oss).
   const fs::path config_path = in.dir / "config.json";
-  if (dir_input && fs::exists(config_path)) {
-    model_config = read_json(config_path);
-    FP4MOE_CHECK(model_config.is_object(), config_path.string(), ": expected a JSON object");
-    FP4MOE_CHECK(!model_config.contains("quantization_config"), config_path.string(),
-                 ": the model already has a quantization_config; quantize reads float checkpoints");
-    if (model_config.contains("model_type") && model_config["model_type"].is_string())
-      planner.model_type_ = model_config["model_type"].get<std::string>();
+  if (fs::exists(config_path)) {
+    ordered_json config = read_json(config_path);
+    FP4MOE_CHECK(config.is_object(), config_path.string(), ": expected a JSON object");
+    if (config.contains("model_type") && config["model_type"].is_string())
+      planner.model_type_ = config["model_type"].get<std::string>();
+    if (dir_input) {
+      FP4MOE_CHECK(!config.contains("quantization_config"), config_path.string(),
+                   ": the model already has a quantization_config; quantize reads float checkpoints");
+      model_config = std::move(config);
+    }
   }
   Plan plan = planner.make();
   // A tied lm_head has no tensor but is a module ModelOpt lists as kept.
@@ -811,6 +835,12 @@ void run_quantize(QuantizeOptions opts) {
           sink(k, view.data, view.nbytes);
           ++num_copied;
           break;
+        case Output::kCopyAsF32: {
+          const std::vector<float> values = tensor_to_float(view);  // exact: BF16/F16 -> F32
+          sink(k, values.data(), values.size() * sizeof(float));
+          ++num_copied;
+          break;
+        }
         case Output::kWeight: {
           const Matrix& m = plan.matrices[o.matrix];
           const std::vector<float> rows = extract_rows(view, m.slice);

@@ -450,6 +450,31 @@ TEST_F(QuantizeTest, SplitsBmmLayoutExpertsOfLlama4AndGptOss) {
   }
 }
 
+// DeepSeek MLA: q_a_proj and kv_a_proj_with_mqa read the same hidden state
+// and share a global scale; q_b_proj and kv_b_proj have their own. The
+// routing bias, which transformers keeps in fp32, is written as F32 (the
+// dtype ModelOpt exports it in) with the same values.
+TEST_F(QuantizeTest, DeepSeekMlaGroupAndFp32RoutingBias) {
+  std::map<std::string, FloatTensor> t;
+  const std::string a = "model.layers.0.self_attn.";
+  t[a + "q_a_proj.weight"] = random_tensor({kI, kH}, 0.3);
+  t[a + "kv_a_proj_with_mqa.weight"] = random_tensor({kI + 16, kH}, 1.5);
+  t[a + "q_b_proj.weight"] = random_tensor({kH, kI}, 0.4);
+  t[a + "kv_b_proj.weight"] = random_tensor({kH, kI}, 0.8);
+  t["model.layers.0.mlp.gate.e_score_correction_bias"] = random_tensor({kE}, 1.0);
+  const std::string in = write_file("mla.safetensors", t);
+  const CliResult r = run("quantize -q '" + in + "' '" + path("q.safetensors") + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const SafetensorsFile f = SafetensorsFile::open(path("q.safetensors"));
+  const float shared = std::max(amax_of(t[a + "q_a_proj.weight"].values), amax_of(t[a + "kv_a_proj_with_mqa.weight"].values));
+  expect_quantized(f, a + "q_a_proj", t[a + "q_a_proj.weight"].values, kI, kH, shared);
+  expect_quantized(f, a + "kv_a_proj_with_mqa", t[a + "kv_a_proj_with_mqa.weight"].values, kI + 16, kH, shared);
+  expect_quantized(f, a + "q_b_proj", t[a + "q_b_proj.weight"].values, kH, kI, amax_of(t[a + "q_b_proj.weight"].values));
+  expect_quantized(f, a + "kv_b_proj", t[a + "kv_b_proj.weight"].values, kH, kI, amax_of(t[a + "kv_b_proj.weight"].values));
+  const std::string bias = "model.layers.0.mlp.gate.e_score_correction_bias";
+  expect_copied(f, bias, FloatTensor{{kE}, t[bias].values, DType::F32});
+}
+
 TEST_F(QuantizeTest, RefusalsAreOneLineAndLeaveNothing) {
   const std::string in = write_model_dir();
   std::map<std::string, FloatTensor> unknown;
