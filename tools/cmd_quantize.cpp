@@ -317,7 +317,6 @@ class Planner {
     return std::move(plan_);
   }
 
- private:
   // A layer is kept in high precision when a pattern matches its quantizer
   // name (ModelOpt's form) or the tensor's own name (what --exclude users
   // see).
@@ -327,6 +326,8 @@ class Planner {
       return fnmatch(p.c_str(), quantizer.c_str(), 0) == 0 || fnmatch(p.c_str(), tensor.c_str(), 0) == 0;
     });
   }
+
+ private:
 
   // Tensors transformers keeps in fp32 whatever the load dtype
   // (_keep_in_fp32_modules_strict of the model class): ModelOpt exports
@@ -723,9 +724,17 @@ void run_quantize(QuantizeOptions opts) {
     }
   }
   Plan plan = planner.make();
-  // A tied lm_head has no tensor but is a module ModelOpt lists as kept.
-  if (!model_config.is_null() && model_config.value("tie_word_embeddings", false) && !in.index_of.contains("lm_head.weight"))
-    plan.excluded_modules.push_back("lm_head");
+  // A tied lm_head has no tensor of its own but is a module ModelOpt lists
+  // as kept: a causal LM without lm_head.weight has one (config.json may
+  // leave tie_word_embeddings out when it is the class default).
+  if (!model_config.is_null() && !in.index_of.contains("lm_head.weight")) {
+    bool causal_lm = false;
+    if (model_config.contains("architectures") && model_config["architectures"].is_array())
+      for (const ordered_json& arch : model_config["architectures"])
+        causal_lm |= arch.is_string() && arch.get<std::string>().ends_with("ForCausalLM");
+    const bool tied = model_config.contains("tie_word_embeddings") && model_config["tie_word_embeddings"] == true;
+    if ((causal_lm || tied) && planner.excluded("lm_head", "lm_head.weight")) plan.excluded_modules.push_back("lm_head");
+  }
   const ordered_json quant_config = hf_quant_config(summarize_excludes(plan.excluded_modules, plan.quantized_modules));
 
   // Matrices of a group that spans several input tensors (separate q/k/v,
@@ -758,7 +767,8 @@ void run_quantize(QuantizeOptions opts) {
   {
     std::map<size_t, std::vector<size_t>> matrices_of;  // input -> grouped matrices
     for (size_t m = 0; m < plan.matrices.size(); ++m)
-      if (prepass_inputs.contains(plan.matrices[m].input)) matrices_of[plan.matrices[m].input].push_back(m);
+      if (!plan.matrices[m].group.empty() && prepass_inputs.contains(plan.matrices[m].input))
+        matrices_of[plan.matrices[m].input].push_back(m);
     for (const auto& [i, matrices] : matrices_of) {
       const TensorView& view = load(i);
       for (size_t m : matrices) {
@@ -772,14 +782,15 @@ void run_quantize(QuantizeOptions opts) {
   }
 
   // Output layout: a directory gets shards no larger than the input's
-  // largest (one model.safetensors when the input had one).
+  // largest; as transformers' save_pretrained (and so ModelOpt's export)
+  // names them, a single shard is model.safetensors, without an index.
   std::vector<Shard> shards;
   if (dir_input && in.sharded) {
     shards = make_shards(plan, *std::max_element(in.shard_data_bytes.begin(), in.shard_data_bytes.end()));
   } else {
     shards = make_shards(plan, UINT64_MAX);
-    shards[0].file = dir_input ? "model.safetensors" : out_path.filename().string();
   }
+  if (shards.size() == 1) shards[0].file = dir_input ? "model.safetensors" : out_path.filename().string();
 
   const fs::path tmp_dir = dir_input ? fs::path(opts.output + ".tmp." + std::to_string(::getpid())) : fs::path();
   TempOutput cleanup(tmp_dir);
@@ -897,7 +908,7 @@ void run_quantize(QuantizeOptions opts) {
   progress.finish();
 
   if (dir_input) {
-    if (shards.size() > 1 || in.sharded) {
+    if (shards.size() > 1) {
       ordered_json weight_map = ordered_json::object();
       std::vector<std::pair<std::string, std::string>> entries;
       uint64_t total = 0;

@@ -359,6 +359,17 @@ TEST_F(QuantizeTest, SingleFileDirectoryGivesSingleFileAndQuantizesEverythingWit
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_FALSE(fs::exists(path("out") + "/model.safetensors.index.json")) << "one file, as the input";
   EXPECT_FALSE(fs::exists(path("out") + "/config.json")) << "no config.json in, none out";
+  // A causal LM without lm_head.weight has a tied lm_head, which ModelOpt
+  // lists as kept (with the default exclusions). The router is summarised
+  // as "model.layers.0.mlp*": no quantised layer's name starts so (only
+  // self_attn.o_proj is quantised here).
+  std::ofstream(dir + "/config.json") << R"({"architectures": ["TinyForCausalLM"], "model_type": "tiny"})";
+  const CliResult tied = run("quantize -q '" + dir + "' '" + path("tied") + "'");
+  ASSERT_EQ(tied.exit_code, 0) << tied.err;
+  EXPECT_EQ(json::parse(file_bytes(path("tied") + "/hf_quant_config.json")).at("quantization").at("exclude_modules"),
+            json({"lm_head", "model.layers.0.mlp*"}));
+  EXPECT_EQ(json::parse(file_bytes(path("tied") + "/config.json")).at("quantization_config").at("quant_method"),
+            "modelopt");
   const SafetensorsFile f = SafetensorsFile::open(path("out") + "/model.safetensors");
   // The router is quantised too when the defaults are off.
   expect_quantized(f, "model.layers.0.mlp.gate", t["model.layers.0.mlp.gate.weight"].values, kE, kH,
