@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -598,6 +599,44 @@ Nvfp4Matrix quantize_rows_parallel(const float* weights, int64_t rows, int64_t c
   return out;
 }
 
+// ------------------------------------------------------------- interrupts
+
+// Ctrl-C or SIGTERM during a long run: the work stops at the next tensor
+// and the temporary output is removed like after any error (a second signal
+// kills at once: the handler restores the default).
+volatile std::sig_atomic_t g_interrupt_signal = 0;
+
+extern "C" void on_interrupt(int sig) {
+  g_interrupt_signal = sig;
+  std::signal(sig, SIG_DFL);
+}
+
+class InterruptGuard {
+ public:
+  InterruptGuard() {
+    g_interrupt_signal = 0;
+    previous_int_ = std::signal(SIGINT, on_interrupt);
+    previous_term_ = std::signal(SIGTERM, on_interrupt);
+    // A signal the caller ignores (nohup, a background job) stays ignored.
+    if (previous_int_ == SIG_IGN) std::signal(SIGINT, SIG_IGN);
+    if (previous_term_ == SIG_IGN) std::signal(SIGTERM, SIG_IGN);
+  }
+  ~InterruptGuard() {
+    std::signal(SIGINT, previous_int_);
+    std::signal(SIGTERM, previous_term_);
+  }
+  InterruptGuard(const InterruptGuard&) = delete;
+  InterruptGuard& operator=(const InterruptGuard&) = delete;
+  static void check() {
+    FP4MOE_CHECK(g_interrupt_signal == 0, "quantize: interrupted by signal ", static_cast<int>(g_interrupt_signal),
+                 "; nothing was written");
+  }
+
+ private:
+  void (*previous_int_)(int) = SIG_DFL;
+  void (*previous_term_)(int) = SIG_DFL;
+};
+
 // ------------------------------------------------------------------ output
 
 struct Shard {
@@ -752,6 +791,7 @@ void run_quantize(QuantizeOptions opts) {
   for (const auto& [group, inputs] : group_inputs)
     if (inputs.size() > 1) prepass_inputs.insert(inputs.begin(), inputs.end());
 
+  const InterruptGuard interrupt_guard;
   uint64_t input_bytes = 0, prepass_bytes = 0;
   for (const InputTensor& t : in.tensors) input_bytes += t.desc.nbytes;
   for (size_t i : prepass_inputs) prepass_bytes += in.tensors[i].desc.nbytes;
@@ -770,6 +810,7 @@ void run_quantize(QuantizeOptions opts) {
       if (!plan.matrices[m].group.empty() && prepass_inputs.contains(plan.matrices[m].input))
         matrices_of[plan.matrices[m].input].push_back(m);
     for (const auto& [i, matrices] : matrices_of) {
+      InterruptGuard::check();
       const TensorView& view = load(i);
       for (size_t m : matrices) {
         const std::vector<float> rows = extract_rows(view, plan.matrices[m].slice);
@@ -822,6 +863,7 @@ void run_quantize(QuantizeOptions opts) {
   std::unique_ptr<SafetensorsStreamWriter> writer;
   size_t writer_shard = SIZE_MAX;
   const auto sink = [&](size_t k, const void* data, size_t nbytes) {
+    InterruptGuard::check();
     if (shard_of[k] != writer_shard) {
       if (writer) writer->commit();
       writer_shard = shard_of[k];

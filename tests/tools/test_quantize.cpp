@@ -543,5 +543,34 @@ TEST_F(QuantizeTest, FailureMidwayLeavesNothing) {
   EXPECT_EQ(run("quantize -q '" + in + "' '" + path("out") + "'").exit_code, 0);
 }
 
+// SIGTERM during a run stops it at the next tensor and removes the
+// temporary directory. The run may finish before the signal on a fast
+// machine; then the output must be complete. Either way nothing partial is
+// left.
+TEST_F(QuantizeTest, SignalMidwayLeavesNothingPartial) {
+  const std::string dir = path("big");
+  fs::create_directories(dir);
+  SafetensorsWriter w;
+  const std::vector<float> values(512 * 2048, 0.25f);
+  for (int l = 0; l < 48; ++l)
+    add_f32(w, "model.layers." + std::to_string(l) + ".self_attn.o_proj.weight", {512, 2048}, values);
+  w.write(dir + "/model.safetensors");
+  const std::string command = "'" + cli_binary() + "' quantize -q '" + dir + "' '" + path("out") + "' 2>'" +
+                              path("stderr") + "' & pid=$!; sleep 0.3; kill -TERM $pid; wait $pid; echo $? >'" +
+                              path("rc") + "'";
+  ASSERT_EQ(std::system(command.c_str()), 0);
+  const int rc = std::stoi(read_text(path("rc")));
+  const std::string err = read_text(path("stderr"));
+  if (rc == 0) {
+    EXPECT_TRUE(fs::exists(path("out") + "/model.safetensors")) << "finished before the signal: complete output";
+  } else {
+    EXPECT_EQ(rc, 1) << err;
+    EXPECT_NE(err.find("interrupted by signal 15"), std::string::npos) << err;
+    EXPECT_FALSE(fs::exists(path("out")));
+  }
+  for (const auto& entry : fs::directory_iterator(path("")))
+    EXPECT_EQ(entry.path().filename().string().find(".tmp."), std::string::npos) << entry.path();
+}
+
 }  // namespace
 }  // namespace fp4moe
