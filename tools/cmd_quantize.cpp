@@ -776,27 +776,20 @@ void run_quantize(QuantizeOptions opts) {
   }
   const ordered_json quant_config = hf_quant_config(summarize_excludes(plan.excluded_modules, plan.quantized_modules));
 
-  // Matrices of a group that spans several input tensors (separate q/k/v,
-  // gate/up) need their shared amax before the first is written: read those
-  // inputs once up front. Groups inside one tensor (a fused gate_up stack)
-  // are resolved when it is read.
-  std::map<std::string, std::set<size_t>> group_inputs;
+  // A shared scale needs the amax of its whole group before the first
+  // member is written. Members in other input tensors (separate q/k/v,
+  // gate/up) are read then and stay cached by their file until their own
+  // turn, which comes soon after: every tensor is read once, and memory
+  // holds at most one group's tensors.
   std::map<std::string, std::vector<size_t>> group_members;
-  for (size_t m = 0; m < plan.matrices.size(); ++m) {
-    if (plan.matrices[m].group.empty()) continue;
-    group_inputs[plan.matrices[m].group].insert(plan.matrices[m].input);
-    group_members[plan.matrices[m].group].push_back(m);
-  }
-  std::set<size_t> prepass_inputs;
-  for (const auto& [group, inputs] : group_inputs)
-    if (inputs.size() > 1) prepass_inputs.insert(inputs.begin(), inputs.end());
+  for (size_t m = 0; m < plan.matrices.size(); ++m)
+    if (!plan.matrices[m].group.empty()) group_members[plan.matrices[m].group].push_back(m);
 
   const InterruptGuard interrupt_guard;
-  uint64_t input_bytes = 0, prepass_bytes = 0;
+  uint64_t input_bytes = 0;
   for (const InputTensor& t : in.tensors) input_bytes += t.desc.nbytes;
-  for (size_t i : prepass_inputs) prepass_bytes += in.tensors[i].desc.nbytes;
-  Progress progress("quantize", static_cast<int64_t>(input_bytes + prepass_bytes),
-                    !opts.quiet && input_bytes >= kProgressMinBytes, Progress::Unit::kBytes);
+  Progress progress("quantize", static_cast<int64_t>(input_bytes), !opts.quiet && input_bytes >= kProgressMinBytes,
+                    Progress::Unit::kBytes);
 
   std::map<std::string, float> group_amax;
   const auto load = [&](size_t i) -> const TensorView& {
@@ -804,23 +797,6 @@ void run_quantize(QuantizeOptions opts) {
     return in.shards[t.shard].get(t.desc.name);
   };
   const auto release = [&](size_t i) { in.shards[in.tensors[i].shard].release(in.tensors[i].desc.name); };
-  {
-    std::map<size_t, std::vector<size_t>> matrices_of;  // input -> grouped matrices
-    for (size_t m = 0; m < plan.matrices.size(); ++m)
-      if (!plan.matrices[m].group.empty() && prepass_inputs.contains(plan.matrices[m].input))
-        matrices_of[plan.matrices[m].input].push_back(m);
-    for (const auto& [i, matrices] : matrices_of) {
-      InterruptGuard::check();
-      const TensorView& view = load(i);
-      for (size_t m : matrices) {
-        const std::vector<float> rows = extract_rows(view, plan.matrices[m].slice);
-        float& amax = group_amax[plan.matrices[m].group];
-        amax = std::max(amax, abs_max(rows.data(), rows.size()));
-      }
-      release(i);
-      progress.advance(static_cast<int64_t>(in.tensors[i].desc.nbytes), in.tensors[i].desc.name);
-    }
-  }
 
   // Output layout: a directory gets shards no larger than the input's
   // largest; as transformers' save_pretrained (and so ModelOpt's export)
@@ -901,13 +877,14 @@ void run_quantize(QuantizeOptions opts) {
           if (!m.group.empty()) {
             auto it = group_amax.find(m.group);
             if (it == group_amax.end()) {
-              // The whole group lies in this input (it was not in the prepass).
               float shared = 0.0f;
               if (m.group_is_input) {
                 shared = tensor_abs_max(view, 0, view.numel());
               } else {
                 for (size_t other : group_members.at(m.group)) {
-                  const std::vector<float> other_rows = extract_rows(view, plan.matrices[other].slice);
+                  const Matrix& member = plan.matrices[other];
+                  const TensorView& member_view = member.input == i ? view : load(member.input);
+                  const std::vector<float> other_rows = extract_rows(member_view, member.slice);
                   shared = std::max(shared, abs_max(other_rows.data(), other_rows.size()));
                 }
               }
