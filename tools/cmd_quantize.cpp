@@ -526,10 +526,12 @@ class Planner {
     // Any other multi-dimensional float tensor of the experts is a layout
     // this tool does not know: copying it unquantised would give a checkpoint
     // that claims NVFP4 experts and holds float ones.
-    FP4MOE_CHECK(!(is_float && t.shape.size() >= 3 && t.name.find(".experts.") != std::string::npos), opts_.input,
-                 ": tensor '", t.name, "' ", shape_to_string(t.shape),
-                 " is a stacked expert tensor of a layout fp4moe does not know; refusing to copy it unquantised "
-                 "(expected <p>experts.{gate_up_proj,gate_proj,up_proj,down_proj}[.weight] [E, N, K])");
+    FP4MOE_CHECK(!(t.shape.size() >= 3 && t.name.find(".experts.") != std::string::npos), opts_.input,
+                 ": tensor '", t.name, "' ", dtype_name(t.dtype), " ", shape_to_string(t.shape),
+                 " is a stacked expert tensor ",
+                 is_float ? "of a layout fp4moe does not know" : "that is not float (already quantised, e.g. MXFP4?)",
+                 "; refusing to copy it unquantised (expected float "
+                 "<p>experts.{gate_up_proj,gate_proj,up_proj,down_proj}[.weight] [E, N, K])");
     add_copy(i);
   }
 

@@ -491,12 +491,19 @@ TEST_F(QuantizeTest, RefusalsAreOneLineAndLeaveNothing) {
   std::map<std::string, FloatTensor> unknown;
   unknown["model.layers.0.mlp.experts.w13_weight"] = random_tensor({kE, 2 * kI, kH}, 1.0);
   const std::string unknown_file = write_file("unknown.safetensors", unknown);
+  // gpt-oss as OpenAI publishes it: MXFP4 blocks, U8 [E, 2I, H/32, 16].
+  SafetensorsWriter mxfp4;
+  const std::vector<uint8_t> blocks(static_cast<size_t>(kE * 2 * kI * kH / 2), 0x11);
+  mxfp4.add("model.layers.0.mlp.experts.gate_up_proj_blocks", DType::U8, {kE, 2 * kI, kH / 32, 16}, blocks.data(),
+            blocks.size());
+  mxfp4.write(path("mxfp4.safetensors"));
   fs::create_directories(path("full"));
   std::ofstream(path("full") + "/x") << "x";
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--algo NVFP4 '" + in + "' '" + path("out") + "'", "calibrated"},
       {"--algo FP8 '" + in + "' '" + path("out") + "'", "not supported"},
       {"'" + unknown_file + "' '" + path("out") + "'", "layout fp4moe does not know"},
+      {"'" + path("mxfp4.safetensors") + "' '" + path("out") + "'", "not float (already quantised"},
       {"'" + in + "' '" + path("full") + "'", "not an empty directory"},
   };
   for (const auto& [args, phrase] : cases) {
