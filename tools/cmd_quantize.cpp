@@ -18,12 +18,13 @@
 // Global scales are shared the way ModelOpt's export shares them between
 // linear layers that read the same input: q/k/v (and DeepSeek MLA's q_a/q
 // with kv_a_proj_with_mqa) of one attention block, gate/up (w1/w3) of one MLP
-// or expert. Memory stays bounded by the largest input tensor: outputs are
-// planned from the headers, then each input tensor is read, its outputs
-// computed one matrix at a time and streamed into the shard being written.
-// Everything goes to "OUT.tmp.<pid>" and is renamed at the end.
+// or expert. Memory stays bounded by the largest input tensor (or scale
+// group): outputs are planned from the headers, then each input tensor is
+// read once, its outputs computed one matrix at a time and streamed into the
+// shard being written. Everything goes to "OUT.tmp.<pid>" and is renamed at
+// the end; an error or SIGINT/SIGTERM removes it.
 // Tested in tests/tools/test_quantize.cpp (directories, shards, configs,
-// shared scales, stacked layouts, refusals, atomic failure) and
+// shared scales, stacked layouts, refusals, failures and signals midway) and
 // tests/tools/test_cli.cpp (bit equality with quantize_nvfp4, the loader).
 #include <fnmatch.h>
 #include <unistd.h>
@@ -124,6 +125,7 @@ ordered_json read_json(const fs::path& path) {
 Input open_input(const std::string& path) {
   Input in;
   std::vector<fs::path> shard_paths;
+  std::vector<std::pair<std::string, std::string>> indexed;  // weight_map: tensor -> shard file
   if (fs::is_directory(path)) {
     in.is_dir = true;
     in.dir = path;
@@ -141,6 +143,7 @@ Input open_input(const std::string& path) {
         FP4MOE_CHECK(shard.is_relative() && shard.has_filename() && shard == shard.filename(), index.string(),
                      ": weight_map[\"", name, "\"] is ", file.dump(), "; expected a file in the directory");
         if (seen.insert(shard.string()).second) shard_paths.push_back(in.dir / shard);
+        indexed.emplace_back(name, shard.string());
       }
       // Shard names number the shards: keep their order.
       std::sort(shard_paths.begin(), shard_paths.end());
@@ -167,6 +170,13 @@ Input open_input(const std::string& path) {
       in.tensors.push_back(std::move(t));
     }
     in.shard_data_bytes.push_back(data_bytes);
+  }
+  // An index that names a tensor its shard lacks describes another checkpoint.
+  for (const auto& [name, shard] : indexed) {
+    const auto it = in.index_of.find(name);
+    FP4MOE_CHECK(it != in.index_of.end() && fs::path(in.shards[in.tensors[it->second].shard].path()).filename() == shard,
+                 path, ": model.safetensors.index.json places tensor '", name, "' in ", shard,
+                 ", which does not hold it");
   }
   return in;
 }

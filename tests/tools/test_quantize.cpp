@@ -497,6 +497,11 @@ TEST_F(QuantizeTest, RefusalsAreOneLineAndLeaveNothing) {
   mxfp4.add("model.layers.0.mlp.experts.gate_up_proj_blocks", DType::U8, {kE, 2 * kI, kH / 32, 16}, blocks.data(),
             blocks.size());
   mxfp4.write(path("mxfp4.safetensors"));
+  // An index that does not match its shards.
+  fs::copy(in, path("bad_index"));
+  json index = json::parse(file_bytes(in + "/model.safetensors.index.json"));
+  index["weight_map"]["lm_head.weight"] = "model-00002-of-00003.safetensors";
+  std::ofstream(path("bad_index") + "/model.safetensors.index.json") << index.dump();
   fs::create_directories(path("full"));
   std::ofstream(path("full") + "/x") << "x";
   const std::vector<std::pair<std::string, std::string>> cases = {
@@ -505,6 +510,7 @@ TEST_F(QuantizeTest, RefusalsAreOneLineAndLeaveNothing) {
       {"'" + unknown_file + "' '" + path("out") + "'", "layout fp4moe does not know"},
       {"'" + path("mxfp4.safetensors") + "' '" + path("out") + "'", "not float (already quantised"},
       {"'" + in + "' '" + path("full") + "'", "not an empty directory"},
+      {"'" + path("bad_index") + "' '" + path("out") + "'", "places tensor 'lm_head.weight' in"},
   };
   for (const auto& [args, phrase] : cases) {
     SCOPED_TRACE(args);
