@@ -756,6 +756,9 @@ void run_quantize(QuantizeOptions opts) {
                  "directory");
   } else {
     check_output_path(opts.output);
+    std::error_code ec;
+    FP4MOE_CHECK(!fs::equivalent(opts.input, opts.output, ec), "output ", opts.output,
+                 " is the input file; write the quantised checkpoint elsewhere");
   }
 
   Input in = open_input(opts.input);

@@ -510,6 +510,7 @@ TEST_F(QuantizeTest, RefusalsAreOneLineAndLeaveNothing) {
       {"'" + unknown_file + "' '" + path("out") + "'", "layout fp4moe does not know"},
       {"'" + path("mxfp4.safetensors") + "' '" + path("out") + "'", "not float (already quantised"},
       {"'" + in + "' '" + path("full") + "'", "not an empty directory"},
+      {"'" + unknown_file + "' '" + unknown_file + "'", "is the input file"},
       {"'" + path("bad_index") + "' '" + path("out") + "'", "places tensor 'lm_head.weight' in"},
   };
   for (const auto& [args, phrase] : cases) {
