@@ -107,6 +107,56 @@ class SafetensorsFile {
   std::unique_ptr<std::mutex> mutex_;  // guards the bytes read by get()
 };
 
+// The name, dtype and shape of a tensor to be written by
+// SafetensorsStreamWriter; 0-d tensors have an empty shape.
+struct TensorSpec {
+  std::string name;
+  DType dtype = DType::U8;
+  std::vector<int64_t> shape;
+};
+
+// Writes one safetensors file with memory bounded by one tensor: the header is
+// written first from every tensor's spec (known before any data is), then the
+// tensors' bytes are given one at a time, in spec order, to write(). The file
+// goes to "<path>.tmp.<pid>"; commit() (after the last tensor) fsyncs it and
+// renames it over <path>. A writer destroyed before commit(), e.g. by an
+// exception, removes its temporary file, so a failed write leaves nothing.
+// The layout is SafetensorsWriter's (which writes through this class).
+class SafetensorsStreamWriter {
+ public:
+  // Validates the specs (names unique, not "__metadata__", shapes
+  // non-negative and not overflowing) and writes the header. Throws
+  // fp4moe::Error naming the path when the file cannot be created.
+  SafetensorsStreamWriter(std::string path, std::vector<TensorSpec> tensors,
+                          const std::map<std::string, std::string>& metadata = {});
+  ~SafetensorsStreamWriter();
+  SafetensorsStreamWriter(const SafetensorsStreamWriter&) = delete;
+  SafetensorsStreamWriter& operator=(const SafetensorsStreamWriter&) = delete;
+
+  // The next tensor's bytes: `name` must be the next spec's name and nbytes
+  // numel(shape) * dtype_size(dtype); anything else throws (a caller bug
+  // that would otherwise write a file whose header lies).
+  void write(std::string_view name, const void* data, size_t nbytes);
+  // The name of the tensor write() expects next; empty once all are written.
+  std::string_view next_name() const;
+  size_t num_written() const { return next_; }
+  // Total bytes of the file (length prefix + header + data).
+  uint64_t file_bytes() const { return file_bytes_; }
+  // After the last tensor: fsync, close, rename over the path. Throws if a
+  // tensor is missing or the rename fails (the temporary file is removed).
+  void commit();
+
+ private:
+  std::string path_;
+  std::string tmp_path_;
+  std::vector<TensorSpec> tensors_;
+  std::vector<uint64_t> nbytes_;  // per tensor
+  size_t next_ = 0;
+  uint64_t file_bytes_ = 0;
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
 // Collects tensors and writes them as one safetensors file. The write goes to
 // "<path>.tmp.<pid>" first and is renamed over <path> only when complete, so
 // a failed write leaves no partial file.

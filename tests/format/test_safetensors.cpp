@@ -28,6 +28,7 @@
 #include <functional>
 #include <iterator>
 #include <limits>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -493,6 +494,107 @@ TEST_F(SafetensorsTest, FailedWriteRemovesTheTempFileAndKeepsTheOldFile) {
   }
   EXPECT_NE(message.find("write failed"), std::string::npos) << message;
   EXPECT_EQ(read_file_bytes(path), old_bytes);
+  EXPECT_TRUE(temp_files_left().empty());
+}
+
+// ---------------------------------------------------------------------------
+// Streaming writer
+
+// The header goes out first, the data tensor by tensor, and the result is
+// byte for byte what SafetensorsWriter writes for the same tensors.
+TEST_F(SafetensorsTest, StreamWriterWritesWhatTheCollectingWriterWrites) {
+  std::mt19937_64 rng(11);
+  const auto weight = random_bytes(rng, 8 * 3);
+  const auto scale = random_bytes(rng, 2 * 8);
+  const float global_scale = 0.125f;
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}, {"quant_algo", "W4A16_NVFP4"}};
+
+  SafetensorsWriter collecting;
+  collecting.add("a.weight", DType::U8, {8, 3}, weight.data(), weight.size());
+  collecting.add("a.weight_scale", DType::F8_E4M3, {2, 8}, scale.data(), scale.size());
+  collecting.add("a.weight_scale_2", DType::F32, {}, &global_scale, 4);
+  collecting.add("empty", DType::I64, {0, 5}, nullptr, 0);
+  for (const auto& [key, value] : metadata) collecting.set_metadata(key, value);
+  collecting.write(path_in_dir("collected.safetensors"));
+
+  const std::string path = path_in_dir("streamed.safetensors");
+  SafetensorsStreamWriter stream(path,
+                                 {{"a.weight", DType::U8, {8, 3}},
+                                  {"a.weight_scale", DType::F8_E4M3, {2, 8}},
+                                  {"a.weight_scale_2", DType::F32, {}},
+                                  {"empty", DType::I64, {0, 5}}},
+                                 metadata);
+  // Nothing at the final path until commit(); the header is already out.
+  EXPECT_FALSE(fs::exists(path));
+  ASSERT_EQ(temp_files_left().size(), 1u);
+  EXPECT_GT(fs::file_size(dir_ / temp_files_left()[0]), 8u);
+  EXPECT_EQ(stream.next_name(), "a.weight");
+  stream.write("a.weight", weight.data(), weight.size());
+  stream.write("a.weight_scale", scale.data(), scale.size());
+  stream.write("a.weight_scale_2", &global_scale, 4);
+  stream.write("empty", nullptr, 0);
+  EXPECT_EQ(stream.next_name(), "");
+  EXPECT_EQ(stream.num_written(), 4u);
+  stream.commit();
+  EXPECT_EQ(read_file_bytes(path), read_file_bytes(path_in_dir("collected.safetensors")));
+  EXPECT_EQ(stream.file_bytes(), read_file_bytes(path).size());
+  EXPECT_TRUE(temp_files_left().empty());
+  const SafetensorsFile file = SafetensorsFile::open(path);
+  EXPECT_EQ(file.metadata(), metadata);
+  EXPECT_EQ(file.get("a.weight_scale_2").shape, std::vector<int64_t>{});
+}
+
+// Out-of-order tensors, wrong sizes, duplicates and a commit before the last
+// tensor are refused; an uncommitted writer leaves nothing behind.
+TEST_F(SafetensorsTest, StreamWriterRefusesMisuseAndLeavesNothingUncommitted) {
+  const std::string path = path_in_dir("stream.safetensors");
+  const std::vector<uint8_t> bytes(16, 3);
+  EXPECT_NE(error_of([&] {
+              SafetensorsStreamWriter w(path, {{"x", DType::U8, {4}}, {"x", DType::U8, {2}}});
+            }).find("listed twice"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { SafetensorsStreamWriter w(path, {{"__metadata__", DType::U8, {1}}}); }).find("reserved"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { SafetensorsStreamWriter w(path, {{"n", DType::U8, {-1}}}); }).find("negative"),
+            std::string::npos);
+  EXPECT_TRUE(temp_files_left().empty());
+  {
+    SafetensorsStreamWriter w(path, {{"first", DType::U8, {4}}, {"second", DType::F32, {2}}});
+    const std::string order = error_of([&] { w.write("second", bytes.data(), 8); });
+    EXPECT_NE(order.find("where the header lists 'first' next"), std::string::npos) << order;
+    const std::string size = error_of([&] { w.write("first", bytes.data(), 5); });
+    EXPECT_NE(size.find("needs 4 bytes"), std::string::npos) << size;
+    w.write("first", bytes.data(), 4);
+    const std::string early = error_of([&] { w.commit(); });
+    EXPECT_NE(early.find("'second' was not written"), std::string::npos) << early;
+    EXPECT_EQ(temp_files_left().size(), 1u);
+  }
+  EXPECT_FALSE(fs::exists(path));
+  EXPECT_TRUE(temp_files_left().empty()) << "the destructor removes an uncommitted file";
+  {
+    SafetensorsStreamWriter w(path, {{"only", DType::U8, {4}}});
+    w.write("only", bytes.data(), 4);
+    EXPECT_NE(error_of([&] { w.write("more", bytes.data(), 1); }).find("already written"), std::string::npos);
+    w.commit();
+  }
+  EXPECT_EQ(SafetensorsFile::open(path).names(), std::vector<std::string>{"only"});
+  EXPECT_TRUE(temp_files_left().empty());
+}
+
+// A write that fails midway (file size limit) throws and, once the writer is
+// gone, leaves neither the file nor its temporary.
+TEST_F(SafetensorsTest, StreamWriterFailedWriteLeavesNothing) {
+  const std::string path = path_in_dir("limited_stream.safetensors");
+  const std::vector<uint8_t> big(4096, 7);
+  std::string message;
+  {
+    const FileSizeLimit limit(1000);
+    SafetensorsStreamWriter w(path, {{"small", DType::U8, {16}}, {"big", DType::U8, {4096}}});
+    w.write("small", big.data(), 16);
+    message = error_of([&] { w.write("big", big.data(), big.size()); });
+  }
+  EXPECT_NE(message.find("write failed"), std::string::npos) << message;
+  EXPECT_FALSE(fs::exists(path));
   EXPECT_TRUE(temp_files_left().empty());
 }
 

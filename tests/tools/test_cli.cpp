@@ -233,7 +233,7 @@ TEST_F(CliTest, HelpOfEveryCommandExitsZero) {
 
 TEST_F(CliTest, QuantizeWritesModelOptLayout) {
   const SafetensorsFile q = SafetensorsFile::open(quantized_checkpoint());
-  EXPECT_EQ(q.metadata().at("quant_algo"), "NVFP4");
+  EXPECT_EQ(q.metadata().at("quant_algo"), "W4A16_NVFP4");
   EXPECT_EQ(q.metadata().at("group_size"), "16");
 
   for (const auto& [prefix, layer] : {std::pair{kStackPrefix, &stacked_}, std::pair{kExpertPrefix, &per_expert_}}) {
@@ -250,19 +250,16 @@ TEST_F(CliTest, QuantizeWritesModelOptLayout) {
         const TensorView& weight = q.get(base + ".weight");
         const TensorView& scale = q.get(base + ".weight_scale");
         const TensorView& scale_2 = q.get(base + ".weight_scale_2");
-        const TensorView& input_scale = q.get(base + ".input_scale");
         EXPECT_EQ(weight.dtype, DType::U8);
         EXPECT_EQ(weight.shape, (std::vector<int64_t>{rows, cols / 2}));
         EXPECT_EQ(scale.dtype, DType::F8_E4M3);
         EXPECT_EQ(scale.shape, (std::vector<int64_t>{rows, cols / 16}));
         EXPECT_EQ(scale_2.dtype, DType::F32);
         EXPECT_TRUE(scale_2.shape.empty());
-        EXPECT_EQ(input_scale.dtype, DType::F32);
-        EXPECT_TRUE(input_scale.shape.empty());
-        float global_scale, input;
+        // Weight-only (W4A16): no activation scale without calibration data.
+        EXPECT_FALSE(q.contains(base + ".input_scale"));
+        float global_scale;
         std::memcpy(&global_scale, scale_2.data, 4);
-        std::memcpy(&input, input_scale.data, 4);
-        EXPECT_EQ(input, 1.0f);
         // Gate and up share the global scale of both; down has its own.
         const float amax = down ? abs_max_of(ex.down) : shared_amax;
         EXPECT_EQ(global_scale, nvfp4_global_scale(amax));
