@@ -278,10 +278,21 @@ class LayerReference:
         return ref.moe_reference(x, experts, ids, weights, shared_list, quantize)
 
 
+def import_nvfp4_qtensor():
+    """ModelOpt's NVFP4QTensor, imported without its CPU-machine warnings."""
+    import logging
+    import warnings
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+    return NVFP4QTensor
+
+
 def modelopt_codes(x: np.ndarray, scale_2: float):
     """(e2m1 codes, e4m3 codes) of ModelOpt's NVFP4QTensor.quantize of x."""
     import torch
-    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+    NVFP4QTensor = import_nvfp4_qtensor()
     q, scale, _ = NVFP4QTensor.quantize(torch.from_numpy(np.asarray(x, np.float32).copy()), 16,
                                         weights_scaling_factor_2=torch.tensor(np.float32(scale_2)))
     packed = q._quantized_data.numpy()
@@ -292,7 +303,7 @@ def modelopt_codes(x: np.ndarray, scale_2: float):
 def modelopt_quantizer():
     """Activation fake-quant with ModelOpt's NVFP4QTensor (CPU, fp32)."""
     import torch
-    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+    NVFP4QTensor = import_nvfp4_qtensor()
 
     def quantize(x, scale_2):
         t = torch.from_numpy(np.asarray(x, np.float32).copy())
