@@ -166,8 +166,13 @@ def cmd_export(name: str, config_name: str, float_dir: str, export_dir: str) -> 
 # the fp4moe command lines (kept in one place)
 
 
+ROUTING_FROM_CONFIG = False  # --routing-from-config: fp4moe reads the export's config.json
+
+
 def routing_flags(config: dict) -> list[str]:
     """`fp4moe moe` flags for routing router_logits as the model does."""
+    if ROUTING_FROM_CONFIG:
+        return []
     top_k = str(config["num_experts_per_tok"])
     if config["model_type"] in ("deepseek_v3", "glm4_moe", "kimi_k2"):
         flags = ["--routing", "noaux_tc", "--topk", top_k, "--n-group", str(config.get("n_group", 1)),
@@ -545,7 +550,11 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the models, exports and logs (path printed)")
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--routing-from-config", action="store_true",
+                        help="pass no routing flags to fp4moe moe: it routes as the export's config.json says")
     args = parser.parse_args()
+    global ROUTING_FROM_CONFIG
+    ROUTING_FROM_CONFIG = args.routing_from_config
     fp4moe = find_fp4moe(args.fp4moe)
     version = subprocess.run([fp4moe, "--version"], capture_output=True, text=True).stdout.strip()
     import importlib.metadata as md
