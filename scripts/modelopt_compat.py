@@ -548,6 +548,8 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "current"),
                         help="folder for <date>-modelopt-compat.{txt,jsonl} (default bench/results/current)")
     parser.add_argument("--keep", action="store_true", help="keep the models, exports and logs (path printed)")
+    parser.add_argument("--work", help="work folder to use and keep; models and exports already in it are reused "
+                        "(to re-check another fp4moe binary quickly)")
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--routing-from-config", action="store_true",
@@ -559,26 +561,34 @@ def main() -> int:
     version = subprocess.run([fp4moe, "--version"], capture_output=True, text=True).stdout.strip()
     import importlib.metadata as md
     versions = {p: md.version(p) for p in ("nvidia-modelopt", "torch", "transformers")}
-    work = tempfile.mkdtemp(prefix="modelopt-compat-")
+    work = args.work or tempfile.mkdtemp(prefix="modelopt-compat-")
+    if args.work:
+        os.makedirs(work, exist_ok=True)
+        args.keep = True
     print(f"modelopt-compat: {version} ({fp4moe}); " + ", ".join(f"{k} {v}" for k, v in versions.items())
           + f"; work dir {work}", flush=True)
     results = Results()
     for model in args.models:
         float_dir = os.path.join(work, model, "float")
-        ok, what = run_step(["_build", model, float_dir], os.path.join(work, f"{model}-build.log"))
-        if not ok:
-            results.add(model, "float model", "build", False, notes=what)
-            continue
-        inputs = ref.read_safetensors(os.path.join(float_dir, "inputs.safetensors"))
-        os.remove(os.path.join(float_dir, "inputs.safetensors"))  # not part of the checkpoint
+        inputs_path = os.path.join(work, model, "inputs.safetensors")
+        if not os.path.exists(inputs_path):
+            ok, what = run_step(["_build", model, float_dir], os.path.join(work, f"{model}-build.log"))
+            if not ok:
+                results.add(model, "float model", "build", False, notes=what)
+                continue
+            # not part of the checkpoint
+            os.replace(os.path.join(float_dir, "inputs.safetensors"), inputs_path)
+        inputs = ref.read_safetensors(inputs_path)
         for config_name in args.configs:
             export_dir = os.path.join(work, model, config_name)
-            ok, what = run_step(["_export", model, config_name, float_dir, export_dir],
-                                os.path.join(work, f"{model}-{config_name}-export.log"))
+            ok, what = True, "reused"
+            if not os.path.exists(os.path.join(export_dir, "hf_quant_config.json")):
+                ok, what = run_step(["_export", model, config_name, float_dir, export_dir],
+                                    os.path.join(work, f"{model}-{config_name}-export.log"))
             if not ok:
                 results.add(model, config_name, "ModelOpt export", False, notes=what)
                 continue
-            print(f"{model} {config_name}: exported in {what}", flush=True)
+            print(f"{model} {config_name}: export {what if what == 'reused' else 'made in ' + what}", flush=True)
             try:
                 check_export(results, fp4moe, model, config_name, export_dir, inputs, work)
             except Exception as e:  # a reference problem is a failed row, not a crash
