@@ -7,15 +7,16 @@ For each small random MoE model (transformers config objects, no downloads):
      model, the hidden states that enter each MoE block;
   2. in a fresh process per config (a failed mtq.quantize can leave torch
      patched), quantise it with NVIDIA ModelOpt with calibration data and
-     export it (export_hf_checkpoint), for every NVFP4 config in CONFIGS;
+     export it (export_hf_checkpoint), for every NVFP4 config in CONFIGS
+     that ModelOpt can run on a CPU;
   3. run `fp4moe moe --device cpu` on each MoE layer of each export and
      compare its output with a float64 NumPy evaluation of the exported
      tensors (scripts/nvfp4_ref.py) under the checkpoint's activation
      numerics: for NVFP4 (W4A4) layers the inputs of gate/up and of down are
      NVFP4-quantised against that layer's input_scale, once with the NumPy
      rule and once with ModelOpt's own NVFP4QTensor quantiser; shared experts
-     are part of the layer's output; the group-32 export must be refused in
-     one line;
+     are part of the layer's output; the group-32 exports must be refused
+     in one line;
   4. run `fp4moe quantize` on the float checkpoint and compare every tensor
      with ModelOpt's W4A16_NVFP4 export, byte for byte.
 
@@ -79,10 +80,15 @@ MODELS = ["qwen3-moe", "mixtral", "qwen2-moe", "deepseek-v3"]
 # ---------------------------------------------------------------------------
 # configs: name -> (how to build the ModelOpt config, what fp4moe must do)
 
+# ModelOpt 0.47's other NVFP4 configs do not run on a CPU: the AWQ ones
+# ("amax must be a CUDA tensor for dynamic block quantization") and
+# NVFP4_FOUR_OVER_SIX_CFG (its static fake-quant needs triton on a GPU).
 CONFIGS = {
     "NVFP4_DEFAULT_CFG": "run",          # W4A4, calibrated input_scale
     "W4A16_NVFP4_CFG": "run",            # weights only
+    "NVFP4_EXPERTS_ONLY_CFG": "run",     # W4A4 experts, the rest (attention) in bf16
     "NVFP4_MLP_WEIGHT_ONLY_CFG": "refuse",  # group size 32
+    "W4A8_NVFP4_FP8_CFG": "refuse",      # group size 32, FP8 activations
     "MIXED_PRECISION": "run",            # per layer: W4A4 / W4A16_NVFP4 experts, FP8 attention
 }
 
@@ -361,18 +367,21 @@ def check_export(results, fp4moe, model, config_name, export_dir, inputs, work):
         row_base = dict(layer=layer_idx, quant_algo=algo)
 
         if expect == "refuse":
+            num_experts = config.get("n_routed_experts") or config.get("num_local_experts") or config["num_experts"]
             ref.write_safetensors(in_path, {"hidden_states": ("BF16", x_bf16.raw),
-                                            "router_logits": ("F32", np.zeros((x.shape[0], 8), np.float32))})
+                                            "router_logits": ("F32", np.zeros((x.shape[0], num_experts), np.float32))})
             proc = run_fp4moe_moe(fp4moe, export_dir, prefix, layer_idx, in_path, out_path, config)
-            lines = [line for line in proc.stderr.splitlines() if line.strip()]
-            clean = (proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("fp4moe: error:")
-                     and not os.path.exists(out_path))
+            lines = [line.replace(export_dir, "EXPORT") for line in proc.stderr.splitlines() if line.strip()]
             group = quant["quantization"].get("group_size")
-            results.add(model, config_name, f"refused layer {layer_idx}", clean,
-                        notes=(lines[0].replace(export_dir, "EXPORT") if lines else f"exit {proc.returncode}")
-                        if clean or lines
-                        else f"exit {proc.returncode}: accepted a group_size {group} checkpoint",
-                        **row_base, stderr=proc.stderr[-2000:])
+            # one line, naming what is not supported
+            clean = (proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("fp4moe: error:")
+                     and (str(group) in lines[0] or str(algo) in lines[0]) and not os.path.exists(out_path))
+            if proc.returncode == 0:
+                notes = f"accepted a {algo} checkpoint with group_size {group}"
+            else:
+                notes = " | ".join(lines) if lines else f"exit {proc.returncode}, no message"
+            results.add(model, config_name, f"refused layer {layer_idx}", clean, notes=notes, **row_base,
+                        stderr=proc.stderr[-2000:])
             continue
 
         layer_format = layer_algo(quant, prefix)
