@@ -614,7 +614,10 @@ def main() -> int:
     with open(stem + ".txt", "w") as f:
         f.write(table)
     with open(stem + ".jsonl", "w") as f:
-        f.write(json.dumps(dict(kind="versions", fp4moe=version, **versions, rel_err_limit=REL_ERR_LIMIT)) + "\n")
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        f.write(json.dumps(dict(kind="versions", fp4moe=version, fp4moe_binary=fp4moe, repo_commit=commit,
+                                **versions, rel_err_limit=REL_ERR_LIMIT)) + "\n")
         for row in results.rows:
             f.write(json.dumps(dict(kind="check", **row), default=str) + "\n")
     print(f"wrote {stem}.txt and {stem}.jsonl")
