@@ -616,7 +616,8 @@ def main() -> int:
     with open(stem + ".jsonl", "w") as f:
         commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
-        f.write(json.dumps(dict(kind="versions", fp4moe=version, fp4moe_binary=fp4moe, repo_commit=commit,
+        binary = os.path.relpath(fp4moe, REPO) if fp4moe.startswith(REPO + os.sep) else fp4moe
+        f.write(json.dumps(dict(kind="versions", fp4moe=version, fp4moe_binary=binary, repo_commit=commit,
                                 **versions, rel_err_limit=REL_ERR_LIMIT)) + "\n")
         for row in results.rows:
             f.write(json.dumps(dict(kind="check", **row), default=str) + "\n")
