@@ -11,11 +11,14 @@
 #include <cmath>
 #include <cstdio>
 #include <ctime>
+#include <functional>
 #include <iomanip>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
 #include <sstream>
+#include <utility>
 
 #include "fp4moe/cuda_check.hpp"
 #include "kernels/grouped_gemm.hpp"
@@ -127,6 +130,31 @@ std::vector<int32_t> random_topk_ids(int64_t num_experts, int top_k, int64_t tok
       std::swap(ids[static_cast<size_t>(j)], ids[static_cast<size_t>(pick(rng))]);
       out.push_back(ids[static_cast<size_t>(j)]);
     }
+  }
+  return out;
+}
+
+std::vector<int32_t> skewed_topk_ids(int64_t num_experts, int top_k, int64_t tokens, double skew,
+                                     std::mt19937_64& rng) {
+  FP4MOE_CHECK(std::isfinite(skew) && skew >= 0, "skewed_topk_ids: skew = ", skew, "; expected a finite value >= 0");
+  if (skew == 0) return random_topk_ids(num_experts, top_k, tokens, rng);
+  FP4MOE_CHECK(top_k >= 1 && top_k <= num_experts, "skewed_topk_ids: top_k = ", top_k, "; expected 1 .. ",
+               num_experts);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<double> log_popularity(static_cast<size_t>(num_experts));
+  for (double& l : log_popularity) l = skew * normal(rng);
+  // The top_k largest log p_e + Gumbel noise are a sample of top_k distinct
+  // experts drawn in turn with probabilities proportional to p_e.
+  std::uniform_real_distribution<double> uniform(std::numeric_limits<double>::min(), 1.0);
+  std::vector<std::pair<double, int32_t>> keys(static_cast<size_t>(num_experts));
+  std::vector<int32_t> out;
+  out.reserve(static_cast<size_t>(tokens * top_k));
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t e = 0; e < num_experts; ++e)
+      keys[static_cast<size_t>(e)] = {log_popularity[static_cast<size_t>(e)] - std::log(-std::log(uniform(rng))),
+                                      static_cast<int32_t>(e)};
+    std::partial_sort(keys.begin(), keys.begin() + top_k, keys.end(), std::greater<>());
+    for (int j = 0; j < top_k; ++j) out.push_back(keys[static_cast<size_t>(j)].second);
   }
   return out;
 }

@@ -93,6 +93,15 @@ RandomGemmWeights random_gemm_weights(int64_t num_experts, int64_t n, int64_t k,
 // Uniform top-k routing: `top_k` distinct experts per token drawn uniformly,
 // the ids of `tokens` tokens as [tokens, top_k] row-major.
 std::vector<int32_t> random_topk_ids(int64_t num_experts, int top_k, int64_t tokens, std::mt19937_64& rng);
+// Skewed top-k routing: each expert gets a popularity exp(skew * z), z drawn
+// from N(0, 1) once per call, and every token draws `top_k` distinct experts
+// with probabilities proportional to it (weighted sampling without
+// replacement, by Gumbel keys). skew 0 is the uniform routing above; skew 1
+// gives rows per expert with a coefficient of variation of about 1.3 at 128
+// rows per expert (DeepSeek-V3's shape), about the imbalance of the layer
+// bench's noaux_tc routing (1.5).
+std::vector<int32_t> skewed_topk_ids(int64_t num_experts, int top_k, int64_t tokens, double skew,
+                                     std::mt19937_64& rng);
 
 std::string gpu_name();  // of the current device
 std::string today();     // YYYY-MM-DD (UTC)

@@ -77,6 +77,7 @@ struct Variant {
 
 std::string variant_name(const MoeLayerOptions& options, GatherMode gather) {
   return to_string(options.finalize) + "/" + to_string(gather) +
+         (options.activations == ActivationNumerics::kFp4 ? "/w4a4" : "") +
          (options.programmatic_launch ? "" : "/plain") +
          (options.batch_invariant ? "/batch-invariant" : "");
 }
@@ -104,6 +105,13 @@ MoeWeights random_moe_weights(const LayerShape& shape, uint64_t seed) {
     ex.gate = random_matrix(shape.inter, shape.hidden, gate_up_scale, rng);
     ex.up = random_matrix(shape.inter, shape.hidden, gate_up_scale, rng);
     ex.down = random_matrix(shape.hidden, shape.inter, down_scale, rng);
+    // Input scales as calibration would set them (amax / 2688) for the
+    // benchmark's hidden states, uniform in [-1, 1), and the unit-gain
+    // SwiGLU output; used by the w4a4 variant only (the layer's format is
+    // undeclared, so the others run bf16 activations).
+    ex.gate.input_scale = ex.up.input_scale = 1.0f / 2688.0f;
+    ex.down.input_scale = 4.0f / 2688.0f;
+    ex.gate.has_input_scale = ex.up.has_input_scale = ex.down.has_input_scale = true;
     if (shape.has_bias) {
       ex.gate_bias = random_bias(shape.inter, rng);
       ex.up_bias = random_bias(shape.inter, rng);
@@ -377,8 +385,10 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
   }
 
   // The default variant first, then the same with plain launches (no
-  // programmatic dependent launch): those two get a graph replay too. Then
-  // the default made batch invariant (no split-K), to show what that costs.
+  // programmatic dependent launch) and with fp4 activations (W4A4: the
+  // quantising gather and SwiGLU epilogue): those three get a graph replay
+  // too. Then the default made batch invariant (no split-K), to show what
+  // that costs.
   std::vector<Variant> variants;
   for (FinalizeMode finalize : {FinalizeMode::kDeterministic, FinalizeMode::kAtomic})
     for (GatherMode gather : {GatherMode::kAuto, GatherMode::kFused, GatherMode::kSeparate}) {
@@ -390,6 +400,9 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
         Variant plain = v;
         plain.options.programmatic_launch = false;
         variants.push_back(plain);
+        Variant w4a4 = v;
+        w4a4.options.activations = ActivationNumerics::kFp4;
+        variants.push_back(w4a4);
         Variant invariant = v;
         invariant.options.batch_invariant = true;
         variants.push_back(invariant);
@@ -450,6 +463,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"gather", to_string(variant.gather)},
                            {"programmatic_launch", options.programmatic_launch},
                            {"batch_invariant", options.batch_invariant},
+                           {"activations", to_string(layer.activation_numerics())},
                            {"gemm1_config", plan.gemm1.config.to_string()},
                            {"gemm1_split_k", plan.gemm1.split_k},
                            {"gemm2_config", plan.gemm2.config.to_string()},

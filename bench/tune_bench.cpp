@@ -101,7 +101,7 @@ GemmTuneBench::GemmTuneBench(const TuneShape& shape, int gemm, uint64_t seed) : 
 
 GemmTuneBench::~GemmTuneBench() = default;
 
-void GemmTuneBench::set_tokens(int64_t num_tokens, int num_routings) {
+void GemmTuneBench::set_tokens(int64_t num_tokens, int num_routings, double routing_skew) {
   State& s = *state_;
   FP4MOE_CHECK(num_tokens >= 1 && num_routings >= 1, "GemmTuneBench::set_tokens: ", num_tokens, " tokens, ",
                num_routings, " routings; expected >= 1 of each");
@@ -115,7 +115,7 @@ void GemmTuneBench::set_tokens(int64_t num_tokens, int num_routings) {
   sort_errors.fill_bytes(0);
   s.routings.clear();
   for (int i = 0; i < num_routings; ++i) {
-    ids.upload(random_topk_ids(s.shape.num_experts, s.shape.top_k, num_tokens, rng));
+    ids.upload(skewed_topk_ids(s.shape.num_experts, s.shape.top_k, num_tokens, routing_skew, rng));
     State::Routing r{DeviceBuffer<int32_t>(static_cast<size_t>(s.shape.num_experts + 1)),
                      DeviceBuffer<int32_t>(rows), DeviceBuffer<int32_t>(rows)};
     kernels::launch_sort_by_expert(ids.get(), num_tokens, s.shape.top_k, s.shape.num_experts, r.offsets.get(),
@@ -244,7 +244,7 @@ BucketResult tune_bucket(GemmTuneBench& bench, int64_t num_tokens, const TuneSet
                          const L2Flusher& flusher, const std::function<void(int64_t launches)>& progress) {
   FP4MOE_CHECK(settings.iterations >= 1 && settings.routings >= 1 && settings.finalists >= 1,
                "tune_bucket: iterations, routings and finalists must be >= 1");
-  bench.set_tokens(num_tokens, settings.routings);
+  bench.set_tokens(num_tokens, settings.routings, settings.routing_skew);
   BucketResult result;
   result.problem = bench.problem(settings.batch_invariant);
   const std::vector<tune::Candidate> candidates =

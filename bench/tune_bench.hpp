@@ -2,7 +2,8 @@
 // GEMM of an MoE layer, launched as MoeLayer launches it, timed with every
 // candidate config and split-K (src/tune/tune.hpp) at a token bucket.
 //
-// Per bucket of T tokens: `routings` uniform top-k routings of T tokens,
+// Per bucket of T tokens: `routings` top-k routings of T tokens (uniform, or
+// skewed by `routing_skew`: skewed_topk_ids),
 // permuted into expert order by the layer's own sort kernel, with random
 // inputs; every timed launch starts from a flushed L2 (L2Flusher) and the
 // launches rotate over the routings, so no candidate is timed on one lucky
@@ -64,8 +65,9 @@ class GemmTuneBench {
   GemmTuneBench(const GemmTuneBench&) = delete;
   GemmTuneBench& operator=(const GemmTuneBench&) = delete;
 
-  // Draws `num_routings` routings of num_tokens tokens and fresh inputs.
-  void set_tokens(int64_t num_tokens, int num_routings);
+  // Draws `num_routings` routings of num_tokens tokens (skewed_topk_ids
+  // with `routing_skew`, each with its own expert popularity) and fresh inputs.
+  void set_tokens(int64_t num_tokens, int num_routings, double routing_skew = 0);
   int64_t num_tokens() const;
   // This GEMM at the current token count, as MoeLayer plans it.
   GemmProblem problem(bool batch_invariant) const;
@@ -104,6 +106,7 @@ class GemmTuneBench {
 struct TuneSettings {
   int iterations = 10;   // pass 1: timed launches per candidate (median)
   int routings = 4;      // routings rotated over
+  double routing_skew = 0;  // 0: uniform routings; > 0: skewed (skewed_topk_ids)
   int finalists = 3;     // pass 2: re-timed with the heuristic's choice, 2x the launches
   double keep_heuristic_within = 0.01;  // the heuristic's choice stays unless beaten by more
   double prune_slower_than = 2.0;       // pass 1: stop timing a candidate this much slower than the best (0: never)

@@ -343,7 +343,7 @@ MoeRunStats run_moe_layer(Device device, const MoeWeights& weights, const float*
     part.topk_ids.assign(routing.topk_ids.begin() + first, routing.topk_ids.begin() + last);
     part.topk_weights.assign(routing.topk_weights.begin() + first, routing.topk_weights.begin() + last);
     moe_reference(weights, hidden_states + begin * hidden, part, activation, output + begin * hidden,
-                  stats.num_threads);
+                  stats.num_threads, Intermediate::kExact, layer_options.activations);
     if (progress) progress->advance(count);
   }
   stats.time_ms = timer.elapsed_ms();

@@ -1,7 +1,7 @@
 // `fp4moe bench`: the grouped-GEMM benchmark (bench/gemm_bench.hpp) over the
 // model shapes and token counts, against the roofline and cuBLAS measured in
 // the same run; with --layer, the whole-MoE-layer benchmark
-// (bench/layer_bench.hpp: routing on the device, eight variants, stage split,
+// (bench/layer_bench.hpp: routing on the device, nine variants, stage split,
 // CUDA-graph replay); with --layer --ep N, the expert-parallel layer over N
 // GPUs (bench/ep_bench.hpp). A table on stdout and JSON
 // lines in a file. Run on a GPU by tests/tools/test_cli_gpu.cpp.
@@ -36,9 +36,10 @@ void add_bench_command(CLI::App& app) {
                "roofline and cuBLAS bf16, measured in the same run; with --layer, the whole MoE layer (routing "
                "included) against the sum of the two GEMMs' rooflines (needs a GPU).");
   cmd->add_flag("--layer", o->layer,
-                "Benchmark the whole MoE layer: 8 variants (finalize deterministic/atomic x gather "
+                "Benchmark the whole MoE layer: 9 variants (finalize deterministic/atomic x gather "
                 "auto/fused/separate, and the default with plain launches instead of programmatic dependent "
-                "launch or made batch invariant), stage split, CUDA-graph replays (default models: glm-5, deepseek-v3; "
+                "launch, with fp4 activations (w4a4: quantising gather and SwiGLU epilogue) or made batch "
+                "invariant), stage split, CUDA-graph replays (default models: glm-5, deepseek-v3; "
                 "default tokens: 1 16 64 256 1024)");
   cmd->add_option("--models", o->models, "Models (default: all; with --layer glm-5 deepseek-v3): " + model_names());
   cmd->add_option("--tokens", o->options.tokens, "Token counts")->capture_default_str();

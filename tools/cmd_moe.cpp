@@ -10,6 +10,8 @@
 //   --device     auto (the GPU when there is one), cpu (the reference), cuda
 //   --finalize   CUDA: deterministic (fixed summation order) or atomic
 //   --ep N       CUDA: expert parallel over this machine's first N GPUs (NCCL)
+//   --activations checkpoint (W4A4 for an NVFP4 checkpoint with input_scale,
+//                else bf16), bf16 (W4A16), fp4 (W4A4; refused without input_scale)
 //
 // Every input is checked before the layer runs and the output is written only
 // on success (atomically), so a failed run leaves no file behind.
@@ -45,6 +47,7 @@ struct MoeOptions {
   std::string activation = "swiglu";
   std::string device = "auto";
   std::string finalize = "deterministic";
+  std::string activations = "checkpoint";
   int ep = 0;  // 0: one GPU, no NCCL
 };
 
@@ -68,10 +71,10 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   const int64_t num_experts = weights.num_experts;
   const int64_t hidden = weights.hidden;
   FP4MOE_CHECK(num_experts > 0, opts.weights, ": no experts under prefix '", prefix, "'");
-  // Said once, not silently ignored: W4A4 numerics are not implemented.
-  if (weights.checkpoint_format == "NVFP4")
-    std::fprintf(stderr, "moe: note: %s is an NVFP4 (W4A4) checkpoint; its input_scale is not applied: "
-                 "activations stay bf16 (W4A16)\n", opts.weights.c_str());
+  // Resolved once here, so every backend (and every expert-parallel rank)
+  // runs the same numerics; fp4 without input scales is refused here.
+  const ActivationNumerics activations =
+      resolve_activation_numerics(weights, parse_activation_numerics(opts.activations));
 
   const SafetensorsFile in = SafetensorsFile::open(opts.input);
   LogitRoutingFlags flags;
@@ -97,6 +100,7 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   MoeLayerOptions layer_options;
   layer_options.activation = parse_activation(opts.activation);
   layer_options.finalize = parse_finalize_mode(opts.finalize);
+  layer_options.activations = activations;
   if (device == Device::kCpu && cmd.count("--finalize") > 0)
     std::fprintf(stderr, "moe: note: --finalize applies to the CUDA backend only; ignored\n");
   const MoeRunStats stats =
@@ -119,11 +123,12 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
                                                (opts.ep > 0 ? " ep=" + std::to_string(opts.ep) : "")
                                          : " threads=" + std::to_string(stats.num_threads);
   std::fprintf(stderr,
-               "moe: T=%lld E=%lld k=%d H=%lld I=%lld routing=%s activation=%s backend=%s%s "
+               "moe: T=%lld E=%lld k=%d H=%lld I=%lld routing=%s activation=%s activations=%s backend=%s%s "
                "layer %.3f ms, total %.2f ms\n",
                static_cast<long long>(num_tokens), static_cast<long long>(num_experts), routing.top_k,
                static_cast<long long>(hidden), static_cast<long long>(weights.inter),
-               input.routing_source.c_str(), opts.activation.c_str(), stats.backend.c_str(),
+               input.routing_source.c_str(), opts.activation.c_str(), to_string(activations).c_str(),
+               stats.backend.c_str(),
                backend_detail.c_str(), stats.time_ms, total_timer.elapsed_ms());
 }
 
@@ -173,6 +178,12 @@ void add_moe_command(CLI::App& app) {
                   "CUDA: how a token's top-k rows are summed: deterministic (fixed order, bit-identical "
                   "runs) or atomic (fp32 atomic adds)")
       ->check(CLI::IsMember({"deterministic", "atomic"}))
+      ->capture_default_str();
+  cmd->add_option("--activations", opts->activations,
+                  "precision of the experts' input activations: checkpoint (fp4 for an NVFP4 (W4A4) "
+                  "checkpoint with input_scale, else bf16), bf16 (W4A16), fp4 (W4A4: quantised per 16 "
+                  "against input_scale; refused for a checkpoint without it)")
+      ->check(CLI::IsMember({"checkpoint", "bf16", "fp4"}))
       ->capture_default_str();
   cmd->add_option("--ep", opts->ep,
                   "CUDA: run the layer expert parallel over this machine's first N GPUs, one NCCL rank each "

@@ -20,7 +20,11 @@ struct Nvfp4Matrix {
   std::vector<uint8_t> packed;      // [rows, cols/2]; even element in the low nibble
   std::vector<uint8_t> scales;      // [rows, cols/16] float8 e4m3fn block scales
   float global_scale = 1.0f;        // weight_scale_2
-  float input_scale = 1.0f;         // activation scale (used by the W4A4 mode only)
+  // The calibrated activation scale (amax / 2688 of this matrix's input),
+  // used by W4A4 activation numerics only (fp4moe::ActivationNumerics);
+  // has_input_scale says whether the checkpoint carries one.
+  float input_scale = 1.0f;
+  bool has_input_scale = false;
 
   uint8_t code(int64_t r, int64_t c) const {
     const uint8_t byte = packed[static_cast<size_t>(r * (cols / 2) + c / 2)];
@@ -62,7 +66,7 @@ struct MoeWeights {
   std::vector<ExpertWeights> experts;
   // The format the checkpoint declares for the layer (hf_quant_config.json,
   // or config.json's quantization_config): "NVFP4" (W4A4: its input_scale
-  // is meant to quantise activations, which fp4moe keeps bf16) or
+  // quantises activations, ActivationNumerics::kCheckpoint follows it) or
   // "W4A16_NVFP4"; empty when the checkpoint declares none.
   std::string checkpoint_format;
 

@@ -64,6 +64,13 @@ FinalizeMode parse_finalize_mode(const std::string& name);  // "deterministic", 
 
 struct MoeLayerOptions {
   Activation activation = Activation::kSwiGLU;
+  // The precision of the expert GEMMs' input activations (docs/design.md
+  // §3): kCheckpoint follows the weights (fp4 for an NVFP4 (W4A4) checkpoint
+  // with every input_scale, bf16 otherwise; for prepare_device(), fp4 when
+  // the input scales are given); kFp4 is refused for weights without
+  // input scales. With fp4, the gather quantises GEMM1's input and GEMM1's
+  // SwiGLU epilogue GEMM2's (the separate gather then always runs).
+  ActivationNumerics activations = ActivationNumerics::kCheckpoint;
   // Used by forward() when router logits are given.
   RoutingParams routing;
   FinalizeMode finalize = FinalizeMode::kDeterministic;
@@ -148,6 +155,10 @@ struct MoeDeviceWeights {
   // Optional biases (gpt-oss), both or neither.
   const float* w13_bias = nullptr;     // fp32 [E, 2 I]: gate biases, then up biases
   const float* w2_bias = nullptr;      // fp32 [E, H]
+  // Optional activation scales (W4A4), both or neither: GEMM1's input
+  // (gate/up's input_scale) and GEMM2's (down_proj's).
+  const float* w13_input_scale = nullptr;  // fp32 [E]
+  const float* w2_input_scale = nullptr;   // fp32 [E]
 };
 
 // One forward's inputs (device pointers).
@@ -206,6 +217,8 @@ class MoeLayer {
   int64_t inter() const;
   int top_k() const;
   const MoeLayerOptions& options() const;
+  // options().activations resolved for these weights: kBf16 or kFp4.
+  ActivationNumerics activation_numerics() const;
   size_t device_weight_bytes() const;  // what prepare() uploaded
   int device() const;                  // the CUDA device prepare() uploaded to
 

@@ -131,21 +131,26 @@ struct GemmPlan {
 // (e.g. 90): the portable family from 80 on, the SM90 family on 90 only.
 bool family_runs_on(KernelFamily family, int compute_capability);
 // Where the SM90 family takes over from the portable one (rows per active
-// expert; docs/perf-notes.md, SM90 v4): above kSm90MinRowsPerExpert always,
-// above kSm90MinRowsPerExpertLongK when K is at least kSm90LongK (with a
-// shorter K a unit has too few k-tiles to fill the SM90 pipeline: Qwen3-30B's
-// GEMM2, K = 768, measured 0.38 against the portable 0.46 at 16 rows).
-inline constexpr double kSm90MinRowsPerExpert = 16;
-inline constexpr double kSm90MinRowsPerExpertLongK = 6;
-inline constexpr int64_t kSm90LongK = 1024;
+// expert; measured by `fp4moe tune` over the eight README shapes,
+// docs/perf-notes.md): where K >= kSm90LongK above
+// kSm90MinRowsPerExpertLongK rows; where kSm90MaxShortK < K < kSm90LongK
+// above kSm90MinRowsPerExpert (a unit of a shorter K has too few k-tiles to
+// fill the SM90 pipeline: the portable m32 tile is 4-35 % faster at 8-24
+// rows on every GEMM2 of K = 1536-2880); never where K <= kSm90MaxShortK
+// (Qwen3-30B's GEMM2, K = 768: the portable m64 tile is faster at every
+// token count).
+inline constexpr double kSm90MinRowsPerExpert = 24;
+inline constexpr double kSm90MinRowsPerExpertLongK = 7;
+inline constexpr int64_t kSm90LongK = 4096;
+inline constexpr int64_t kSm90MaxShortK = 1024;
 
 // Picks a config for `problem` among those with its epilogue fitting
 // `smem_budget_bytes` whose family runs on `compute_capability` (0: the
 // portable family only). On SM90 the SM90 family takes the problems past the
 // boundary above (or every problem with single_family), the portable family
 // the rest: below it the portable kernel's mma.sync tiles measured faster.
-// num_sms and blocks_per_sm size the split-K choice (waves of work); the SM90
-// family always runs one block per SM.
+// num_sms and blocks_per_sm size the split-K choice (it only fills block
+// slots the tiles leave idle); the SM90 family always runs one block per SM.
 GemmPlan plan_gemm(const GemmProblem& problem, int64_t smem_budget_bytes, int num_sms,
                    int compute_capability = 0, int blocks_per_sm = 2);
 
@@ -155,6 +160,8 @@ int64_t max_tiles(const GemmProblem& problem, const TileConfig& config);
 
 // The most K slices the planner (and the autotuner) splits a tile into.
 inline constexpr int kMaxSplitK = 8;
+// The planner's split-K keeps at least this much of K per slice.
+inline constexpr int64_t kMinSplitKSliceK = 2048;
 // Whether `split_k` is one the planner could pick for `config`: 1, or up to
 // kMaxSplitK slices of at least two k-tiles each.
 bool split_k_allowed(const GemmProblem& problem, const TileConfig& config, int split_k);

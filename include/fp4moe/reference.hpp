@@ -110,10 +110,35 @@ enum class Intermediate {
            // contract is W4A16, so GEMM2's input activations are bf16 too
 };
 
+// The precision of the two expert GEMMs' input activations (docs/design.md §3).
+enum class ActivationNumerics {
+  kCheckpoint,  // what the checkpoint declares: kFp4 for an "NVFP4" (W4A4) checkpoint whose
+                // every expert matrix has an input_scale, kBf16 otherwise (W4A16_NVFP4 or none)
+  kBf16,        // W4A16: activations as given (bf16 on the GPU)
+  kFp4,         // W4A4: GEMM1's input quantised per 16-block against gate/up's input_scale,
+                // GEMM2's input (the activation output) against down_proj's (nvfp4_activation.hpp)
+};
+std::string to_string(ActivationNumerics numerics);
+ActivationNumerics parse_activation_numerics(const std::string& name);  // "checkpoint", "bf16", "fp4"
+
+// kCheckpoint resolved for `weights` (kBf16 or kFp4); kBf16 and kFp4 as they
+// are. kFp4 on weights without an input_scale on every expert matrix throws,
+// in one line naming the first matrix without one.
+ActivationNumerics resolve_activation_numerics(const MoeWeights& weights, ActivationNumerics requested);
+
+// The input_scale GEMM1's input is quantised with for expert `expert`: gate's
+// and up's are one value in ModelOpt exports (the same input); where they
+// differ, the larger, whose range covers both calibrations.
+float gemm1_input_scale(const ExpertWeights& expert);
+
 // As above with an explicit thread count (num_threads <= 0 means all
-// hardware threads) and intermediate precision.
+// hardware threads), intermediate precision and activation numerics. With
+// kFp4 the intermediate is rounded as `intermediate` says, to float, then
+// quantised; the quantised values q * e4m3 * input_scale are exact in
+// double, as an FP4 tensor-core engine multiplies them.
 void moe_reference(const MoeWeights& weights, const float* hidden_states,
                    const Routing& routing, Activation activation, float* output,
-                   int num_threads, Intermediate intermediate = Intermediate::kExact);
+                   int num_threads, Intermediate intermediate = Intermediate::kExact,
+                   ActivationNumerics numerics = ActivationNumerics::kCheckpoint);
 
 }  // namespace fp4moe

@@ -155,6 +155,8 @@ ExpertParallelMoeLayer ExpertParallelMoeLayer::prepare(const MoeWeights& weights
     local.experts.push_back(weights.experts.at(static_cast<size_t>(placement.global_expert(rank, i))));
   MoeLayerOptions local_options = options;
   local_options.batch_invariant = true;
+  // Resolved on the whole layer: every rank runs the same activation numerics.
+  local_options.activations = resolve_activation_numerics(weights, options.activations);
   auto impl = std::make_unique<Impl>(placement, comm, rank, MoeLayer::prepare(local, local_options));
   impl->num_experts = weights.num_experts;
   impl->hidden = weights.hidden;

@@ -435,6 +435,22 @@ float read_f32_scale(const TensorView& view, const std::string& path) {
   return value;
 }
 
+// Calibrated activation amax / 2688, as ModelOpt exports it: positive (its
+// export asserts so) and finite. The bounds keep the W4A4 arithmetic in
+// normal fp32 (6 * s, e4m3 * s with e4m3 down to 2^-9, the epilogue's
+// weight_scale_2 * s); they span activation maxima from 2.7e-12 to 2.7e18.
+inline constexpr float kMinInputScale = 1e-15f;
+inline constexpr float kMaxInputScale = 1e15f;
+
+float read_input_scale(const TensorView& view, const std::string& path) {
+  float value;
+  std::memcpy(&value, view.data, sizeof value);
+  FP4MOE_CHECK(std::isfinite(value) && value >= kMinInputScale && value <= kMaxInputScale, path, ": tensor '",
+               view.name, "' is ", value, "; expected a finite input_scale in [", kMinInputScale, ", ",
+               kMaxInputScale, "] (the calibrated activation amax / 2688)");
+  return value;
+}
+
 // Collects dtype/shape mismatches over the whole layer, so that the one-line
 // error names the first and counts the rest (a wrong dtype usually repeats in
 // every expert).
@@ -620,10 +636,13 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
         m.global_scale = read_f32_scale(*v, path);
         scale_2[p] = m.global_scale;
       }
-      // input_scale is optional: 1.0 (no activation scaling) when absent.
+      // input_scale is optional (W4A16 exports have none): 1.0 and
+      // has_input_scale false when absent.
       if (source.contains(name("input_scale"))) {
-        if (const TensorView* v = checked(name("input_scale"), {DType::F32}, {{}, {1}}))
-          m.input_scale = read_f32_scale(*v, path);
+        if (const TensorView* v = checked(name("input_scale"), {DType::F32}, {{}, {1}})) {
+          m.input_scale = read_input_scale(*v, path);
+          m.has_input_scale = true;
+        }
       }
       if (any_bias) {
         if (const TensorView* v = checked(name("bias"), {DType::F32, DType::BF16}, {{m.rows}})) {

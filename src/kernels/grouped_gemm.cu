@@ -195,6 +195,8 @@ void validate_args(const GroupedGemmArgs& a, bool for_launch, Epilogue epilogue)
   }
   FP4MOE_CHECK(epilogue == Epilogue::kSwiglu || a.up_global_scales == nullptr,
                "grouped_gemm: up_global_scales is only applied by the swiglu epilogue");
+  FP4MOE_CHECK(epilogue == Epilogue::kSwiglu || a.act_quant_scales == nullptr,
+               "grouped_gemm: act_quant_scales (fp4 output) is only applied by the swiglu epilogue");
   FP4MOE_CHECK(epilogue != Epilogue::kNone || a.bias == nullptr,
                "grouped_gemm: bias is only applied by the swiglu and finalize epilogues");
   for (int i = 0; i < num_vectors; ++i)
@@ -268,6 +270,7 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   p.scales = args.scales;
   p.global_scales = args.global_scales;
   p.up_global_scales = args.up_global_scales;
+  p.act_quant_scales = args.act_quant_scales;
   p.x = static_cast<const __nv_bfloat16*>(args.x);
   p.gather_rows = args.gather_rows;
   p.x_rows = static_cast<int>(args.gather_rows ? args.x_rows : args.num_rows);

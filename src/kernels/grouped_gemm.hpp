@@ -63,6 +63,12 @@ struct GroupedGemmArgs {
   // kSwiglu only, optional: [E] global scales of the up rows, when they differ
   // from the gate rows' (global_scales then holds the gate rows').
   const float* up_global_scales = nullptr;
+  // kSwiglu only, optional (W4A4): [E] the input_scale of the next GEMM's
+  // activations (down_proj's). Each 16-feature block of the output is then
+  // quantised to NVFP4 (nvfp4_activation.hpp) and stored as e2m1 x e4m3,
+  // exact in bf16; the consumer applies the input_scale (fold it into
+  // its global_scales).
+  const float* act_quant_scales = nullptr;
   int64_t num_experts = 0;
   int64_t n = 0;
   int64_t k = 0;

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "kernels/act_quant.cuh"
 #include "kernels/fragment_layout.hpp"
 #include "kernels/ptx/mma.cuh"
 #include "plan/smem_model.hpp"
@@ -40,6 +41,10 @@ struct GroupedGemmParams {
   __nv_bfloat16* y;               // kNone [num_rows, n], kSwiglu [num_rows, n/2] bf16
   const float* bias;              // optional fp32 [E][n]: kSwiglu gate then up biases, kFinalize per column
   int activation;                 // kSwiglu: kAct*
+  // kSwiglu, W4A4: [E] down_proj's input_scale; the output is quantised to
+  // NVFP4 per 16 features against it and stored as e2m1 x e4m3 (exact in
+  // bf16; GEMM2's epilogue applies the input_scale). Null: plain bf16.
+  const float* act_quant_scales;
   const int32_t* scatter_rows;    // kFinalize [num_rows]: output slot of each row
   const float* row_weights;       // kFinalize: router weight per slot (indexed by scatter row)
   float* out_f32;                 // kFinalize: fp32 [out_rows, n], row = slot / out_row_divisor
@@ -216,6 +221,19 @@ __device__ __forceinline__ __nv_bfloat16 swiglu_output(const GroupedGemmParams& 
     up += __ldg(p.bias + static_cast<size_t>(e) * p.n + n_half + feature);
   }
   return __float2bfloat16_rn(activate(p.activation, gate, up));
+}
+
+// W4A4 (kSwiglu with act_quant_scales): one NVFP4 block of 16 staged bf16
+// outputs, 16-byte aligned, quantised against input_scale by
+// nvfp4_activation.hpp's rule and stored as q x e4m3 (exact in bf16) with two
+// 16-byte stores. The block lies wholly in one thread, so no lane exchange.
+__device__ __forceinline__ void store_fp4_block(const __nv_bfloat16* staged, float input_scale,
+                                                __nv_bfloat16* dst) {
+  uint4 lo = reinterpret_cast<const uint4*>(staged)[0];
+  uint4 hi = reinterpret_cast<const uint4*>(staged)[1];
+  fp4_quantize_bf16_block(lo, hi, input_scale);
+  reinterpret_cast<uint4*>(dst)[0] = lo;
+  reinterpret_cast<uint4*>(dst)[1] = hi;
 }
 
 // The kFinalize epilogue of four columns [col, col + 4) of one row of expert

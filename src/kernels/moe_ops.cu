@@ -17,6 +17,7 @@
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
+#include "kernels/act_quant.cuh"
 #include "kernels/device_info.hpp"
 #include "kernels/launch.cuh"
 #include "kernels/moe_ops.hpp"
@@ -421,6 +422,40 @@ __global__ void gather_rows_kernel(const uint4* __restrict__ x,                /
   }
 }
 
+// W4A4: as gather_rows_kernel, one thread per NVFP4 block of 16 (two 16-byte
+// vectors), each quantised against its row's expert's input_scale
+// (act_quant.cuh) on the way.
+__global__ void gather_rows_fp4_kernel(const uint4* __restrict__ x,                // [tokens, 2 * blocks_per_row]
+                                       const int32_t* __restrict__ token_of_row,   // [num_rows]
+                                       const int32_t* __restrict__ expert_offsets, // [num_experts + 1]
+                                       int num_experts, int64_t num_rows, int64_t blocks_per_row,
+                                       const float* __restrict__ input_scales,     // [num_experts]
+                                       uint4* __restrict__ x_sorted) {             // [num_rows, 2 * blocks_per_row]
+  ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
+  ptx::allow_dependent_launch();
+  const int64_t placed_rows = min(num_rows, static_cast<int64_t>(expert_offsets[num_experts]));
+  const int64_t num_blocks = placed_rows * blocks_per_row;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_blocks;
+       i += stride) {
+    const int64_t row = i / blocks_per_row;
+    const int64_t block = i - row * blocks_per_row;
+    // The row's expert: rows are sorted by expert, so the last e with
+    // offsets[e] <= row (empty experts before it share its offset).
+    int lo = 0, hi = num_experts - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (__ldg(expert_offsets + mid) <= row) lo = mid;
+      else hi = mid - 1;
+    }
+    const uint4* src = x + (static_cast<int64_t>(token_of_row[row]) * blocks_per_row + block) * 2;
+    uint4 first = src[0], second = src[1];
+    detail::fp4_quantize_bf16_block(first, second, __ldg(input_scales + lo));
+    x_sorted[2 * i] = first;
+    x_sorted[2 * i + 1] = second;
+  }
+}
+
 __global__ void finalize_pairs_kernel(const float4* __restrict__ pair_rows,  // [num_tokens * top_k, vectors_per_row]
                                       const int32_t* __restrict__ topk_ids,  // [num_tokens, top_k]
                                       int64_t num_tokens, int top_k, int num_experts,
@@ -598,6 +633,28 @@ void launch_gather_rows(const void* x, const int32_t* token_of_row, const int32_
                 kElementwiseThreads, 0, stream, programmatic, static_cast<const uint4*>(x),
                 token_of_row, expert_offsets, static_cast<int>(num_experts), num_rows,
                 vectors_per_row, static_cast<uint4*>(x_sorted));
+}
+
+void launch_gather_rows_fp4(const void* x, const int32_t* token_of_row, const int32_t* expert_offsets,
+                            int64_t num_experts, int64_t num_rows, int64_t hidden, const float* input_scales,
+                            void* x_sorted, cudaStream_t stream, bool programmatic) {
+  FP4MOE_CHECK(num_rows >= 0 && num_rows <= INT32_MAX, "launch_gather_rows_fp4: num_rows = ", num_rows,
+               "; expected in [0, ", INT32_MAX, "]");
+  FP4MOE_CHECK(num_experts >= 1 && num_experts <= INT32_MAX - 1, "launch_gather_rows_fp4: num_experts = ",
+               num_experts, "; expected >= 1");
+  FP4MOE_CHECK(hidden >= 16 && hidden % 16 == 0, "launch_gather_rows_fp4: hidden = ", hidden,
+               "; expected a positive multiple of 16 (the NVFP4 block)");
+  if (num_rows == 0) return;
+  FP4MOE_CHECK(x && token_of_row && expert_offsets && input_scales && x_sorted,
+               "launch_gather_rows_fp4: x, token_of_row, expert_offsets, input_scales and x_sorted must be "
+               "non-null");
+  FP4MOE_CHECK(aligned_16(x) && aligned_16(x_sorted),
+               "launch_gather_rows_fp4: x and x_sorted must be 16-byte aligned");
+  const int64_t blocks_per_row = hidden / 16;
+  launch_kernel(gather_rows_fp4_kernel, elementwise_grid(num_rows * blocks_per_row),
+                kElementwiseThreads, 0, stream, programmatic, static_cast<const uint4*>(x),
+                token_of_row, expert_offsets, static_cast<int>(num_experts), num_rows,
+                blocks_per_row, input_scales, static_cast<uint4*>(x_sorted));
 }
 
 void launch_finalize_pairs(const float* pair_rows, const int32_t* topk_ids, int64_t num_tokens,

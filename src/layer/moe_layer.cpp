@@ -182,6 +182,12 @@ void validate_weights(const MoeWeights& w, const MoeLayerOptions& o) {
   }
 }
 
+// W4A4 input scales, as the quantiser needs them (the loader also bounds them).
+void check_input_scale(float value, const char* what, int64_t expert_idx) {
+  FP4MOE_CHECK(std::isfinite(value) && value > 0.0f, what, "[", expert_idx, "] is ", value,
+               "; fp4 activations need a finite, positive input_scale");
+}
+
 // Byte offsets of one forward's scratch, after the header.
 struct ScratchLayout {
   size_t topk_ids = 0, topk_weights = 0, offsets = 0, token_of_row = 0, pair_of_row = 0;
@@ -206,6 +212,12 @@ struct MoeLayer::Impl {
   DeviceGemmWeights w2;   // down, [E][hidden, inter]
   DeviceBuffer<float> bias13;  // [E][2 inter]: gate biases then up biases
   DeviceBuffer<float> bias2;   // [E][hidden]
+  // W4A4 (fp4 activations): [E] the input_scale each GEMM's input is
+  // quantised with. Its activations are then stored as e2m1 x e4m3, so the
+  // GEMMs' global scales above hold weight_scale_2 x input_scale.
+  bool fp4_activations = false;
+  DeviceBuffer<float> input_scales13;  // gate/up's (gemm1_input_scale)
+  DeviceBuffer<float> input_scales2;   // down_proj's
 
   mutable PlanCache<MoeLayerPlan> plans{kPlanCacheCapacity};  // by token count
   mutable PlanCache<size_t> workspace_by_tokens{kPlanCacheCapacity};  // by max_tokens
@@ -300,6 +312,7 @@ struct MoeLayer::Impl {
   // cp.async copies; docs/perf-notes.md, SM90 v5). Either way GEMM1 computes
   // the same bits.
   bool wants_separate_gather(const MoeLayerPlan& p) const {
+    if (fp4_activations) return true;  // the gather quantises GEMM1's input
     if (gather != GatherMode::kAuto) return gather == GatherMode::kSeparate;
     return auto_gather_is_separate(p.gemm1.config);
   }
@@ -311,7 +324,8 @@ struct MoeLayer::Impl {
   // largest one's does not runs fused).
   bool separate_gather(int64_t num_tokens, const MoeLayerPlan& p, size_t workspace_bytes) const {
     if (!wants_separate_gather(p)) return false;
-    return gather == GatherMode::kSeparate || workspace_bytes >= scratch(num_tokens, p, true).end;
+    return fp4_activations || gather == GatherMode::kSeparate ||
+           workspace_bytes >= scratch(num_tokens, p, true).end;
   }
 
   ScratchLayout scratch(int64_t num_tokens, const MoeLayerPlan& p, bool separate_gather) const {
@@ -397,6 +411,19 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
   impl->has_bias = weights.has_bias();
   impl->options = options;
   const int64_t E = weights.num_experts;
+  // Activation numerics, and for fp4 the per-expert input scales, checked
+  // before any packing.
+  impl->fp4_activations = resolve_activation_numerics(weights, options.activations) == ActivationNumerics::kFp4;
+  std::vector<float> in13, in2;
+  if (impl->fp4_activations) {
+    for (int64_t e = 0; e < E; ++e) {
+      const ExpertWeights& x = weights.experts[static_cast<size_t>(e)];
+      in13.push_back(gemm1_input_scale(x));
+      in2.push_back(x.down.input_scale);
+      check_input_scale(in13.back(), "MoeLayer: gate/up input_scale", e);
+      check_input_scale(in2.back(), "MoeLayer: down input_scale", e);
+    }
+  }
   // Both GEMMs are packed (and their scales checked) on the host before
   // anything is uploaded, so a bad checkpoint is refused without GPU work.
   PreparedGemmWeights packed13, packed2;
@@ -415,15 +442,27 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
     for (const auto& x : weights.experts) ptrs.push_back(&x.down);
     packed2 = prepare_gemm_weights(ptrs);
   }
+  // W4A4: the activations reach the GEMMs as e2m1 x e4m3, so their
+  // input_scale joins weight_scale_2 in each epilogue's scale.
+  if (impl->fp4_activations) {
+    for (int64_t e = 0; e < E; ++e) {
+      packed13.global_scales[static_cast<size_t>(e)] *= in13[static_cast<size_t>(e)];
+      packed2.global_scales[static_cast<size_t>(e)] *= in2[static_cast<size_t>(e)];
+    }
+  }
   FP4MOE_CUDA_CHECK(cudaGetDevice(&impl->device));
   impl->w13 = upload(packed13);
   impl->w2 = upload(packed2);
+  if (impl->fp4_activations) {
+    impl->input_scales13 = DeviceBuffer<float>(in13);
+    impl->input_scales2 = DeviceBuffer<float>(in2);
+  }
   // Gate and up may carry different global scales (ModelOpt shares one;
   // other exporters need not): the SwiGLU epilogue then scales each its own.
   std::vector<float> up_scales;
   bool shared = true;
   for (const ExpertWeights& x : weights.experts) {
-    up_scales.push_back(x.up.global_scale);
+    up_scales.push_back(x.up.global_scale * (impl->fp4_activations ? gemm1_input_scale(x) : 1.0f));
     shared = shared && x.up.global_scale == x.gate.global_scale;
   }
   if (!shared) impl->w13_up_scales = DeviceBuffer<float>(up_scales);
@@ -486,6 +525,16 @@ MoeLayer MoeLayer::prepare_device(const MoeDeviceWeights& w, const MoeLayerOptio
     check_device_pointer(w.w13_bias, device, "w13_bias");
     check_device_pointer(w.w2_bias, device, "w2_bias");
   }
+  FP4MOE_CHECK((w.w13_input_scale == nullptr) == (w.w2_input_scale == nullptr),
+               "MoeLayer::prepare_device: give both w13_input_scale and w2_input_scale, or neither");
+  const bool have_input_scales = w.w13_input_scale != nullptr;
+  FP4MOE_CHECK(options.activations != ActivationNumerics::kFp4 || have_input_scales,
+               "MoeLayer::prepare_device: fp4 activations (W4A4) need w13_input_scale and w2_input_scale; "
+               "none are given: use bf16 activations");
+  if (have_input_scales) {
+    check_device_pointer(w.w13_input_scale, device, "w13_input_scale");
+    check_device_pointer(w.w2_input_scale, device, "w2_input_scale");
+  }
 
   const int64_t E = w.num_experts;
   auto impl = std::make_unique<MoeLayer::Impl>();
@@ -511,6 +560,23 @@ MoeLayer MoeLayer::prepare_device(const MoeDeviceWeights& w, const MoeLayerOptio
     up_scales[static_cast<size_t>(e)] = s13[static_cast<size_t>(e * halves + halves - 1)];
     shared = shared && gate_scales[static_cast<size_t>(e)] == up_scales[static_cast<size_t>(e)];
   }
+  // W4A4, as prepare(): the input scales join the epilogues' scales.
+  std::vector<float> s2_epilogue = s2;
+  impl->fp4_activations = have_input_scales && options.activations != ActivationNumerics::kBf16;
+  if (impl->fp4_activations) {
+    const std::vector<float> in13 = download_floats(w.w13_input_scale, static_cast<size_t>(E), stream);
+    const std::vector<float> in2 = download_floats(w.w2_input_scale, static_cast<size_t>(E), stream);
+    for (int64_t e = 0; e < E; ++e) {
+      const auto i = static_cast<size_t>(e);
+      check_input_scale(in13[i], "MoeLayer::prepare_device: w13_input_scale", e);
+      check_input_scale(in2[i], "MoeLayer::prepare_device: w2_input_scale", e);
+      gate_scales[i] *= in13[i];
+      up_scales[i] *= in13[i];
+      s2_epilogue[i] *= in2[i];
+    }
+    impl->input_scales13 = DeviceBuffer<float>(in13);
+    impl->input_scales2 = DeviceBuffer<float>(in2);
+  }
 
   const layout::StackedNvfp4 src13{w.w13, w.w13_scale, E, 2 * w.inter, w.hidden, /*gate_up=*/true};
   const layout::StackedNvfp4 src2{w.w2, w.w2_scale, E, w.hidden, w.inter, /*gate_up=*/false};
@@ -522,7 +588,7 @@ MoeLayer MoeLayer::prepare_device(const MoeDeviceWeights& w, const MoeLayerOptio
   if (!shared) impl->w13_up_scales = DeviceBuffer<float>(up_scales);
   impl->w2.weights = std::move(packed2.weights);
   impl->w2.scales = std::move(packed2.scales);
-  impl->w2.global_scales = DeviceBuffer<float>(s2);
+  impl->w2.global_scales = DeviceBuffer<float>(s2_epilogue);
   if (impl->has_bias) {
     // The layer's bias layouts are the engines': [E][gate; up] and [E][H].
     impl->bias13 = DeviceBuffer<float>(static_cast<size_t>(E * 2 * w.inter));
@@ -551,9 +617,12 @@ int MoeLayer::device() const { return impl_->device; }
 size_t MoeLayer::cached_plans() const { return impl_->plans.size(); }
 size_t MoeLayer::plan_cache_capacity() { return kPlanCacheCapacity; }
 const MoeLayerOptions& MoeLayer::options() const { return impl_->options; }
+ActivationNumerics MoeLayer::activation_numerics() const {
+  return impl_->fp4_activations ? ActivationNumerics::kFp4 : ActivationNumerics::kBf16;
+}
 size_t MoeLayer::device_weight_bytes() const {
   return impl_->w13.bytes() + impl_->w13_up_scales.bytes() + impl_->w2.bytes() + impl_->bias13.bytes() +
-         impl_->bias2.bytes();
+         impl_->bias2.bytes() + impl_->input_scales13.bytes() + impl_->input_scales2.bytes();
 }
 
 namespace {
@@ -675,7 +744,10 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
                                    pair_of_row, layer_errors, stream, pdl);
   }
   record(ev.sorted, stream);
-  if (separate_gather)
+  if (m.fp4_activations)
+    kernels::launch_gather_rows_fp4(args.hidden_states, token_of_row, offsets, m.num_experts, pairs, m.hidden,
+                                    m.input_scales13.get(), ws + s.x_sorted, stream, pdl);
+  else if (separate_gather)
     kernels::launch_gather_rows(args.hidden_states, token_of_row, offsets, m.num_experts, pairs,
                                 m.hidden, ws + s.x_sorted, stream, pdl);
   record(ev.gathered, stream);
@@ -696,6 +768,7 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   g1.y = ws + s.activated;
   g1.activation = m.options.activation;
   g1.bias = m.bias13.get();
+  g1.act_quant_scales = m.input_scales2.get();  // W4A4: GEMM2's input quantised here; else null
   g1.workspace = ws + s.gemm1_ws;
   g1.workspace_bytes = s.gemm1_ws_bytes;
   g1.error_flags = gemm1_errors;

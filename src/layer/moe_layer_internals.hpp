@@ -14,6 +14,8 @@
 namespace fp4moe {
 
 // How GEMM1 reads the activation rows of the permuted (expert-sorted) order.
+// With fp4 activations (W4A4) the separate pass always runs, whatever the
+// mode: it is where GEMM1's input is quantised.
 enum class GatherMode {
   kAuto,      // separate where GEMM1's plan reads by tensor map, else fused
   kFused,     // GEMM1's loads read hidden_states rows through the permutation

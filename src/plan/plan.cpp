@@ -355,19 +355,16 @@ GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_
   const bool sm90 = config.family == KernelFamily::kSm90;
   if (sm90) blocks_per_sm = 1;  // the warp-specialised kernel takes a whole SM
   const double slots = static_cast<double>(std::max(1, num_sms) * std::max(1, blocks_per_sm));
-  // Time model in units of one k-tile: waves * (k-tiles per unit + the
-  // pipeline fill and epilogue of one unit: about 1.5 k-tiles in the portable
-  // family; the SM90 producer loads the next unit during the epilogue).
-  const double kUnitOverhead = sm90 ? 0.5 : 1.5;
-  double best_time = 0.0;
-  for (int split = 1; split_k == 0 && split <= kMaxSplitK; ++split) {
-    if (!split_k_allowed(p, config, split)) break;
-    const double waves = std::ceil(tiles * split / slots);
-    const double time = waves * (static_cast<double>(k_tiles) / split + kUnitOverhead);
-    if (split == 1 || time < best_time * 0.97) {
-      best_time = time;
-      plan.split_k = split;
-    }
+  // Split-K only fills block slots that the tiles leave idle: the largest
+  // split whose units still fit in one wave of slots, with at least
+  // kMinSplitKSliceK of K per slice. Where split-K would pay, the GEMM is
+  // small and bound by DRAM and the dequantisation, not by waves of tiles:
+  // the units on an SM share its bandwidth and issue slots, so a split that
+  // makes more waves only adds a pipeline fill and a fix-up per slice
+  // (measured against every split by `fp4moe tune`: docs/perf-notes.md).
+  for (int split = 2; split_k == 0 && split <= kMaxSplitK; ++split) {
+    if (!split_k_allowed(p, config, split) || p.k / split < kMinSplitKSliceK || tiles * split > slots) break;
+    plan.split_k = split;
   }
   std::ostringstream why;
   why.precision(3);
@@ -398,8 +395,10 @@ GemmProblem moe_gemm_problem(int gemm, int64_t num_experts, int top_k, int64_t h
   p.n = gemm == 1 ? 2 * inter : hidden;
   p.k = gemm == 1 ? hidden : inter;
   p.num_rows = num_tokens * top_k;
+  // Rounded up, less the pow() error that turns exactly top_k experts at
+  // one token into top_k + 1.
   p.expected_active_experts =
-      static_cast<int64_t>(std::ceil(expected_active_experts(num_experts, top_k, num_tokens)));
+      static_cast<int64_t>(std::ceil(expected_active_experts(num_experts, top_k, num_tokens) - 1e-6));
   p.epilogue = gemm == 1 ? Epilogue::kSwiglu : Epilogue::kFinalize;
   p.single_family = batch_invariant;
   return p;
@@ -418,8 +417,8 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   };
   const double rows_per_expert = rows_per_active_expert(p);
   std::vector<TileConfig> fitting;
-  const bool sm90_rows = rows_per_expert > kSm90MinRowsPerExpert ||
-                        (p.k >= kSm90LongK && rows_per_expert > kSm90MinRowsPerExpertLongK);
+  const bool sm90_rows = p.k >= kSm90LongK ? rows_per_expert > kSm90MinRowsPerExpertLongK
+                         : p.k > kSm90MaxShortK && rows_per_expert > kSm90MinRowsPerExpert;
   if (family_runs_on(KernelFamily::kSm90, compute_capability) && (p.single_family || sm90_rows))
     fitting = candidates(KernelFamily::kSm90);
   if (fitting.empty()) fitting = candidates(KernelFamily::kPortable);
@@ -435,14 +434,19 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   // The smallest token tile that holds the expected rows of an expert; the
   // largest one when experts get more rows than any tile holds. Routed rows
   // per expert spread like a Poisson count, so the SM90 family sizes its tile
-  // for one standard deviation above the mean (fewer experts need a second,
-  // mostly empty m-tile that reads the weights again), up to 128 rows until
-  // experts get ~3 × 128 rows: measured best in the tile sweep of
-  // docs/perf-notes.md (SM90 v3).
+  // for two standard deviations above the mean (fewer experts need a second,
+  // mostly empty m-tile), and from ~24 rows takes the 128-row tile, whose
+  // tensor-mapped activation copies beat the 64-row tile's cp.async, until
+  // experts get ~3 x 128 rows: measured best by `fp4moe tune` over the eight
+  // README shapes (docs/perf-notes.md, the autotuner).
   double target = rows_per_expert;
   if (fitting.front().family == KernelFamily::kSm90) {
-    target = rows_per_expert + std::sqrt(rows_per_expert);
-    if (rows_per_expert < 384) target = std::min(target, 128.0);
+    if (rows_per_expert >= 384) {
+      target = rows_per_expert + std::sqrt(rows_per_expert);
+    } else {
+      target = rows_per_expert + 2 * std::sqrt(rows_per_expert);
+      if (target > 32) target = 128;
+    }
   }
   const TileConfig* pick = &fitting.back();
   for (const auto& c : fitting) {

@@ -12,6 +12,7 @@
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
+#include "fp4moe/nvfp4_activation.hpp"
 #include "fp4moe/reference.hpp"
 #include "util/parallel.hpp"
 
@@ -138,7 +139,65 @@ std::vector<WorkUnit> split_rows(const std::vector<int64_t>& active_experts, int
   return units;
 }
 
+// W4A4: replaces row[0, n) by its NVFP4 activation values (nvfp4_activation.hpp):
+// each element rounded to float, quantised per block of 16 against
+// input_scale, and set to q * e4m3 * input_scale, exact in double.
+void quantize_activation_row(double* row, int64_t n, float input_scale) {
+  for (int64_t b = 0; b < n; b += kNvfp4BlockSize) {
+    float block[kNvfp4BlockSize];
+    for (int i = 0; i < kNvfp4BlockSize; ++i) block[i] = static_cast<float>(row[b + i]);
+    uint8_t codes[kNvfp4BlockSize];
+    float unscaled[kNvfp4BlockSize];
+    nvfp4_act_quantize_block(block, input_scale, codes, unscaled);
+    for (int i = 0; i < kNvfp4BlockSize; ++i)
+      row[b + i] = static_cast<double>(unscaled[i]) * static_cast<double>(input_scale);
+  }
+}
+
 }  // namespace
+
+std::string to_string(ActivationNumerics numerics) {
+  switch (numerics) {
+    case ActivationNumerics::kCheckpoint: return "checkpoint";
+    case ActivationNumerics::kBf16: return "bf16";
+    case ActivationNumerics::kFp4: return "fp4";
+  }
+  FP4MOE_THROW("to_string: unknown ActivationNumerics ", static_cast<int>(numerics));
+}
+
+ActivationNumerics parse_activation_numerics(const std::string& name) {
+  for (ActivationNumerics n : {ActivationNumerics::kCheckpoint, ActivationNumerics::kBf16, ActivationNumerics::kFp4})
+    if (to_string(n) == name) return n;
+  FP4MOE_THROW("activation numerics '", name, "' is not one of checkpoint, bf16, fp4");
+}
+
+ActivationNumerics resolve_activation_numerics(const MoeWeights& weights, ActivationNumerics requested) {
+  FP4MOE_CHECK(requested == ActivationNumerics::kCheckpoint || requested == ActivationNumerics::kBf16 ||
+                   requested == ActivationNumerics::kFp4,
+               "unknown ActivationNumerics ", static_cast<int>(requested));
+  if (requested == ActivationNumerics::kBf16) return requested;
+  // The first expert matrix without an input_scale, if any.
+  static const char* const kProj[3] = {"gate", "up", "down"};
+  for (size_t e = 0; e < weights.experts.size(); ++e) {
+    const ExpertWeights& ex = weights.experts[e];
+    const Nvfp4Matrix* m[3] = {&ex.gate, &ex.up, &ex.down};
+    for (int p = 0; p < 3; ++p) {
+      if (m[p]->has_input_scale) continue;
+      if (requested == ActivationNumerics::kCheckpoint) return ActivationNumerics::kBf16;
+      FP4MOE_THROW("fp4 activations (W4A4) need an input_scale for every expert matrix; expert ", e, " ",
+                   kProj[p], " has none (",
+                   weights.checkpoint_format.empty() ? std::string("the checkpoint declares no format")
+                                                     : "a " + weights.checkpoint_format + " checkpoint",
+                   "): use bf16 activations");
+    }
+  }
+  if (requested == ActivationNumerics::kFp4) return requested;
+  return weights.checkpoint_format == "NVFP4" ? ActivationNumerics::kFp4 : ActivationNumerics::kBf16;
+}
+
+float gemm1_input_scale(const ExpertWeights& expert) {
+  return std::max(expert.gate.input_scale, expert.up.input_scale);
+}
 
 double activate(Activation activation, double gate, double up) {
   switch (activation) {
@@ -160,8 +219,17 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
 
 void moe_reference(const MoeWeights& weights, const float* hidden_states,
                    const Routing& routing, Activation activation, float* output,
-                   int num_threads, Intermediate intermediate) {
+                   int num_threads, Intermediate intermediate, ActivationNumerics numerics) {
   validate_weights(weights);
+  const bool fp4_activations = resolve_activation_numerics(weights, numerics) == ActivationNumerics::kFp4;
+  if (fp4_activations) {
+    for (int64_t e = 0; e < weights.num_experts; ++e) {
+      const ExpertWeights& ex = weights.experts[static_cast<size_t>(e)];
+      for (const float s : {ex.gate.input_scale, ex.up.input_scale, ex.down.input_scale})
+        FP4MOE_CHECK(std::isfinite(s) && s > 0.0f, "moe_reference: expert ", e, " has input_scale ", s,
+                     "; fp4 activations need finite, positive input scales");
+    }
+  }
   validate_routing(routing, weights.num_experts);
   FP4MOE_CHECK(activation == Activation::kSwiGLU || activation == Activation::kGptOss,
                "moe_reference: unknown Activation ", static_cast<int>(activation));
@@ -173,12 +241,16 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
   const int64_t inter = weights.inter;
   const int top_k = routing.top_k;
   // Per token: its activations, and per slot the intermediate and the output.
-  const size_t bytes_per_token = sizeof(double) * static_cast<size_t>(hidden + top_k * (inter + hidden));
+  // (+ with fp4 activations, the quantised activations per (token, slot):
+  // each slot's expert has its own input_scale.)
+  const size_t bytes_per_token =
+      sizeof(double) * static_cast<size_t>(hidden + top_k * (inter + hidden + (fp4_activations ? hidden : 0)));
   const int64_t chunk_tokens = std::max<int64_t>(1, static_cast<int64_t>(kChunkBufferBytes / bytes_per_token));
 
   std::vector<double> x;     // [chunk, hidden]
   std::vector<double> act;   // [chunk * top_k, inter]   act(gate x, up x) per (token, slot)
   std::vector<double> y;     // [chunk * top_k, hidden]  down(act) per (token, slot)
+  std::vector<double> xq;    // fp4: [chunk * top_k, hidden] x quantised with the slot's expert's input_scale
   for (int64_t t0 = 0; t0 < routing.num_tokens; t0 += chunk_tokens) {
     const int64_t num_tokens = std::min(chunk_tokens, routing.num_tokens - t0);
     const int64_t num_pairs = num_tokens * top_k;
@@ -193,6 +265,20 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
     std::vector<int64_t> active_experts;
     for (int64_t e = 0; e < weights.num_experts; ++e)
       if (!pairs_of[static_cast<size_t>(e)].empty()) active_experts.push_back(e);
+    // GEMM1's input of pair p: x of its token, quantised with gate/up's
+    // input_scale of its expert when activations are fp4.
+    if (fp4_activations) {
+      xq.resize(static_cast<size_t>(num_pairs * hidden));
+      parallel_for(num_pairs, [&](int64_t p) {
+        const int64_t e = routing.topk_ids[static_cast<size_t>(t0 * top_k + p)];
+        double* row = xq.data() + p * hidden;
+        std::copy_n(x.data() + (p / top_k) * hidden, hidden, row);
+        quantize_activation_row(row, hidden, gemm1_input_scale(weights.experts[static_cast<size_t>(e)]));
+      }, num_threads);
+    }
+    auto gemm1_input = [&](int64_t p) {
+      return fp4_activations ? xq.data() + p * hidden : x.data() + (p / top_k) * hidden;
+    };
 
     // act[p, i] = act(gate_e[i]·x_t + gate_bias, up_e[i]·x_t + up_bias).
     const std::vector<WorkUnit> gate_up_units = split_rows(active_experts, inter);
@@ -203,7 +289,7 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
         const double gate_bias = ex.gate_bias.empty() ? 0.0 : ex.gate_bias[static_cast<size_t>(i)];
         const double up_bias = ex.up_bias.empty() ? 0.0 : ex.up_bias[static_cast<size_t>(i)];
         for (int64_t p : pairs_of[static_cast<size_t>(unit.expert_idx)]) {
-          const double* xt = x.data() + (p / top_k) * hidden;
+          const double* xt = gemm1_input(p);
           const double g = row_dot(ex.gate, i, xt) + gate_bias;
           const double v = row_dot(ex.up, i, xt) + up_bias;
           const double a = activate(activation, g, v);
@@ -214,6 +300,15 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
         }
       }
     }, num_threads);
+
+    // GEMM2's input with fp4 activations: act quantised with down's input_scale.
+    if (fp4_activations) {
+      parallel_for(num_pairs, [&](int64_t p) {
+        const int64_t e = routing.topk_ids[static_cast<size_t>(t0 * top_k + p)];
+        quantize_activation_row(act.data() + p * inter, inter,
+                                weights.experts[static_cast<size_t>(e)].down.input_scale);
+      }, num_threads);
+    }
 
     // y[p, n] = down_e[n]·act[p] + down_bias.
     const std::vector<WorkUnit> down_units = split_rows(active_experts, hidden);

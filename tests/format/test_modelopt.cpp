@@ -580,7 +580,32 @@ TEST_F(ModeloptCheckpoint, AcceptsShapeOneScalarsAndMissingInputScale) {
   });
   MoeWeights expected = weights_;
   for (ExpertWeights& x : expected.experts) x.gate.input_scale = x.up.input_scale = x.down.input_scale = 1.0f;
-  expect_same_weights(expected, load_moe_weights(edited, kPrefix));
+  const MoeWeights loaded = load_moe_weights(edited, kPrefix);
+  expect_same_weights(expected, loaded);
+  for (const ExpertWeights& x : loaded.experts)
+    EXPECT_FALSE(x.gate.has_input_scale || x.up.has_input_scale || x.down.has_input_scale);
+  for (const ExpertWeights& x : load_moe_weights(path, kPrefix).experts)
+    EXPECT_TRUE(x.gate.has_input_scale && x.up.has_input_scale && x.down.has_input_scale);
+}
+
+// An input_scale W4A4 could not use (zero, negative, non-finite, outside
+// [1e-15, 1e15]) is refused on load, in one line naming the tensor.
+TEST_F(ModeloptCheckpoint, RefusesUnusableInputScales) {
+  const std::string path = write_checkpoint("layer.safetensors", weights_);
+  const std::string bad = expert_tensor_name(kPrefix, 2, "down_proj", "input_scale");
+  for (const float value : {0.0f, -0.5f, std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN(), 1e-20f, 3e15f}) {
+    const std::string edited = dir_ / "edited.safetensors";
+    rewrite(path, edited, [&](const TensorView& v, SafetensorsWriter& out) {
+      if (v.name != bad) return true;
+      out.add(v.name, DType::F32, {}, &value, sizeof value);
+      return false;
+    });
+    const std::string message = error_message([&] { load_moe_weights(edited, kPrefix); });
+    EXPECT_CONTAINS(message, "'" + bad + "'");
+    EXPECT_CONTAINS(message, "expected a finite input_scale in [");
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  }
 }
 
 // Splits `file` into two shards by expert (0..1 and the rest, plus every

@@ -2,7 +2,8 @@
 // before anything touches the GPU: shapes that differ between experts, hidden or inter
 // not a multiple of 16, wrong bias sizes, zero experts, more than 512
 // experts, short buffers, NaN and negative block scales, batch invariance
-// asked with the atomic finalize. Every case checks
+// asked with the atomic finalize, fp4 activations without usable input
+// scales. Every case checks
 // what the message says, not only that it throws, so these run (and pass)
 // without a GPU.
 #include <gmock/gmock.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <cctype>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 
@@ -286,6 +288,32 @@ TEST(MoeLayerArgs, RejectsNanOrNegativeBlockScales) {
     const std::string msg = prepare_error(w);
     EXPECT_THAT(msg, HasSubstr("expert 3"));
     EXPECT_THAT(msg, HasSubstr(c.fragment));
+    EXPECT_THAT(msg, is_validation_error());
+  }
+}
+
+// fp4 activations (W4A4) need an input_scale on every expert matrix, finite
+// and positive; refused before anything touches the GPU.
+TEST(MoeLayerArgs, RejectsFp4ActivationsWithoutUsableInputScales) {
+  MoeLayerOptions fp4 = options_for(4);
+  fp4.activations = ActivationNumerics::kFp4;
+  MoeWeights w = valid_weights(4);
+  std::string msg = prepare_error(w, fp4);
+  EXPECT_THAT(msg, HasSubstr("need an input_scale for every expert matrix"));
+  EXPECT_THAT(msg, HasSubstr("expert 0 gate has none"));
+  EXPECT_THAT(msg, is_validation_error());
+  for (ExpertWeights& ex : w.experts) {
+    ex.gate.has_input_scale = ex.up.has_input_scale = ex.down.has_input_scale = true;
+    ex.gate.input_scale = ex.up.input_scale = ex.down.input_scale = 0.01f;
+  }
+  w.experts[2].down.has_input_scale = false;
+  EXPECT_THAT(prepare_error(w, fp4), HasSubstr("expert 2 down has none"));
+  w.experts[2].down.has_input_scale = true;
+  for (const float bad : {0.0f, -1.0f, std::numeric_limits<float>::infinity()}) {
+    w.experts[3].down.input_scale = bad;
+    msg = prepare_error(w, fp4);
+    EXPECT_THAT(msg, HasSubstr("down input_scale[3]"));
+    EXPECT_THAT(msg, HasSubstr("finite, positive input_scale"));
     EXPECT_THAT(msg, is_validation_error());
   }
 }

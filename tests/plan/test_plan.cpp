@@ -161,9 +161,24 @@ TEST(Planner, PicksTokenTileByRowsPerExpert) {
   EXPECT_EQ(plan.split_k, 1) << plan.reason;
   GemmProblem mixtral{8, 4096, 14336, 2, 0};  // Mixtral GEMM2 at T = 1: 64 tiles, long K
   plan = plan_gemm(mixtral, 232448, 132);
-  EXPECT_GT(plan.split_k, 1) << plan.reason;
+  // Split-K fills the idle block slots: 64 tiles x 4 slices <= 132 SMs x 2.
+  EXPECT_EQ(plan.split_k, 4) << plan.reason;
   // The tile bound covers any routing: all rows on one expert, or one per expert.
   EXPECT_GE(plan.max_tiles, 2 * (4096 / 128));
+  // Never a split that needs a second wave of slots, nor slices shorter than
+  // kMinSplitKSliceK: DeepSeek-V3's GEMM2 at one token (K = 2048) is unsplit.
+  EXPECT_EQ(plan_gemm(moe_gemm_problem(2, 256, 8, 7168, 2048, 1), 232448, 132).split_k, 1);
+  GemmProblem wide = mixtral;
+  wide.num_rows = 16;  // 8 experts x 32 tiles = 256 of 264 slots: no room for a second slice
+  EXPECT_EQ(plan_gemm(wide, 232448, 132).split_k, 1) << plan_gemm(wide, 232448, 132).reason;
+}
+
+TEST(Planner, OneTokenActivatesExactlyTopKExperts) {
+  // Kimi K2: 384 experts, top 8. The expectation is exactly 8 at one token;
+  // rounding it up to 9 once made the planner split GEMM2 (1.28x slower).
+  EXPECT_EQ(moe_gemm_problem(1, 384, 8, 7168, 2048, 1).expected_active_experts, 8);
+  EXPECT_EQ(moe_gemm_problem(2, 256, 8, 7168, 2048, 1).expected_active_experts, 8);
+  EXPECT_EQ(moe_gemm_problem(2, 8, 2, 4096, 14336, 1).expected_active_experts, 2);
 }
 
 TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
@@ -181,10 +196,10 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
   // Prefill: the widest SM90 token tile, on SM90 only.
   EXPECT_EQ(plan_gemm(prefill, 232448, 132, 90).config.family, KernelFamily::kSm90);
   EXPECT_EQ(plan_gemm(prefill, 232448, 132, 90).config.block_m, 256);
-  // Tiles a standard deviation above the mean rows per expert, at most 128
-  // below ~384 rows per expert.
-  for (const auto& [rows_per_expert, block_m] :
-       std::vector<std::pair<int64_t, int>>{{24, 32}, {32, 64}, {64, 128}, {128, 128}, {256, 128}, {512, 256}}) {
+  // Tiles two standard deviations above the mean rows per expert; from ~24
+  // rows the 128-row tile, until ~384 rows per expert.
+  for (const auto& [rows_per_expert, block_m] : std::vector<std::pair<int64_t, int>>{
+           {8, 16}, {16, 32}, {24, 128}, {32, 128}, {64, 128}, {128, 128}, {256, 128}, {512, 256}}) {
     GemmProblem q = prefill;
     q.expected_active_experts = 256;
     q.num_rows = rows_per_expert * 256;
@@ -193,7 +208,8 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
   for (int cc : {0, 80, 89, 100, 120})
     EXPECT_EQ(plan_gemm(prefill, 232448, 132, cc).config.family, KernelFamily::kPortable) << cc;
   // The boundary: more than kSm90MinRowsPerExpertLongK rows per active
-  // expert where K >= kSm90LongK, more than kSm90MinRowsPerExpert otherwise.
+  // expert where K >= kSm90LongK, more than kSm90MinRowsPerExpert where
+  // kSm90MaxShortK < K < kSm90LongK.
   GemmProblem edge = decode;
   edge.single_family = false;
   edge.expected_active_experts = 256;
@@ -208,6 +224,10 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
   EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kPortable);
   edge.num_rows += 256;
   EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kSm90);
+  // A K of at most kSm90MaxShortK stays portable at any rows per expert.
+  edge.k = kSm90MaxShortK;
+  edge.num_rows = 512 * 256;
+  EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kPortable);
   // With SM120's budget only the small SM90 config fits; it is still chosen on SM90.
   const GemmPlan small = plan_gemm(prefill, 101376, 132, 90);
   EXPECT_EQ(small.config.family, KernelFamily::kSm90);

@@ -22,6 +22,7 @@
 #include "expect_error.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
+#include "fp4moe/nvfp4_activation.hpp"
 #include "fp4moe/reference.hpp"
 
 namespace fp4moe {
@@ -178,8 +179,23 @@ double naive_activation(Activation a, double g, double u) {
   return gc / (1.0 + std::exp(-1.702 * gc)) * (uc + 1.0);
 }
 
+// W4A4: v[0, n) quantised per 16-block against input_scale s (the
+// quantiser of nvfp4_activation.hpp, itself checked bit for bit in
+// tests/format/test_nvfp4_activation.cpp), as q * e4m3 * s in double.
+std::vector<double> naive_fp4(const std::vector<double>& v, float s) {
+  std::vector<double> out(v.size());
+  for (size_t b = 0; b < v.size(); b += 16) {
+    float block[16], unscaled[16];
+    uint8_t codes[16];
+    for (int i = 0; i < 16; ++i) block[i] = static_cast<float>(v[b + i]);
+    nvfp4_act_quantize_block(block, s, codes, unscaled);
+    for (int i = 0; i < 16; ++i) out[b + i] = static_cast<double>(unscaled[i]) * s;
+  }
+  return out;
+}
+
 std::vector<double> naive_moe(const MoeWeights& w, const std::vector<float>& x,
-                              const Routing& r, Activation a) {
+                              const Routing& r, Activation a, bool fp4 = false) {
   const int64_t H = w.hidden, I = w.inter;
   std::vector<double> out(static_cast<size_t>(r.num_tokens * H), 0.0);
   for (int64_t e = 0; e < w.num_experts; ++e) {
@@ -190,15 +206,18 @@ std::vector<double> naive_moe(const MoeWeights& w, const std::vector<float>& x,
       for (int j = 0; j < r.top_k; ++j) {
         if (r.topk_ids[static_cast<size_t>(t * r.top_k + j)] != e) continue;
         std::vector<double> h(static_cast<size_t>(I));
+        std::vector<double> xt(x.begin() + t * H, x.begin() + (t + 1) * H);
+        if (fp4) xt = naive_fp4(xt, std::max(ex.gate.input_scale, ex.up.input_scale));
         for (int64_t i = 0; i < I; ++i) {
           double g = ex.gate_bias.empty() ? 0.0 : ex.gate_bias[i];
           double u = ex.up_bias.empty() ? 0.0 : ex.up_bias[i];
           for (int64_t k = 0; k < H; ++k) {
-            g += gate[i * H + k] * x[t * H + k];
-            u += up[i * H + k] * x[t * H + k];
+            g += gate[i * H + k] * xt[k];
+            u += up[i * H + k] * xt[k];
           }
           h[i] = naive_activation(a, g, u);
         }
+        if (fp4) h = naive_fp4(h, ex.down.input_scale);
         for (int64_t n = 0; n < H; ++n) {
           double y = ex.down_bias.empty() ? 0.0 : ex.down_bias[n];
           for (int64_t i = 0; i < I; ++i) y += down[n * I + i] * h[i];
@@ -744,6 +763,91 @@ TEST_P(ReferenceRandomProblem, MatchesNaivePath) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllModes, ReferenceRandomProblem, testing::ValuesIn(all_cases()), case_name);
+
+// ------------------------------------------------ W4A4 activation numerics
+
+// Weights as an NVFP4 (W4A4) checkpoint has them: every matrix with an
+// input_scale. GEMM1's input is unit-normal (amax ~3-4 per row): a scale
+// calibrated for amax 2.5 makes some blocks clamp at 448 and saturate.
+MoeWeights w4a4_weights(int experts, int hidden, int inter, std::mt19937_64& rng) {
+  MoeWeights w = random_weights(experts, hidden, inter, false, rng);
+  w.checkpoint_format = "NVFP4";
+  for (int e = 0; e < experts; ++e) {
+    ExpertWeights& ex = w.experts[static_cast<size_t>(e)];
+    ex.gate.input_scale = ex.up.input_scale = (2.5f + 0.5f * static_cast<float>(e % 3)) / 2688.0f;
+    ex.down.input_scale = (8.0f + static_cast<float>(e)) / 2688.0f;
+    ex.gate.has_input_scale = ex.up.has_input_scale = ex.down.has_input_scale = true;
+  }
+  return w;
+}
+
+TEST(ReferenceW4a4, NumericsNamesRoundTrip) {
+  for (ActivationNumerics n : {ActivationNumerics::kCheckpoint, ActivationNumerics::kBf16, ActivationNumerics::kFp4})
+    EXPECT_EQ(parse_activation_numerics(to_string(n)), n);
+  expect_error([] { parse_activation_numerics("fp8"); }, {"'fp8'", "checkpoint, bf16, fp4"});
+}
+
+TEST(ReferenceW4a4, CheckpointNumericsFollowTheFormatAndTheScales) {
+  std::mt19937_64 rng(5);
+  MoeWeights w = w4a4_weights(3, 32, 32, rng);
+  EXPECT_EQ(resolve_activation_numerics(w, ActivationNumerics::kCheckpoint), ActivationNumerics::kFp4);
+  EXPECT_EQ(resolve_activation_numerics(w, ActivationNumerics::kBf16), ActivationNumerics::kBf16);
+  w.checkpoint_format = "W4A16_NVFP4";
+  EXPECT_EQ(resolve_activation_numerics(w, ActivationNumerics::kCheckpoint), ActivationNumerics::kBf16);
+  EXPECT_EQ(resolve_activation_numerics(w, ActivationNumerics::kFp4), ActivationNumerics::kFp4);
+  w.checkpoint_format = "NVFP4";
+  w.experts[2].down.has_input_scale = false;
+  EXPECT_EQ(resolve_activation_numerics(w, ActivationNumerics::kCheckpoint), ActivationNumerics::kBf16);
+  expect_error([&] { resolve_activation_numerics(w, ActivationNumerics::kFp4); },
+               {"input_scale", "expert 2 down", "NVFP4"});
+  // Gate and up differ: GEMM1's input takes the larger.
+  w.experts[1].up.input_scale = 2 * w.experts[1].gate.input_scale;
+  EXPECT_EQ(gemm1_input_scale(w.experts[1]), w.experts[1].up.input_scale);
+}
+
+TEST(ReferenceW4a4, MatchesNaivePathAndDiffersFromBf16) {
+  std::mt19937_64 rng(17);
+  const int tokens = 7, experts = 5, top_k = 2, hidden = 64, inter = 48;
+  for (Activation a : {Activation::kSwiGLU, Activation::kGptOss}) {
+    const MoeWeights w = w4a4_weights(experts, hidden, inter, rng);
+    std::vector<float> x = random_vector(static_cast<size_t>(tokens * hidden), 1.0f, rng);
+    x[5] = 0.0f;  // a few exact zeros and a negative zero
+    x[6] = -0.0f;
+    const std::vector<float> logits = random_vector(static_cast<size_t>(tokens * experts), 2.0f, rng);
+    RoutingParams p;
+    p.top_k = top_k;
+    const Routing routing = route(logits.data(), tokens, experts, nullptr, p);
+    std::vector<float> fp4(static_cast<size_t>(tokens * hidden), NAN);
+    moe_reference(w, x.data(), routing, a, fp4.data(), 0);  // kCheckpoint: fp4 for this checkpoint
+    expect_close(fp4, naive_moe(w, x, routing, a, /*fp4=*/true), hidden, 1e-6);
+    std::vector<float> forced(fp4.size(), NAN);
+    moe_reference(w, x.data(), routing, a, forced.data(), 1, Intermediate::kExact, ActivationNumerics::kFp4);
+    EXPECT_EQ(forced, fp4) << "kFp4 equals kCheckpoint on an NVFP4 checkpoint, for any thread count";
+
+    // bf16 numerics: the W4A16 result, which W4A4 is measurably away from.
+    std::vector<float> bf16(fp4.size(), NAN);
+    moe_reference(w, x.data(), routing, a, bf16.data(), 0, Intermediate::kExact, ActivationNumerics::kBf16);
+    expect_close(bf16, naive_moe(w, x, routing, a), hidden, 1e-6);
+    double diff2 = 0, ref2 = 0;
+    for (size_t i = 0; i < fp4.size(); ++i) {
+      diff2 += (double(fp4[i]) - bf16[i]) * (double(fp4[i]) - bf16[i]);
+      ref2 += double(bf16[i]) * bf16[i];
+    }
+    EXPECT_GT(std::sqrt(diff2 / ref2), 1e-2) << "fp4 activations should move the result";
+  }
+}
+
+TEST(ReferenceW4a4, Fp4WithoutInputScalesIsRefused) {
+  std::mt19937_64 rng(3);
+  MoeWeights w = random_weights(2, 32, 32, false, rng);  // no input_scale anywhere
+  const std::vector<float> x(32, 1.0f);
+  const Routing r = make_routing(1, 1, {1});
+  std::vector<float> out(32);
+  expect_error([&] { moe_reference(w, x.data(), r, Activation::kSwiGLU, out.data(), 1, Intermediate::kExact,
+                                   ActivationNumerics::kFp4); },
+               {"input_scale", "expert 0 gate", "bf16"});
+  EXPECT_NO_THROW(moe_reference(w, x.data(), r, Activation::kSwiGLU, out.data()));  // kCheckpoint: bf16
+}
 
 // Caller-given routing: one expert takes most pairs, several take none, and
 // the output must not depend (bitwise) on the thread count, nor on which

@@ -603,8 +603,9 @@ TEST_F(MoeTest, DeviceAutoRunsOnTheBackendPresent) {
 // A ModelOpt export as written: a checkpoint directory with config.json and
 // hf_quant_config.json, Mixtral's expert names (block_sparse_moe, w1/w3/w2),
 // no --prefix. It computes what the same experts under ModelOpt's usual
-// names compute; an NVFP4 (W4A4) checkpoint gets one note that its
-// input_scale is not applied, a W4A16_NVFP4 one none; one file of the
+// names compute; an NVFP4 (W4A4) checkpoint runs fp4 activations by default
+// (--activations checkpoint), as --activations fp4 does on the bare file, and
+// bf16 with --activations bf16; a W4A16_NVFP4 one bf16; one file of the
 // directory reads the directory's configs. Broken exports fail in one line.
 TEST_F(MoeTest, ModeloptExportsAsWritten) {
   write_given_routing_input(2, 13);
@@ -616,6 +617,10 @@ TEST_F(MoeTest, ModeloptExportsAsWritten) {
   const CliResult reference = moe(checkpoint_, "--prefix " + kExpertPrefix);
   ASSERT_EQ(reference.exit_code, 0) << reference.err;
   const std::string expected_output = read_text(path("y.safetensors"));
+  const CliResult forced_fp4 = moe(checkpoint_, "--prefix " + kExpertPrefix + " --activations fp4");
+  ASSERT_EQ(forced_fp4.exit_code, 0) << forced_fp4.err;
+  const std::string expected_fp4 = read_text(path("y.safetensors"));
+  EXPECT_NE(expected_fp4, expected_output) << "fp4 activations must change the result";
 
   // Layer kExpertPrefix alone, each tensor renamed by `rename` (to "":
   // dropped); its weight_scale tensors given `scale_dtype` when set.
@@ -649,18 +654,20 @@ TEST_F(MoeTest, ModeloptExportsAsWritten) {
   fs::create_directory(dir);
   write_layer(dir + "/model.safetensors", mixtral);
   std::ofstream(dir + "/config.json") << R"({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2})";
-  const std::string note = "is an NVFP4 (W4A4) checkpoint; its input_scale is not applied";
   for (const std::string algo : {"NVFP4", "W4A16_NVFP4"}) {
     std::ofstream(dir + "/hf_quant_config.json") << R"({"quantization": {"quant_algo": ")" << algo
                                                   << R"(", "group_size": 16}})";
+    const bool w4a4 = algo == "NVFP4";
     for (const std::string weights : {dir, dir + "/model.safetensors"}) {
       SCOPED_TRACE(algo + " " + weights);
       const CliResult r = moe(weights, "");
       EXPECT_EQ(r.exit_code, 0) << r.err;
-      EXPECT_TRUE(read_text(path("y.safetensors")) == expected_output) << "Mixtral names must compute the same layer";
-      size_t notes = 0;
-      for (size_t at = r.err.find(note); at != std::string::npos; at = r.err.find(note, at + 1)) ++notes;
-      EXPECT_EQ(notes, algo == "NVFP4" ? 1u : 0u) << r.err;
+      EXPECT_TRUE(read_text(path("y.safetensors")) == (w4a4 ? expected_fp4 : expected_output))
+          << "Mixtral names must compute the same layer, with the checkpoint's activation numerics";
+      EXPECT_NE(r.err.find(w4a4 ? "activations=fp4" : "activations=bf16"), std::string::npos) << r.err;
+      const CliResult bf16 = moe(weights, "--activations bf16");
+      EXPECT_EQ(bf16.exit_code, 0) << bf16.err;
+      EXPECT_TRUE(read_text(path("y.safetensors")) == expected_output) << "--activations bf16 is W4A16";
     }
   }
 
@@ -688,6 +695,12 @@ TEST_F(MoeTest, ModeloptExportsAsWritten) {
                    {"'" + kExpertPrefix + "experts.0.gate_proj.weight_scale'",
                     "expected F8_E4M3 [32, 4], found " + std::string(dtype_name(dtype)) + " [32, 4]"});
   }
+  // fp4 activations without input_scale tensors (as a W4A16 export has none).
+  write_layer(path("noscale.safetensors"), [](const std::string& name) {
+    return name.find(".input_scale") == std::string::npos ? name : std::string();
+  });
+  expect_refused(path("noscale.safetensors"), "--prefix " + kExpertPrefix + " --activations fp4",
+                 {"fp4 activations (W4A4) need an input_scale", "expert 0 gate has none"});
   // transformers 5's fused expert tensors.
   SafetensorsWriter fused;
   add_bf16(fused, kExpertPrefix + "experts.gate_up_proj", {kNumExperts, 2 * kInter, kHidden},

@@ -168,14 +168,15 @@ TEST_F(CliGpuTest, LayerBenchWritesOneJsonLinePerCase) {
     EXPECT_GT(stages.at("gemm1").get<double>(), 0.0) << line;
     if (!j.at("graph_us").is_null()) {
       ++num_graphs;
-      EXPECT_TRUE(j.at("variant") == "deterministic/fused" || j.at("variant") == "deterministic/fused/plain")
-          << "graph replays are for the default variant, with and without PDL: " << line;
+      EXPECT_TRUE(j.at("variant") == "deterministic/auto" || j.at("variant") == "deterministic/auto/plain" ||
+                  j.at("variant") == "deterministic/auto/w4a4")
+          << "graph replays are for the default variant, without PDL and with fp4 activations: " << line;
       EXPECT_GT(j.at("graph_us").get<double>(), 0.0) << line;
     }
   }
   EXPECT_TRUE(has_ceilings);
-  EXPECT_EQ(num_cases, 6 * 2) << "6 variants x 2 token counts";
-  EXPECT_EQ(num_graphs, 2 * 2) << "two graph replays per token count";
+  EXPECT_EQ(num_cases, 9 * 2) << "9 variants x 2 token counts";
+  EXPECT_EQ(num_graphs, 3 * 2) << "three graph replays per token count";
 }
 
 // Sets an environment variable for the runs of one scope (they inherit it).
