@@ -246,13 +246,16 @@ QuantConfig read_hf_quant_config(const fs::path& path) {
 
 // The format of the layer under `prefix`: its own for a single-format
 // checkpoint; for MIXED_PRECISION, every expert module of the layer listed in
-// quantized_layers must be NVFP4 / W4A16_NVFP4 with group size 16.
+// quantized_layers must be NVFP4 / W4A16_NVFP4 with group size 16. ModelOpt
+// lists per-expert modules ("<prefix>experts.3.gate_proj") or, for a fused
+// experts module (transformers 5), that module once ("<prefix>experts").
 std::string check_layer_format(const QuantConfig& config, const std::string& prefix) {
   if (config.quant_algo != kMixedPrecision) return config.quant_algo;
-  const std::string experts = prefix + "experts.";
+  const std::string experts = prefix + "experts";
   std::string algo;
   for (const auto& [module, format] : config.quantized_layers.items()) {
-    if (module.compare(0, experts.size(), experts) != 0) continue;
+    const bool fused = module == experts;
+    if (!fused && module.compare(0, experts.size() + 1, experts + ".") != 0) continue;
     FP4MOE_CHECK(format.is_object(), config.where, ": quantized_layers[\"", module, "\"] is ", format.dump(),
                  "; expected an object with quant_algo and group_size");
     check_format(format, config.where, "layer '" + module + "'");

@@ -917,6 +917,19 @@ TEST_F(ModeloptCheckpoint, MixedPrecisionLoadsItsNvfp4Layers) {
   EXPECT_CONTAINS(msg, "layer 'model.layers.33.mlp.experts.0.gate_proj' is NVFP4 with group_size 32; expected 16");
   EXPECT_ONE_LINE(msg);
 
+  // transformers' fused experts are listed once, as the experts module.
+  write_text(ckpt / "hf_quant_config.json",
+             R"({"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {
+                 "model.layers.3.self_attn.o_proj": {"quant_algo": "FP8"},
+                 ")" + kPrefix + R"(experts": {"quant_algo": "W4A16_NVFP4", "group_size": 16},
+                 "model.layers.33.mlp.experts": {"quant_algo": "NVFP4", "group_size": 32}}}})");
+  loaded = load_moe_weights(dir, kPrefix);
+  expect_same_weights(weights_, loaded);
+  EXPECT_EQ(loaded.checkpoint_format, "W4A16_NVFP4");
+  msg = error_message([&] { load_moe_weights(dir, "model.layers.33.mlp."); });
+  EXPECT_CONTAINS(msg, "layer 'model.layers.33.mlp.experts' is NVFP4 with group_size 32; expected 16");
+  EXPECT_ONE_LINE(msg);
+
   // A layer whose experts quantized_layers does not list was left unquantised.
   write_text(ckpt / "hf_quant_config.json",
              R"({"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {
