@@ -96,13 +96,78 @@ FP4MOE_ACT_HD float nvfp4_act_unscaled_value(uint8_t code, uint8_t block_scale) 
   return e2m1_to_float(code) * e4m3_to_float(block_scale);
 }
 
+// A double rounded to float toward -inf (rd) or +inf (ru); NaN stays NaN.
+FP4MOE_ACT_HD float nvfp4_act_round_down(double v) {
+#if defined(__CUDA_ARCH__)
+  return __double2float_rd(v);
+#else
+  float f = static_cast<float>(v);
+  if (static_cast<double>(f) > v) f = std::nextafter(f, -INFINITY);
+  return f;
+#endif
+}
+
+FP4MOE_ACT_HD float nvfp4_act_round_up(double v) {
+#if defined(__CUDA_ARCH__)
+  return __double2float_ru(v);
+#else
+  float f = static_cast<float>(v);
+  if (static_cast<double>(f) < v) f = std::nextafter(f, INFINITY);
+  return f;
+#endif
+}
+
+// The e2m1 codes of a block without a division per element: for the rule's
+// fp32 quotient fl(q), q = x / d (d = float(sf) * s, rounded), and an e2m1
+// rounding boundary M (0.25 0.75 1.25 1.75 2.5 3.5 5, whose last mantissa
+// bit is 0, so a tie in fl() goes to M):
+//   fl(q) >  M  <=>  q >  M + u/2        (u: the fp32 spacing above M)
+//   fl(q) >= M  <=>  q >= M - u'/2       (u': the spacing below M)
+// and for an fp32 |x|, with the threshold T·d exact in double (T has at
+// most 26 significant bits, d 24):
+//   |x| / d >  T  <=>  |x| >  rd(T·d),     |x| / d >= T  <=>  |x| >= ru(T·d).
+// float_to_e2m1 takes magnitude k past boundary k (strictly past 0.25, 1.25,
+// 2.5 and 5; at or past 0.75, 1.75 and 3.5), so the magnitude is the number
+// of thresholds |x| passes. The sign bit is fl(q) < 0: x < 0 with |q| above
+// half the smallest fp32 subnormal (2^-150; a tie rounds to 0). A NaN d
+// (a block holding a NaN) passes no threshold: code 0, as fl(q) = NaN gives.
+// Equal to float_to_e2m1(nvfp4_act_div(x, d)) for every fp32 x
+// (tests/format/test_nvfp4_activation.cpp); about a third of the
+// instructions of the division and the comparison chain on the GPU.
+struct Nvfp4ActThresholds {
+  float pass[7];  // |x| must exceed (odd k: reach) pass[k] for magnitude k + 1
+  float sign;     // |x| > sign: the quotient keeps its sign
+};
+
+FP4MOE_ACT_HD Nvfp4ActThresholds nvfp4_act_thresholds(float d) {
+  const double dd = d;
+  Nvfp4ActThresholds t;
+  t.pass[0] = nvfp4_act_round_down((0.25 + 0x1p-26) * dd);
+  t.pass[1] = nvfp4_act_round_up((0.75 - 0x1p-25) * dd);
+  t.pass[2] = nvfp4_act_round_down((1.25 + 0x1p-24) * dd);
+  t.pass[3] = nvfp4_act_round_up((1.75 - 0x1p-24) * dd);
+  t.pass[4] = nvfp4_act_round_down((2.5 + 0x1p-23) * dd);
+  t.pass[5] = nvfp4_act_round_up((3.5 - 0x1p-23) * dd);
+  t.pass[6] = nvfp4_act_round_down((5.0 + 0x1p-22) * dd);
+  t.sign = nvfp4_act_round_down(0x1p-150 * dd);
+  return t;
+}
+
+FP4MOE_ACT_HD uint8_t nvfp4_act_code(float x, const Nvfp4ActThresholds& t) {
+  const float a = std::fabs(x);
+  const int mag = (a > t.pass[0]) + (a >= t.pass[1]) + (a > t.pass[2]) + (a >= t.pass[3]) + (a > t.pass[4]) +
+                  (a >= t.pass[5]) + (a > t.pass[6]);
+  return static_cast<uint8_t>(((x < 0.0f && a > t.sign) ? 8 : 0) | mag);
+}
+
 // Quantises one block of 16: returns the scale code, writes the 16 e2m1
 // codes and, if `unscaled` is not null, q_i * float(sf) (what the GPU stores).
 FP4MOE_ACT_HD uint8_t nvfp4_act_quantize_block(const float* x, float input_scale, uint8_t* codes,
                                                float* unscaled) {
   const uint8_t scale = nvfp4_act_block_scale(nvfp4_act_block_amax(x), input_scale);
+  const Nvfp4ActThresholds t = nvfp4_act_thresholds(nvfp4_act_mul(e4m3_to_float(scale), input_scale));
   for (int i = 0; i < kNvfp4BlockSize; ++i) {
-    codes[i] = nvfp4_act_quantize_value(x[i], scale, input_scale);
+    codes[i] = nvfp4_act_code(x[i], t);
     if (unscaled) unscaled[i] = nvfp4_act_unscaled_value(codes[i], scale);
   }
   return scale;

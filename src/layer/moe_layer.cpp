@@ -197,6 +197,7 @@ Nvfp4Matrix column_slice(const Nvfp4Matrix& m, int64_t begin, int64_t count) {
   out.cols = count;
   out.global_scale = m.global_scale;
   out.input_scale = m.input_scale;
+  out.has_input_scale = m.has_input_scale;
   out.packed.resize(static_cast<size_t>(m.rows * count / 2));
   out.scales.resize(static_cast<size_t>(m.rows * count / 16));
   for (int64_t r = 0; r < m.rows; ++r) {
@@ -213,6 +214,7 @@ Nvfp4Matrix row_slice(const Nvfp4Matrix& m, int64_t begin, int64_t count) {
   out.cols = m.cols;
   out.global_scale = m.global_scale;
   out.input_scale = m.input_scale;
+  out.has_input_scale = m.has_input_scale;
   out.packed.assign(m.packed.begin() + begin * (m.cols / 2), m.packed.begin() + (begin + count) * (m.cols / 2));
   out.scales.assign(m.scales.begin() + begin * (m.cols / 16), m.scales.begin() + (begin + count) * (m.cols / 16));
   return out;

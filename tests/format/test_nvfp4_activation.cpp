@@ -135,6 +135,35 @@ TEST(Nvfp4Activation, RandomBlocksAcrossMagnitudesMatchTheRule) {
   }
 }
 
+// The quantiser decides each code by comparing |x| with thresholds derived
+// from the block's divisor instead of dividing; here every element sits
+// within a few fp32 steps of a rounding boundary times the divisor, where
+// the quotient's rounding decides the code, for many divisors. The
+// reference divides.
+TEST(Nvfp4Activation, QuotientsNextToEveryRoundingBoundary) {
+  std::mt19937_64 rng(2027);
+  std::uniform_real_distribution<float> log2_s(-30.0f, 10.0f), log2_amax(-12.0f, 12.0f);
+  const double kBoundaries[8] = {0x1p-150, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0};
+  int bad = 0;
+  for (int trial = 0; trial < 3000 && bad == 0; ++trial) {
+    const float s = std::exp2(log2_s(rng));
+    float x[16] = {};
+    x[0] = std::exp2(log2_amax(rng)) * s * 2688.0f / 448.0f;  // the block's amax
+    uint8_t codes[16];
+    const uint8_t scale = nvfp4_act_quantize_block(x, s, codes, nullptr);
+    const float d = mul_f32(static_cast<float>(ref_e4m3_value(scale)), s);
+    for (int i = 1; i < 16; ++i) {
+      const double m = kBoundaries[(trial + i) % 8];
+      float v = static_cast<float>(m * d);
+      for (int step = (i % 7) - 3; step < 0; ++step) v = std::nextafter(v, 0.0f);
+      for (int step = (i % 7) - 3; step > 0; --step) v = std::nextafter(v, INFINITY);
+      v = std::min(v, x[0]);  // keeps the block's amax (and scale)
+      x[i] = (i % 2) ? -v : v;
+    }
+    bad += check_block(x, s, "next to a boundary");
+  }
+}
+
 TEST(Nvfp4Activation, TiesRoundToEvenCodes) {
   // Powers of two keep every division exact: s = 2^-3 and amax 3 give
   // b = 3 / (6 * 2^-3) = 4 and x / (4 * 2^-3) = 2x, so x = t / 2 lands on t.

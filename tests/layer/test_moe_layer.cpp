@@ -1721,6 +1721,64 @@ TEST(MoeLayerW4a4, GraphReplaysEqualEagerForwards) {
 
 // kCheckpoint follows the format and the scales; kBf16 on a W4A4 checkpoint
 // is the bf16 layer bit for bit; kFp4 without input scales is refused.
+// A shared expert under W4A4: its chunks run as extra experts, their inputs
+// quantised with the shared expert's own input scales (gate/up's for the
+// hidden states, down's for the SwiGLU output), against the CPU reference,
+// which runs the shared expert whole; ungated (DeepSeek) and gated (Qwen2-MoE).
+TEST(MoeLayerW4a4, SharedExpertQuantisesItsInputsAsRoutedExpertsDo) {
+  FP4MOE_REQUIRE_GPU();
+  struct Case {
+    ModelShape shape;
+    int chunks;
+    bool gated;
+  };
+  const Case cases[] = {
+      {{"DeepSeekV3SharedW4a4", 64, 256, 128, noaux_routing(8, 8, 4, 2.5f)}, 2, false},
+      {{"Qwen2MoeSharedW4a4", 60, 256, 144, softmax_routing(4, false)}, 4, true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.shape.name);
+    std::mt19937 rng(static_cast<uint32_t>(std::hash<std::string>{}(c.shape.name)));
+    MoeWeights weights = w4a4_weights(random_weights(c.shape, rng));
+    SharedExpertWeights shared;
+    shared.inter = c.chunks * c.shape.inter;
+    const float gate_up_scale = 0.1f / std::sqrt(static_cast<float>(c.shape.hidden));
+    shared.mlp.gate = testing::random_nvfp4(shared.inter, c.shape.hidden, gate_up_scale, rng);
+    shared.mlp.up = testing::random_nvfp4(shared.inter, c.shape.hidden, gate_up_scale, rng);
+    shared.mlp.down = testing::random_nvfp4(c.shape.hidden, shared.inter,
+                                            0.1f / std::sqrt(static_cast<float>(shared.inter)), rng);
+    shared.mlp.gate.input_scale = shared.mlp.up.input_scale = 3.0f / 2688.0f;
+    shared.mlp.down.input_scale = 30.0f / 2688.0f;
+    shared.mlp.gate.has_input_scale = shared.mlp.up.has_input_scale = shared.mlp.down.has_input_scale = true;
+    if (c.gated) shared.gate = normal_floats(static_cast<size_t>(c.shape.hidden), 0.05f, rng);
+    weights.shared_expert = shared;
+    std::vector<float> correction_bias;
+    if (c.shape.routing.mode == RoutingMode::kNoauxTc)
+      correction_bias = normal_floats(static_cast<size_t>(c.shape.num_experts), 0.1f, rng);
+
+    const MoeLayer layer = MoeLayer::prepare(weights, layer_options(c.shape));
+    ASSERT_EQ(layer.activation_numerics(), ActivationNumerics::kFp4);
+    Stream stream;
+    constexpr int64_t kTokens = 64;
+    const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kTokens);
+    DeviceBuffer<uint16_t> output(static_cast<size_t>(kTokens * c.shape.hidden));
+    TokenBatch batch;
+    batch.num_tokens = kTokens;
+    batch.hidden_states = testing::random_bf16(static_cast<size_t>(kTokens * c.shape.hidden), rng);
+    batch.router_logits = draw_router_logits(kTokens, c.shape.num_experts, correction_bias, c.shape.routing, rng);
+    batch.routing = route(batch.router_logits.data(), kTokens, c.shape.num_experts,
+                          correction_bias.empty() ? nullptr : correction_bias.data(), c.shape.routing);
+    const std::vector<float> bf16_ref = reference_output(weights, batch.hidden_states, batch.routing,
+                                                         c.shape.activation);
+    const std::vector<float> w4a4_ref = w4a4_reference(weights, batch, c.shape.activation);
+    const DeviceInputs inputs(batch.hidden_states, batch.router_logits, correction_bias, batch.routing, kTokens);
+    const std::vector<uint16_t> out =
+        forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
+    const double rel_err = expect_matches_w4a4_reference(out, w4a4_ref, bf16_ref, c.shape.hidden);
+    std::printf("  %-30s T=%lld rel_err %.2e\n", c.shape.name.c_str(), static_cast<long long>(kTokens), rel_err);
+  }
+}
+
 TEST(MoeLayerW4a4, CheckpointRuleAndRefusals) {
   FP4MOE_REQUIRE_GPU();
   const ModelShape& shape = shape_named("Mixtral");

@@ -789,15 +789,14 @@ TEST_F(MoeTest, ModeloptExportsAsWritten) {
   const CliResult reference = moe(checkpoint_, "--prefix " + kExpertPrefix);
   ASSERT_EQ(reference.exit_code, 0) << reference.err;
   const std::string expected_output = read_text(path("y.safetensors"));
-  const CliResult forced_fp4 = moe(checkpoint_, "--prefix " + kExpertPrefix + " --activations fp4");
-  ASSERT_EQ(forced_fp4.exit_code, 0) << forced_fp4.err;
-  const std::string expected_fp4 = read_text(path("y.safetensors"));
-  EXPECT_NE(expected_fp4, expected_output) << "fp4 activations must change the result";
 
   // Layer kExpertPrefix alone, each tensor renamed by `rename` (to "":
-  // dropped); its weight_scale tensors given `scale_dtype` when set.
+  // dropped); its weight_scale tensors given `scale_dtype` when set; with
+  // `input_scales`, an input_scale beside every weight_scale_2 (quantize
+  // writes none: a W4A4 export's calibrated scale, here for amax 4).
+  const float input_scale = 4.0f / 2688.0f;
   const auto write_layer = [&](const std::string& file, const std::function<std::string(const std::string&)>& rename,
-                               std::optional<DType> scale_dtype = std::nullopt) {
+                               std::optional<DType> scale_dtype = std::nullopt, bool input_scales = false) {
     const SafetensorsFile q = SafetensorsFile::open(checkpoint_);
     SafetensorsWriter w;
     std::vector<std::vector<float>> keep_alive;
@@ -806,6 +805,11 @@ TEST_F(MoeTest, ModeloptExportsAsWritten) {
       TensorView v = q.get(name);
       v.name = rename(name);
       if (v.name.empty()) continue;
+      const std::string suffix = ".weight_scale_2";
+      if (input_scales && v.name.size() > suffix.size() &&
+          v.name.compare(v.name.size() - suffix.size(), suffix.size(), suffix) == 0)
+        w.add(v.name.substr(0, v.name.size() - suffix.size()) + ".input_scale", DType::F32, {}, &input_scale,
+              sizeof(float));
       if (scale_dtype && name.size() > 13 && name.compare(name.size() - 13, 13, ".weight_scale") == 0) {
         keep_alive.emplace_back(static_cast<size_t>(v.numel()), 1.0f);
         v.dtype = *scale_dtype;
@@ -816,6 +820,13 @@ TEST_F(MoeTest, ModeloptExportsAsWritten) {
     }
     w.write(file);
   };
+  const std::string w4a4_file = path("w4a4.safetensors");
+  write_layer(w4a4_file, [](const std::string& name) { return name; }, std::nullopt, true);
+  const CliResult forced_fp4 = moe(w4a4_file, "--prefix " + kExpertPrefix + " --activations fp4");
+  ASSERT_EQ(forced_fp4.exit_code, 0) << forced_fp4.err;
+  const std::string expected_fp4 = read_text(path("y.safetensors"));
+  EXPECT_NE(expected_fp4, expected_output) << "fp4 activations must change the result";
+
   const auto mixtral = [](std::string name) {
     for (const auto& [from, to] : {std::pair<std::string, std::string>{".mlp.", ".block_sparse_moe."},
                                    {".gate_proj.", ".w1."}, {".up_proj.", ".w3."}, {".down_proj.", ".w2."}})
@@ -824,7 +835,7 @@ TEST_F(MoeTest, ModeloptExportsAsWritten) {
   };
   const std::string dir = path("mixtral-nvfp4");
   fs::create_directory(dir);
-  write_layer(dir + "/model.safetensors", mixtral);
+  write_layer(dir + "/model.safetensors", mixtral, std::nullopt, true);
   std::ofstream(dir + "/config.json") << R"({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2})";
   for (const std::string algo : {"NVFP4", "W4A16_NVFP4"}) {
     std::ofstream(dir + "/hf_quant_config.json") << R"({"quantization": {"quant_algo": ")" << algo
