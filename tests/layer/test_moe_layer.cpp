@@ -1768,8 +1768,12 @@ TEST(MoeLayerW4a4, SharedExpertQuantisesItsInputsAsRoutedExpertsDo) {
     batch.router_logits = draw_router_logits(kTokens, c.shape.num_experts, correction_bias, c.shape.routing, rng);
     batch.routing = route(batch.router_logits.data(), kTokens, c.shape.num_experts,
                           correction_bias.empty() ? nullptr : correction_bias.data(), c.shape.routing);
-    const std::vector<float> bf16_ref = reference_output(weights, batch.hidden_states, batch.routing,
-                                                         c.shape.activation);
+    // The W4A16 reference of the same weights (bf16 activations), which the
+    // output must not match: shows that fp4 numerics were applied.
+    std::vector<float> bf16_ref(static_cast<size_t>(kTokens * c.shape.hidden));
+    const std::vector<float> x = bf16_to_floats(batch.hidden_states);
+    moe_reference(weights, x.data(), batch.routing, c.shape.activation, bf16_ref.data(), 0, Intermediate::kBf16,
+                  ActivationNumerics::kBf16);
     const std::vector<float> w4a4_ref = w4a4_reference(weights, batch, c.shape.activation);
     const DeviceInputs inputs(batch.hidden_states, batch.router_logits, correction_bias, batch.routing, kTokens);
     const std::vector<uint16_t> out =
