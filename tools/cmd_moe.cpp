@@ -205,7 +205,8 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
                                          : " threads=" + std::to_string(stats.num_threads);
   const std::string shared =
       weights.shared_expert ? " shared=" + std::to_string(weights.shared_expert->inter) +
-                                  (weights.shared_expert->gate.empty() ? "" : "(gated)")
+                                  (weights.shared_expert->gate.empty() ? "" : "(gated)") +
+                                  (weights.shared_expert->dense() ? "(unquantised)" : "")
                             : "";
   std::fprintf(stderr,
                "moe: T=%lld E=%lld k=%d H=%lld I=%lld%s routing=%s activation=%s activations=%s backend=%s%s "

@@ -70,6 +70,15 @@ struct SharedExpertWeights {
   int64_t inter = 0;        // its intermediate width, a multiple of 16
   ExpertWeights mlp;        // gate/up [inter, hidden], down [hidden, inter]; no biases
   std::vector<float> gate;  // Qwen2-MoE shared_expert_gate.weight [hidden]; empty: weight 1
+  // A shared expert the checkpoint leaves unquantised (ModelOpt's
+  // experts-only configs): its weights as floats, row-major, with `mlp`
+  // empty — dense_gate_up [2 * inter, hidden] (gate rows, then up rows) and
+  // dense_down [hidden, inter]. It runs with unquantised activations. The
+  // CPU reference runs it; the GPU layer, which runs shared experts as NVFP4
+  // experts of its grouped GEMMs, refuses it.
+  std::vector<float> dense_gate_up;
+  std::vector<float> dense_down;
+  bool dense() const { return !dense_down.empty(); }
 };
 
 struct MoeWeights {

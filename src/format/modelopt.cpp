@@ -718,10 +718,34 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
   // scale: the layer runs it as extra NVFP4 experts of the same GEMMs.
   const TensorView* shared_w = source.contains(stem + "gate_proj.weight") ? source.get(stem + "gate_proj.weight").first
                                                                             : nullptr;
-  if (shared_w != nullptr && shared_w->dtype != DType::U8)
-    FP4MOE_THROW(path, ": the shared expert '", stem, "*' is not NVFP4-quantised ('", stem, "gate_proj.weight' is ",
-                 describe(shared_w->dtype, shared_w->shape), "); fp4moe runs NVFP4 shared experts only: export with a "
-                 "config that quantises it (NVFP4_DEFAULT_CFG, W4A16_NVFP4_CFG) or quantise it with fp4moe quantize");
+  if (shared_w != nullptr && shared_w->dtype != DType::U8) {
+    FP4MOE_CHECK(shared_w->shape.size() == 2 && shared_w->shape[1] == H && shared_w->shape[0] > 0, path,
+                 ": tensor '", stem, "gate_proj.weight' is ", describe(shared_w->dtype, shared_w->shape),
+                 "; expected [shared inter, ", H, "] (an unquantised shared expert)");
+    const int64_t S = shared_w->shape[0];
+    for (const std::string& name : source.names())
+      FP4MOE_CHECK(name.compare(0, stem.size(), stem) != 0 || name.size() < 7 ||
+                       name.compare(name.size() - 7, 7, ".weight") == 0,
+                   path, ": tensor '", name, "' beside an unquantised shared expert '", stem,
+                   "*'; expected only {gate_proj,up_proj,down_proj}.weight (a shared expert is NVFP4 or "
+                   "unquantised, not a mix)");
+    FP4MOE_CHECK(!gated || source.contains(gate_name), path, ": missing tensor '", gate_name,
+                 "' (a Qwen2-MoE shared expert '", stem, "*' is scaled by sigmoid(shared_expert_gate · x))");
+    SharedExpertWeights shared;
+    shared.inter = S;
+    const char* what = "an unquantised shared expert";
+    shared.dense_gate_up = read_float_tensor(source, path, stem + "gate_proj.weight", {S, H}, what);
+    const std::vector<float> up = read_float_tensor(source, path, stem + "up_proj.weight", {S, H}, what);
+    shared.dense_gate_up.insert(shared.dense_gate_up.end(), up.begin(), up.end());
+    shared.dense_down = read_float_tensor(source, path, stem + "down_proj.weight", {H, S}, what);
+    if (gated) {
+      const TensorView& g = *source.get(gate_name).first;
+      const std::vector<int64_t> shape = g.shape.size() == 1 ? std::vector<int64_t>{H} : std::vector<int64_t>{1, H};
+      shared.gate = read_float_tensor(source, path, gate_name, shape, "the shared expert's gate");
+    }
+    weights.shared_expert = std::move(shared);
+    return weights;
+  }
   for (const char* proj : kProjNames)
     for (const char* field : kRequiredFields) {
       const std::string name = stem + proj + "." + field;
@@ -834,8 +858,21 @@ void add_moe_weights(SafetensorsWriter& writer, const MoeWeights& weights,
   const SharedExpertWeights& shared = *weights.shared_expert;
   const bool gated = !shared.gate.empty();
   const std::string stem = prefix + (gated ? "shared_expert." : "shared_experts.");
+  const int64_t S = shared.inter, H = weights.hidden;
+  if (shared.dense()) {  // unquantised, as F32 tensors
+    FP4MOE_CHECK(shared.dense_gate_up.size() == static_cast<size_t>(2 * S * H) &&
+                     shared.dense_down.size() == static_cast<size_t>(H * S),
+                 "add_moe_weights: the unquantised shared expert has ", shared.dense_gate_up.size(), " gate/up and ",
+                 shared.dense_down.size(), " down values; expected ", 2 * S * H, " and ", H * S);
+    writer.add(stem + "gate_proj.weight", DType::F32, {S, H}, shared.dense_gate_up.data(),
+               static_cast<size_t>(S * H) * sizeof(float));
+    writer.add(stem + "up_proj.weight", DType::F32, {S, H}, shared.dense_gate_up.data() + S * H,
+               static_cast<size_t>(S * H) * sizeof(float));
+    writer.add(stem + "down_proj.weight", DType::F32, {H, S}, shared.dense_down.data(),
+               static_cast<size_t>(H * S) * sizeof(float));
+  }
   const Nvfp4Matrix* matrices[3] = {&shared.mlp.gate, &shared.mlp.up, &shared.mlp.down};
-  for (int p = 0; p < 3; ++p) {
+  for (int p = 0; p < 3 && !shared.dense(); ++p) {
     const Nvfp4Matrix& m = *matrices[p];
     const int64_t rows = p < 2 ? shared.inter : weights.hidden;
     const int64_t cols = p < 2 ? weights.hidden : shared.inter;

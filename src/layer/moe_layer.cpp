@@ -168,6 +168,9 @@ void validate_shape(int64_t num_experts, int64_t hidden, int64_t inter, const Mo
 int shared_chunks(const MoeWeights& w, const MoeLayerOptions& o) {
   if (!w.shared_expert) return 0;
   const SharedExpertWeights& sh = *w.shared_expert;
+  FP4MOE_CHECK(!sh.dense(), "MoeLayer: the shared expert is unquantised in the checkpoint (ModelOpt's "
+               "experts-only configs leave it in bf16); the GPU layer runs NVFP4 shared experts only, as extra experts "
+               "of its grouped GEMMs: use the CPU backend (--device cpu) or a checkpoint that quantises it");
   FP4MOE_CHECK(sh.inter > 0 && sh.inter % w.inter == 0, "MoeLayer: the shared expert is ", sh.inter,
                " wide; expected a multiple of the routed experts' inter = ", w.inter,
                " (it runs as extra experts of that width)");

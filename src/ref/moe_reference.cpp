@@ -124,18 +124,35 @@ void validate_weights(const MoeWeights& w) {
   }
   if (!w.shared_expert) return;
   const SharedExpertWeights& sh = *w.shared_expert;
-  FP4MOE_CHECK(sh.inter >= kNvfp4BlockSize && sh.inter % kNvfp4BlockSize == 0 && sh.inter <= kMaxDim,
-               "moe_reference: shared expert inter = ", sh.inter, "; expected a positive multiple of ",
-               kNvfp4BlockSize, " up to ", kMaxDim);
-  constexpr int64_t kShared = -1;  // names the shared expert in check_matrix's messages
-  check_matrix(sh.mlp.gate, kShared, "(shared) gate", sh.inter, w.hidden);
-  check_matrix(sh.mlp.up, kShared, "(shared) up", sh.inter, w.hidden);
-  check_matrix(sh.mlp.down, kShared, "(shared) down", w.hidden, sh.inter);
+  if (sh.dense()) {
+    FP4MOE_CHECK(sh.inter >= 1 && sh.inter <= kMaxDim &&
+                     sh.dense_gate_up.size() == static_cast<size_t>(2 * sh.inter * w.hidden) &&
+                     sh.dense_down.size() == static_cast<size_t>(w.hidden * sh.inter),
+                 "moe_reference: the unquantised shared expert has ", sh.dense_gate_up.size(), " gate/up and ",
+                 sh.dense_down.size(), " down values; expected ", 2 * sh.inter * w.hidden, " and ",
+                 w.hidden * sh.inter, " (inter = ", sh.inter, ")");
+  } else {
+    FP4MOE_CHECK(sh.inter >= kNvfp4BlockSize && sh.inter % kNvfp4BlockSize == 0 && sh.inter <= kMaxDim,
+                 "moe_reference: shared expert inter = ", sh.inter, "; expected a positive multiple of ",
+                 kNvfp4BlockSize, " up to ", kMaxDim);
+    constexpr int64_t kShared = -1;  // names the shared expert in check_matrix's messages
+    check_matrix(sh.mlp.gate, kShared, "(shared) gate", sh.inter, w.hidden);
+    check_matrix(sh.mlp.up, kShared, "(shared) up", sh.inter, w.hidden);
+    check_matrix(sh.mlp.down, kShared, "(shared) down", w.hidden, sh.inter);
+  }
   FP4MOE_CHECK(sh.mlp.gate_bias.empty() && sh.mlp.up_bias.empty() && sh.mlp.down_bias.empty(),
                "moe_reference: the shared expert has biases; expected none");
   FP4MOE_CHECK(sh.gate.empty() || sh.gate.size() == static_cast<size_t>(w.hidden),
                "moe_reference: the shared expert's gate has ", sh.gate.size(), " values; expected 0 (none) or hidden = ",
                w.hidden);
+}
+
+// Dot product of float weights with double activations, in double (an
+// unquantised shared expert).
+double dense_dot(const float* w, const double* x, int64_t n) {
+  double sum = 0.0;
+  for (int64_t k = 0; k < n; ++k) sum += static_cast<double>(w[k]) * x[k];
+  return sum;
 }
 
 // One unit of work: rows [row_begin, row_end) of one expert's projection(s).
@@ -192,8 +209,10 @@ ActivationNumerics resolve_activation_numerics(const MoeWeights& weights, Activa
   if (requested == ActivationNumerics::kBf16) return requested;
   // The first expert matrix without an input_scale, if any.
   static const char* const kProj[3] = {"gate", "up", "down"};
-  // The routed experts, then the shared expert (if any).
-  const size_t num_mlps = weights.experts.size() + (weights.shared_expert ? 1 : 0);
+  // The routed experts, then the shared expert (if any, and quantised: an
+  // unquantised one runs with unquantised activations).
+  const bool nvfp4_shared = weights.shared_expert && !weights.shared_expert->dense();
+  const size_t num_mlps = weights.experts.size() + (nvfp4_shared ? 1 : 0);
   for (size_t e = 0; e < num_mlps; ++e) {
     const bool is_shared = e == weights.experts.size();
     const ExpertWeights& ex = is_shared ? weights.shared_expert->mlp : weights.experts[e];
@@ -241,7 +260,8 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
   validate_weights(weights);
   const bool fp4_activations = resolve_activation_numerics(weights, numerics) == ActivationNumerics::kFp4;
   if (fp4_activations) {
-    for (int64_t e = 0; e < weights.num_experts + (weights.shared_expert ? 1 : 0); ++e) {
+    const bool nvfp4_shared = weights.shared_expert && !weights.shared_expert->dense();
+    for (int64_t e = 0; e < weights.num_experts + (nvfp4_shared ? 1 : 0); ++e) {
       const ExpertWeights& ex =
           e == weights.num_experts ? weights.shared_expert->mlp : weights.experts[static_cast<size_t>(e)];
       for (const float s : {ex.gate.input_scale, ex.up.input_scale, ex.down.input_scale})
@@ -359,27 +379,32 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
       shared_weight.resize(static_cast<size_t>(num_tokens));
       // With fp4 activations its inputs are quantised as a routed expert's
       // are: x with gate/up's input_scale, act with down's.
-      if (fp4_activations) {
+      const bool shared_fp4 = fp4_activations && !shared->dense();
+      if (shared_fp4) {
         shared_xq = x;
         parallel_for(num_tokens, [&](int64_t t) {
           quantize_activation_row(shared_xq.data() + t * hidden, hidden, gemm1_input_scale(shared->mlp));
         }, num_threads);
       }
-      const std::vector<double>& shared_x = fp4_activations ? shared_xq : x;
+      const std::vector<double>& shared_x = shared_fp4 ? shared_xq : x;
       const std::vector<WorkUnit> act_units = split_rows({0}, shared_inter);
       parallel_for(static_cast<int64_t>(act_units.size()), [&](int64_t u) {
         const WorkUnit& unit = act_units[static_cast<size_t>(u)];
         for (int64_t i = unit.row_begin; i < unit.row_end; ++i)
           for (int64_t t = 0; t < num_tokens; ++t) {
             const double* xt = shared_x.data() + t * hidden;
-            const double a = activate(activation, row_dot(shared->mlp.gate, i, xt), row_dot(shared->mlp.up, i, xt));
+            const double a =
+                shared->dense()
+                    ? activate(activation, dense_dot(shared->dense_gate_up.data() + i * hidden, xt, hidden),
+                               dense_dot(shared->dense_gate_up.data() + (shared_inter + i) * hidden, xt, hidden))
+                    : activate(activation, row_dot(shared->mlp.gate, i, xt), row_dot(shared->mlp.up, i, xt));
             shared_act[static_cast<size_t>(t * shared_inter + i)] =
                 intermediate == Intermediate::kBf16
                     ? static_cast<double>(bf16_to_float(float_to_bf16(static_cast<float>(a))))
                     : a;
           }
       }, num_threads);
-      if (fp4_activations) {
+      if (shared_fp4) {
         parallel_for(num_tokens, [&](int64_t t) {
           quantize_activation_row(shared_act.data() + t * shared_inter, shared_inter, shared->mlp.down.input_scale);
         }, num_threads);
@@ -390,7 +415,10 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
         for (int64_t n = unit.row_begin; n < unit.row_end; ++n)
           for (int64_t t = 0; t < num_tokens; ++t)
             shared_y[static_cast<size_t>(t * hidden + n)] =
-                row_dot(shared->mlp.down, n, shared_act.data() + t * shared_inter);
+                shared->dense()
+                    ? dense_dot(shared->dense_down.data() + n * shared_inter, shared_act.data() + t * shared_inter,
+                                shared_inter)
+                    : row_dot(shared->mlp.down, n, shared_act.data() + t * shared_inter);
       }, num_threads);
       for (int64_t t = 0; t < num_tokens; ++t) {
         double logit = 0.0;

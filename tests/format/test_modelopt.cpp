@@ -1294,7 +1294,23 @@ TEST_F(ModeloptCheckpoint, SharedExpertLoadsWholeOrIsRefused) {
       return false;
     });
     expect_error([&] { load_moe_weights(broken, kPrefix); },
-                 {"'" + stem + "gate_proj.weight' is BF16 [64, 64]", "not NVFP4-quantised", "NVFP4 shared experts only"});
+                 {"beside an unquantised shared expert '" + stem + "*'", "not a mix"});
+
+    // A shared expert left unquantised (ModelOpt's experts-only configs):
+    // float weights, loaded as they are.
+    MoeWeights dense_w = w;
+    SharedExpertWeights& dense = *dense_w.shared_expert;
+    dense.mlp = ExpertWeights{};
+    dense.dense_gate_up.resize(static_cast<size_t>(2 * dense.inter * kHidden));
+    dense.dense_down.resize(static_cast<size_t>(kHidden * dense.inter));
+    for (size_t i = 0; i < dense.dense_gate_up.size(); ++i) dense.dense_gate_up[i] = 0.01f * static_cast<float>(i % 97);
+    for (size_t i = 0; i < dense.dense_down.size(); ++i) dense.dense_down[i] = -0.02f * static_cast<float>(i % 89);
+    const MoeWeights dense_loaded = load_moe_weights(write_checkpoint("dense.safetensors", dense_w), kPrefix);
+    ASSERT_TRUE(dense_loaded.shared_expert && dense_loaded.shared_expert->dense());
+    EXPECT_EQ(dense_loaded.shared_expert->inter, dense.inter);
+    EXPECT_EQ(dense_loaded.shared_expert->dense_gate_up, dense.dense_gate_up);
+    EXPECT_EQ(dense_loaded.shared_expert->dense_down, dense.dense_down);
+    EXPECT_EQ(dense_loaded.shared_expert->gate, dense.gate);
   }
 }
 

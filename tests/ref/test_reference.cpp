@@ -905,6 +905,56 @@ Nvfp4Matrix slice(const Nvfp4Matrix& m, bool columns, int64_t begin, int64_t cou
 // widths), and against the same shared expert cut into chunks of the routed
 // width and routed to as extra experts with the same weight, which is how the
 // GPU layer runs it: the two agree to rounding.
+// An unquantised shared expert (float weights, ModelOpt's experts-only
+// configs) computes what the NVFP4 one whose dequantised values it holds
+// computes; it keeps bf16 activations beside W4A4 routed experts, whose
+// fp4 numerics it does not block.
+TEST(ReferenceMoe, UnquantisedSharedExpertRunsInFloat) {
+  const int tokens = 4, experts = 5, top_k = 2, hidden = 32, inter = 16;
+  std::mt19937_64 rng(77);
+  MoeWeights w = random_weights(experts, hidden, inter, false, rng);
+  SharedExpertWeights shared;
+  shared.inter = 2 * inter;
+  shared.mlp = random_weights(1, hidden, shared.inter, false, rng).experts[0];
+  shared.gate = random_vector(hidden, 0.3f, rng);
+  w.shared_expert = shared;
+  MoeWeights dense_w = w;
+  SharedExpertWeights& dense = *dense_w.shared_expert;
+  for (const Nvfp4Matrix* m : {&shared.mlp.gate, &shared.mlp.up})
+    for (double v : naive_dequantize(*m)) dense.dense_gate_up.push_back(static_cast<float>(v));  // exact
+  for (double v : naive_dequantize(shared.mlp.down)) dense.dense_down.push_back(static_cast<float>(v));
+  dense.mlp = ExpertWeights{};
+  ASSERT_TRUE(dense.dense());
+  const std::vector<float> x = random_vector(static_cast<size_t>(tokens * hidden), 1.0f, rng);
+  const std::vector<float> logits = random_vector(static_cast<size_t>(tokens * experts), 2.0f, rng);
+  RoutingParams p;
+  p.top_k = top_k;
+  const Routing routing = route(logits.data(), tokens, experts, nullptr, p);
+  std::vector<float> want(static_cast<size_t>(tokens * hidden)), got(want.size());
+  moe_reference(w, x.data(), routing, Activation::kSwiGLU, want.data());
+  moe_reference(dense_w, x.data(), routing, Activation::kSwiGLU, got.data());
+  expect_close(got, std::vector<double>(want.begin(), want.end()), hidden, 1e-6);
+
+  // W4A4 routed experts: fp4 by the checkpoint's rule, the unquantised
+  // shared expert on unquantised activations.
+  MoeWeights w4a4 = dense_w;
+  w4a4.checkpoint_format = "NVFP4";
+  for (ExpertWeights& e : w4a4.experts) {
+    e.gate.input_scale = e.up.input_scale = 3.0f / 2688.0f;
+    e.down.input_scale = 20.0f / 2688.0f;
+    e.gate.has_input_scale = e.up.has_input_scale = e.down.has_input_scale = true;
+  }
+  EXPECT_EQ(resolve_activation_numerics(w4a4, ActivationNumerics::kCheckpoint), ActivationNumerics::kFp4);
+  MoeWeights routed_only = w4a4;
+  routed_only.shared_expert.reset();
+  std::vector<float> routed(want.size()), with_shared(want.size());
+  moe_reference(routed_only, x.data(), routing, Activation::kSwiGLU, routed.data());
+  moe_reference(w4a4, x.data(), routing, Activation::kSwiGLU, with_shared.data());
+  std::vector<double> expected(routed.begin(), routed.end());
+  add_naive_shared(w, x, tokens, Activation::kSwiGLU, expected);  // the shared expert on bf16 activations
+  expect_close(with_shared, expected, hidden, 1e-5);
+}
+
 TEST(ReferenceMoe, SharedExpertMatchesIndependentPaths) {
   const int tokens = 5, experts = 6, top_k = 2, hidden = 48, inter = 32;
   for (const bool gated : {false, true})
