@@ -634,6 +634,35 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
     return nullptr;
   };
 
+  // Reads one NVFP4 matrix (m.rows, m.cols set) from the tensors name(field)
+  // into m; returns its weight_scale_2 as read (for the gate/up check), or
+  // nothing when a problem was recorded for it.
+  const auto read_matrix = [&](const auto& name, Nvfp4Matrix& m) -> std::optional<float> {
+    std::optional<float> scale_2;
+    if (const TensorView* v = checked(name("weight"), {DType::U8}, {{m.rows, m.cols / 2}}))
+      m.packed.assign(v->data, v->data + v->nbytes);
+    if (const TensorView* v = checked(name("weight_scale"), {DType::F8_E4M3}, {{m.rows, m.cols / kNvfp4BlockSize}})) {
+      m.scales.assign(v->data, v->data + v->nbytes);
+      const auto nan = std::find_if(m.scales.begin(), m.scales.end(), e4m3_is_nan);
+      if (nan != m.scales.end())
+        problems.add("'", name("weight_scale"), "': element ", nan - m.scales.begin(), " is an e4m3 NaN");
+    }
+    // ModelOpt writes 0-d scalars; other exporters write shape [1].
+    if (const TensorView* v = checked(name("weight_scale_2"), {DType::F32}, {{}, {1}})) {
+      m.global_scale = read_f32_scale(*v, path);
+      scale_2 = m.global_scale;
+    }
+    // input_scale is optional (W4A16 exports have none): 1.0 and
+    // has_input_scale false when absent.
+    if (source.contains(name("input_scale"))) {
+      if (const TensorView* v = checked(name("input_scale"), {DType::F32}, {{}, {1}})) {
+        m.input_scale = read_input_scale(*v, path);
+        m.has_input_scale = true;
+      }
+    }
+    return scale_2;
+  };
+
   const int64_t H = weights.hidden, I = weights.inter;
   weights.experts.resize(static_cast<size_t>(num_experts));
   for (int64_t e = 0; e < num_experts; ++e) {
@@ -648,29 +677,7 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
       m.cols = p < 2 ? H : I;
       auto name = [&](const char* field) { return expert_tensor_name(prefix, e, proj, field); };
 
-      if (const TensorView* v = checked(name("weight"), {DType::U8}, {{m.rows, m.cols / 2}}))
-        m.packed.assign(v->data, v->data + v->nbytes);
-      if (const TensorView* v = checked(name("weight_scale"), {DType::F8_E4M3},
-                                        {{m.rows, m.cols / kNvfp4BlockSize}})) {
-        m.scales.assign(v->data, v->data + v->nbytes);
-        const auto nan = std::find_if(m.scales.begin(), m.scales.end(), e4m3_is_nan);
-        if (nan != m.scales.end())
-          problems.add("'", name("weight_scale"), "': element ", nan - m.scales.begin(),
-                       " is an e4m3 NaN");
-      }
-      // ModelOpt writes 0-d scalars; other exporters write shape [1].
-      if (const TensorView* v = checked(name("weight_scale_2"), {DType::F32}, {{}, {1}})) {
-        m.global_scale = read_f32_scale(*v, path);
-        scale_2[p] = m.global_scale;
-      }
-      // input_scale is optional (W4A16 exports have none): 1.0 and
-      // has_input_scale false when absent.
-      if (source.contains(name("input_scale"))) {
-        if (const TensorView* v = checked(name("input_scale"), {DType::F32}, {{}, {1}})) {
-          m.input_scale = read_input_scale(*v, path);
-          m.has_input_scale = true;
-        }
-      }
+      scale_2[p] = read_matrix(name, m);
       if (any_bias) {
         if (const TensorView* v = checked(name("bias"), {DType::F32, DType::BF16}, {{m.rows}})) {
           biases[p]->resize(static_cast<size_t>(m.rows));
@@ -772,26 +779,7 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
     m.rows = p < 2 ? shared.inter : H;
     m.cols = p < 2 ? H : shared.inter;
     auto name = [&](const char* field) { return stem + kProjNames[p] + "." + field; };
-    if (const TensorView* v = checked(name("weight"), {DType::U8}, {{m.rows, m.cols / 2}}))
-      m.packed.assign(v->data, v->data + v->nbytes);
-    if (const TensorView* v = checked(name("weight_scale"), {DType::F8_E4M3}, {{m.rows, m.cols / kNvfp4BlockSize}})) {
-      m.scales.assign(v->data, v->data + v->nbytes);
-      const auto nan = std::find_if(m.scales.begin(), m.scales.end(), e4m3_is_nan);
-      if (nan != m.scales.end())
-        problems.add("'", name("weight_scale"), "': element ", nan - m.scales.begin(), " is an e4m3 NaN");
-    }
-    if (const TensorView* v = checked(name("weight_scale_2"), {DType::F32}, {{}, {1}})) {
-      m.global_scale = read_f32_scale(*v, path);
-      shared_scale_2[p] = m.global_scale;
-    }
-    // As for the routed experts: optional, 1.0 and has_input_scale false
-    // when absent (W4A16 exports).
-    if (source.contains(name("input_scale"))) {
-      if (const TensorView* v = checked(name("input_scale"), {DType::F32}, {{}, {1}})) {
-        m.input_scale = read_input_scale(*v, path);
-        m.has_input_scale = true;
-      }
-    }
+    shared_scale_2[p] = read_matrix(name, m);
   }
   if (shared_scale_2[0] && shared_scale_2[1] && *shared_scale_2[0] != *shared_scale_2[1])
     problems.add("'", stem, "gate_proj.weight_scale_2' = ", exact(*shared_scale_2[0]), " differs from '", stem,
