@@ -346,6 +346,16 @@ TEST(MoeLayerArgs, RejectsSharedExpertsTheLayerCannotChunk) {
   msg = prepare_error(with_shared(kInter, static_cast<size_t>(kHidden - 1)));
   EXPECT_THAT(msg, HasSubstr("gate has " + std::to_string(kHidden - 1) + " values"));
   EXPECT_THAT(msg, is_validation_error());
+  // An unquantised shared expert (ModelOpt's experts-only exports) runs on
+  // the CPU backend only.
+  MoeWeights dense = with_shared(kInter, 0);
+  dense.shared_expert->mlp = ExpertWeights{};
+  dense.shared_expert->dense_gate_up.assign(static_cast<size_t>(2 * kInter * kHidden), 0.01f);
+  dense.shared_expert->dense_down.assign(static_cast<size_t>(kHidden * kInter), 0.01f);
+  msg = prepare_error(dense);
+  EXPECT_THAT(msg, HasSubstr("shared expert is unquantised"));
+  EXPECT_THAT(msg, HasSubstr("--device cpu"));
+  EXPECT_THAT(msg, is_validation_error());
 }
 
 TEST(MoeLayerArgs, AcceptsValidWeights) {
