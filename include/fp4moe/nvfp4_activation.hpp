@@ -85,11 +85,6 @@ FP4MOE_ACT_HD uint8_t nvfp4_act_block_scale(float block_amax, float input_scale)
   return float_to_e4m3(b);
 }
 
-// The e2m1 code of x in a block with scale code `block_scale`.
-FP4MOE_ACT_HD uint8_t nvfp4_act_quantize_value(float x, uint8_t block_scale, float input_scale) {
-  return float_to_e2m1(nvfp4_act_div(x, nvfp4_act_mul(e4m3_to_float(block_scale), input_scale)));
-}
-
 // q * float(sf) for an element: exact in fp32, bf16 and f16; NaN for a NaN
 // scale. The element's value is this times input_scale.
 FP4MOE_ACT_HD float nvfp4_act_unscaled_value(uint8_t code, uint8_t block_scale) {

@@ -243,30 +243,10 @@ TEST_F(CliTest, QuantizeWritesModelOptLayout) {
       const FloatExpert& ex = (*layer)[static_cast<size_t>(e)];
       const float shared_amax = std::max(abs_max_of(ex.gate), abs_max_of(ex.up));
       for (const std::string proj : kProjs) {
-        SCOPED_TRACE(expert_base(prefix, e, proj));
-        const std::string base = expert_base(prefix, e, proj);
         const bool down = proj == "down_proj";
-        const int64_t rows = down ? kHidden : kInter, cols = down ? kInter : kHidden;
-        const TensorView& weight = q.get(base + ".weight");
-        const TensorView& scale = q.get(base + ".weight_scale");
-        const TensorView& scale_2 = q.get(base + ".weight_scale_2");
-        EXPECT_EQ(weight.dtype, DType::U8);
-        EXPECT_EQ(weight.shape, (std::vector<int64_t>{rows, cols / 2}));
-        EXPECT_EQ(scale.dtype, DType::F8_E4M3);
-        EXPECT_EQ(scale.shape, (std::vector<int64_t>{rows, cols / 16}));
-        EXPECT_EQ(scale_2.dtype, DType::F32);
-        EXPECT_TRUE(scale_2.shape.empty());
-        // Weight-only (W4A16): no activation scale without calibration data.
-        EXPECT_FALSE(q.contains(base + ".input_scale"));
-        float global_scale;
-        std::memcpy(&global_scale, scale_2.data, 4);
         // Gate and up share the global scale of both; down has its own.
-        const float amax = down ? abs_max_of(ex.down) : shared_amax;
-        EXPECT_EQ(global_scale, nvfp4_global_scale(amax));
-        // Bit-identical to the library's quantiser given that scale.
-        const Nvfp4Matrix expected = quantize_nvfp4(projection(ex, proj).data(), rows, cols, global_scale);
-        EXPECT_TRUE(std::equal(expected.packed.begin(), expected.packed.end(), weight.data));
-        EXPECT_TRUE(std::equal(expected.scales.begin(), expected.scales.end(), scale.data));
+        expect_quantized(q, expert_base(prefix, e, proj), projection(ex, proj), down ? kHidden : kInter,
+                         down ? kInter : kHidden, down ? abs_max_of(ex.down) : shared_amax);
       }
     }
     // The loader reads what quantize wrote.

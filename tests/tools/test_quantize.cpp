@@ -157,28 +157,6 @@ class QuantizeTest : public CliTest {
 
   // Checks <base>.{weight, weight_scale, weight_scale_2} against
   // quantize_nvfp4 of `w` [rows, cols] with the global scale of `amax`.
-  static void expect_quantized(const SafetensorsFile& f, const std::string& base, const std::vector<float>& w,
-                               int64_t rows, int64_t cols, float amax) {
-    SCOPED_TRACE(base);
-    ASSERT_TRUE(f.contains(base + ".weight")) << f.path();
-    const TensorView& weight = f.get(base + ".weight");
-    const TensorView& scale = f.get(base + ".weight_scale");
-    const TensorView& scale_2 = f.get(base + ".weight_scale_2");
-    EXPECT_EQ(weight.dtype, DType::U8);
-    EXPECT_EQ(weight.shape, (std::vector<int64_t>{rows, cols / 2}));
-    EXPECT_EQ(scale.dtype, DType::F8_E4M3);
-    EXPECT_EQ(scale.shape, (std::vector<int64_t>{rows, cols / 16}));
-    EXPECT_EQ(scale_2.dtype, DType::F32);
-    EXPECT_TRUE(scale_2.shape.empty());
-    EXPECT_FALSE(f.contains(base + ".input_scale")) << "W4A16 writes no input_scale";
-    float global_scale = 0.0f;
-    std::memcpy(&global_scale, scale_2.data, sizeof(float));
-    EXPECT_EQ(global_scale, nvfp4_global_scale(amax));
-    const Nvfp4Matrix expected = quantize_nvfp4(w.data(), rows, cols, nvfp4_global_scale(amax));
-    EXPECT_TRUE(std::equal(expected.packed.begin(), expected.packed.end(), weight.data)) << "packed codes differ";
-    EXPECT_TRUE(std::equal(expected.scales.begin(), expected.scales.end(), scale.data)) << "block scales differ";
-  }
-
   static void expect_copied(const SafetensorsFile& f, const std::string& name, const FloatTensor& t) {
     SCOPED_TRACE(name);
     ASSERT_TRUE(f.contains(name));
