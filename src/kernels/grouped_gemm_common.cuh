@@ -223,19 +223,6 @@ __device__ __forceinline__ __nv_bfloat16 swiglu_output(const GroupedGemmParams& 
   return __float2bfloat16_rn(activate(p.activation, gate, up));
 }
 
-// W4A4 (kSwiglu with act_quant_scales): one NVFP4 block of 16 staged bf16
-// outputs, 16-byte aligned, quantised against input_scale by
-// nvfp4_activation.hpp's rule and stored as q x e4m3 (exact in bf16) with two
-// 16-byte stores. The block lies wholly in one thread, so no lane exchange.
-__device__ __forceinline__ void store_fp4_block(const __nv_bfloat16* staged, float input_scale,
-                                                __nv_bfloat16* dst) {
-  uint4 lo = reinterpret_cast<const uint4*>(staged)[0];
-  uint4 hi = reinterpret_cast<const uint4*>(staged)[1];
-  fp4_quantize_bf16_block(lo, hi, input_scale);
-  reinterpret_cast<uint4*>(dst)[0] = lo;
-  reinterpret_cast<uint4*>(dst)[1] = hi;
-}
-
 // The kFinalize epilogue of four columns [col, col + 4) of one row of expert
 // e (already scaled by the global scale): + bias, x the slot's router
 // weight, stored to (or, with atomic_out, added into) the slot's or token's

@@ -121,7 +121,7 @@ void launch_gather_rows(const void* x, const int32_t* token_of_row, const int32_
 // block of 16 against input_scales[e] (fp32 [num_experts], e the row's
 // expert), by the rule of include/fp4moe/nvfp4_activation.hpp, and written as
 // q x e4m3 (exact in bf16; GEMM1's epilogue applies the input_scale).
-// hidden % 16 == 0.
+// hidden % 16 == 0, num_experts <= kMaxExperts.
 void launch_gather_rows_fp4(const void* x, const int32_t* token_of_row, const int32_t* expert_offsets,
                             int64_t num_experts, int64_t num_rows, int64_t hidden, const float* input_scales,
                             void* x_sorted, cudaStream_t stream, bool programmatic = false);

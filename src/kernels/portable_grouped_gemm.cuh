@@ -389,26 +389,19 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
         const int y_cols = EPI == Epilogue::kSwiglu ? n_half : p.n;
         const int n0 = n_tile * OUT_N;
         static_assert(EPI != Epilogue::kSwiglu || OUT_N % 16 == 0, "a SwiGLU tile must hold whole NVFP4 blocks");
-        if (EPI == Epilogue::kSwiglu && p.act_quant_scales) {
-          // W4A4: whole NVFP4 blocks of 16 features, one per thread (n0 and
-          // the output width are multiples of 16).
-          const float input_scale = __ldg(p.act_quant_scales + e);
-          constexpr int OUT_BLOCKS = OUT_N / 16;
-          for (int i = tid; i < rows_valid * OUT_BLOCKS; i += THREADS) {
-            const int r = i / OUT_BLOCKS;
-            const int c = i % OUT_BLOCKS;
-            if (n0 + c * 16 >= y_cols) continue;
-            detail::store_fp4_block(s_out + r * L.epi_row_elems + c * 16, input_scale,
-                                    p.y + static_cast<size_t>(row_begin + r) * y_cols + n0 + c * 16);
-          }
-        } else {
-          for (int i = tid; i < rows_valid * OUT_CHUNKS; i += THREADS) {
-            const int r = i / OUT_CHUNKS;
-            const int c = i % OUT_CHUNKS;
-            if (n0 + c * 8 >= y_cols) continue;
-            const uint4 v = *reinterpret_cast<const uint4*>(s_out + r * L.epi_row_elems + c * 8);
-            *reinterpret_cast<uint4*>(p.y + static_cast<size_t>(row_begin + r) * y_cols + n0 + c * 8) = v;
-          }
+        // W4A4 (kSwiglu with act_quant_scales): quantised to NVFP4 against
+        // down_proj's input_scale on the way, a block of 16 features per pair
+        // of threads (n0 and the output width are multiples of 16, so both
+        // chunks of a block are stored or skipped together).
+        const bool quantise = EPI == Epilogue::kSwiglu && p.act_quant_scales;
+        const float input_scale = quantise ? __ldg(p.act_quant_scales + e) : 0.0f;
+        for (int i = tid; i < rows_valid * OUT_CHUNKS; i += THREADS) {
+          const int r = i / OUT_CHUNKS;
+          const int c = i % OUT_CHUNKS;
+          if (n0 + c * 8 >= y_cols) continue;
+          uint4 v = *reinterpret_cast<const uint4*>(s_out + r * L.epi_row_elems + c * 8);
+          if (quantise) detail::fp4_quantize_bf16_half_block(v, input_scale);
+          *reinterpret_cast<uint4*>(p.y + static_cast<size_t>(row_begin + r) * y_cols + n0 + c * 8) = v;
         }
       }
     }

@@ -510,26 +510,19 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
             const int y_cols = EPI == Epilogue::kSwiglu ? n_half : p.n;
             const int n0 = u.n_tile * (EPI == Epilogue::kSwiglu ? BLOCK_N / 2 : BLOCK_N) + consumer * OUT_N;
             static_assert(EPI != Epilogue::kSwiglu || OUT_N % 16 == 0, "a SwiGLU tile must hold whole NVFP4 blocks");
-            if (EPI == Epilogue::kSwiglu && p.act_quant_scales) {
-              // W4A4: whole NVFP4 blocks of 16 features, one per thread (n0
-              // and the output width are multiples of 16).
-              const float input_scale = __ldg(p.act_quant_scales + e);
-              constexpr int OUT_BLOCKS = OUT_N / 16;
-              for (int i = wtid; i < rows * OUT_BLOCKS; i += 128) {
-                const int r = i / OUT_BLOCKS;
-                const int cc = i % OUT_BLOCKS;
-                if (n0 + cc * 16 >= y_cols) continue;
-                detail::store_fp4_block(s_out + r * L.epi_row_elems + cc * 16, input_scale,
-                                        p.y + static_cast<size_t>(row_first + r) * y_cols + n0 + cc * 16);
-              }
-            } else {
-              for (int i = wtid; i < rows * OUT_CHUNKS; i += 128) {
-                const int r = i / OUT_CHUNKS;
-                const int cc = i % OUT_CHUNKS;
-                if (n0 + cc * 8 >= y_cols) continue;
-                const uint4 v = *reinterpret_cast<const uint4*>(s_out + r * L.epi_row_elems + cc * 8);
-                *reinterpret_cast<uint4*>(p.y + static_cast<size_t>(row_first + r) * y_cols + n0 + cc * 8) = v;
-              }
+            // W4A4 (kSwiglu with act_quant_scales): quantised to NVFP4
+            // against down_proj's input_scale on the way, a block of 16
+            // features per pair of threads (n0 and the output width are
+            // multiples of 16: both chunks of a block are stored or skipped).
+            const bool quantise = EPI == Epilogue::kSwiglu && p.act_quant_scales;
+            const float input_scale = quantise ? __ldg(p.act_quant_scales + e) : 0.0f;
+            for (int i = wtid; i < rows * OUT_CHUNKS; i += 128) {
+              const int r = i / OUT_CHUNKS;
+              const int cc = i % OUT_CHUNKS;
+              if (n0 + cc * 8 >= y_cols) continue;
+              uint4 v = *reinterpret_cast<const uint4*>(s_out + r * L.epi_row_elems + cc * 8);
+              if (quantise) detail::fp4_quantize_bf16_half_block(v, input_scale);
+              *reinterpret_cast<uint4*>(p.y + static_cast<size_t>(row_first + r) * y_cols + n0 + cc * 8) = v;
             }
           }
           ptx::named_barrier_sync(sm90::kBarWarpgroup0 + consumer, 128);  // staging free again

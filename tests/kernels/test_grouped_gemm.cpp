@@ -1,18 +1,22 @@
 // GPU tests of the portable grouped GEMM against a double-precision CPU
 // reference: enumerated expert counts, rows per expert (0, 1, 7, 8, 9, 31, 64,
 // 100), N and K at alignment edges, every compiled config forced, split-K,
-// every fp4 code x every block scale, graph capture, device-side offset
-// checks, and the shared-memory model against the compiled kernels.
+// every fp4 code x every block scale, the W4A4 SwiGLU epilogue against the
+// CPU activation quantiser, graph capture, device-side offset checks, and the
+// shared-memory model against the compiled kernels.
 // Outputs are poisoned (NaN) before each run so an unwritten element fails.
 // Skipped with a message where no GPU exists.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
 
 #include "kernels/grouped_gemm.hpp"
+#include "fp4moe/nvfp4_activation.hpp"
 #include "fp4moe/plan.hpp"
 #include "gpu_test_util.hpp"
 #include "plan/smem_model.hpp"
@@ -255,6 +259,74 @@ TEST(GroupedGemmGpu, Sm90TensorMapAndGatheredCopiesGiveTheSameBits) {
       }
     }
   }
+}
+
+// W4A4: the SwiGLU epilogue with act_quant_scales stores, bit for bit, what
+// the CPU quantiser (nvfp4_activation.hpp) makes of the same epilogue's bf16
+// output, in every compiled SwiGLU config of both families. The experts'
+// input scales put their outputs' amax at 0.25x .. 1.75x of the calibrated
+// range (the first saturates), and the last expert's divisor under 2^-100
+// takes the quantiser's unpacked path.
+TEST(GroupedGemmGpu, SwigluFp4OutputIsTheCpuQuantiserOfItsBf16Output) {
+  FP4MOE_REQUIRE_GPU();
+  std::mt19937 rng(77);
+  const std::vector<GemmCase> cases = {{256, 512, {31, 0, 64, 100}}, {544, 272, {9, 1, 40, 8}}};
+  int num_runs = 0;
+  for (const GemmCase& c : cases) {
+    Problem prob(c, rng);
+    const int64_t num_experts = static_cast<int64_t>(c.rows_per_expert.size());
+    const int64_t y_cols = c.n / 2;
+    for (const TileConfig& compiled : compiled_configs()) {
+      if (compiled.epilogue != Epilogue::kSwiglu || !runs_here(compiled)) continue;
+      GemmPlan plan = plan_grouped_gemm(prob.args(), compiled, Epilogue::kSwiglu);
+      plan.split_k = 1;
+      const std::string what = describe(c, compiled, 1);
+      DeviceBuffer<uint8_t> workspace(grouped_gemm_workspace_bytes(plan));
+      workspace.fill_bytes(0);
+      auto run = [&](const float* act_quant_scales) {
+        prob.d_y.fill_bytes(0xFF);
+        GroupedGemmArgs args = prob.args();
+        args.act_quant_scales = act_quant_scales;
+        args.workspace = workspace.get();
+        args.workspace_bytes = workspace.bytes();
+        grouped_gemm(args, plan, nullptr);
+        FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+        EXPECT_EQ(grouped_gemm_device_errors(workspace.get(), nullptr), "") << what;
+        std::vector<uint16_t> y = prob.d_y.download();
+        y.resize(static_cast<size_t>(prob.num_rows * y_cols));
+        return y;
+      };
+      const std::vector<uint16_t> bf16 = run(nullptr);
+      std::vector<float> input_scales(static_cast<size_t>(num_experts), 1.0f);
+      for (int64_t e = 0; e < num_experts; ++e) {
+        float amax = 0.0f;
+        for (int64_t i = prob.offsets[e] * y_cols; i < prob.offsets[e + 1] * y_cols; ++i)
+          amax = std::max(amax, std::fabs(bf16_to_float(bf16[static_cast<size_t>(i)])));
+        input_scales[static_cast<size_t>(e)] =
+            e + 1 == num_experts ? 1e-33f : std::max(amax, 1e-6f) * (0.25f + 0.5f * static_cast<float>(e)) / 2688.0f;
+      }
+      const DeviceBuffer<float> d_input_scales(input_scales);
+      const std::vector<uint16_t> fp4 = run(d_input_scales.get());
+      int64_t num_bad = 0;
+      for (int64_t e = 0; e < num_experts; ++e)
+        for (int64_t row = prob.offsets[e]; row < prob.offsets[e + 1]; ++row)
+          for (int64_t b = 0; b < y_cols; b += 16) {
+            float block[16], unscaled[16];
+            uint8_t codes[16];
+            for (int i = 0; i < 16; ++i) block[i] = bf16_to_float(bf16[static_cast<size_t>(row * y_cols + b + i)]);
+            nvfp4_act_quantize_block(block, input_scales[static_cast<size_t>(e)], codes, unscaled);
+            for (int i = 0; i < 16; ++i) {
+              const uint16_t got = fp4[static_cast<size_t>(row * y_cols + b + i)], want = float_to_bf16(unscaled[i]);
+              if (got != want && ++num_bad <= 3)
+                ADD_FAILURE() << what << ": row " << row << " feature " << b + i << ": got bf16 0x" << std::hex << got
+                              << ", expected 0x" << want << std::dec << " (input " << block[i] << ")";
+            }
+          }
+      EXPECT_EQ(num_bad, 0) << what;
+      ++num_runs;
+    }
+  }
+  EXPECT_GT(num_runs, 0) << "no compiled SwiGLU config runs on this GPU";
 }
 
 TEST(GroupedGemmGpu, PlannerChoiceMatchesReference) {

@@ -936,6 +936,86 @@ TEST(MoeOpsGpu, GatherRowsFp4MatchesTheCpuQuantiserBitExact) {
       }
 }
 
+// The GPU quantiser's packed path (bf16 thresholds, exact bf16 FMAs) against
+// the CPU quantiser for every bf16 value a block can hold: per (input_scale,
+// block amax) case, one expert whose rows are blocks of that amax followed by
+// 15 values, all bf16 magnitudes <= amax with both signs. The amaxes give
+// every e4m3 block scale from the smallest subnormal to 448 (and the clamps
+// at both ends); two input scales put the divisor outside [2^-100, 2^100],
+// where the kernel applies the rule as written.
+TEST(MoeOpsGpu, GatherRowsFp4EveryBf16ValueMatchesTheCpuQuantiser) {
+  FP4MOE_REQUIRE_GPU();
+  constexpr int64_t kHidden = 1024;
+  constexpr int64_t kBlocksPerRow = kHidden / 16;
+  std::vector<float> input_scales;
+  std::vector<float> amaxes;
+  for (float s : {1.0f / 2688.0f, 0.37f, 3.0e-2f / 2688.0f, 1e-33f, 1e29f}) {
+    const bool ordinary = s > 1e-20f && s < 1e20f;
+    for (int code = 1; code <= 0x7E; code += ordinary ? 1 : 25) {
+      const float sf = e4m3_to_float(static_cast<uint8_t>(code));
+      // An amax whose block scale is `code` (6 s sf rounded to bf16 may land
+      // on a neighbour; either way a scale of that size is covered).
+      input_scales.push_back(s);
+      amaxes.push_back(bf16_to_float(float_to_bf16(6.0f * s * sf)));
+    }
+    input_scales.push_back(s);  // past 448 * 6 s: the scale clamps at 448
+    amaxes.push_back(bf16_to_float(float_to_bf16(1e4f * s)));
+  }
+  const int64_t num_experts = static_cast<int64_t>(amaxes.size());
+  std::vector<uint16_t> x;
+  std::vector<int32_t> offsets = {0};
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const uint16_t amax_bits = float_to_bf16(amaxes[static_cast<size_t>(e)]);
+    std::vector<uint16_t> values;
+    for (uint32_t m = 0; m <= amax_bits; ++m) {
+      values.push_back(static_cast<uint16_t>(m));
+      values.push_back(static_cast<uint16_t>(m | 0x8000u));
+    }
+    const int64_t blocks = (static_cast<int64_t>(values.size()) + 14) / 15;
+    const int64_t rows = (blocks + kBlocksPerRow - 1) / kBlocksPerRow;
+    for (int64_t b = 0; b < rows * kBlocksPerRow; ++b) {
+      x.push_back(amax_bits);
+      for (int64_t i = 0; i < 15; ++i) {
+        const size_t v = static_cast<size_t>(b * 15 + i);
+        x.push_back(v < values.size() ? values[v] : 0);
+      }
+    }
+    offsets.push_back(offsets.back() + static_cast<int32_t>(rows));
+  }
+  const int64_t num_rows = offsets.back();
+  std::vector<int32_t> token_of_row(static_cast<size_t>(num_rows));
+  std::iota(token_of_row.begin(), token_of_row.end(), 0);
+  std::vector<uint16_t> expected(x.size());
+  for (int64_t e = 0; e < num_experts; ++e)
+    for (int64_t b = offsets[static_cast<size_t>(e)] * kBlocksPerRow; b < offsets[static_cast<size_t>(e) + 1] * kBlocksPerRow;
+         ++b) {
+      float block[16], unscaled[16];
+      uint8_t codes[16];
+      for (int i = 0; i < 16; ++i) block[i] = bf16_to_float(x[static_cast<size_t>(b * 16 + i)]);
+      nvfp4_act_quantize_block(block, input_scales[static_cast<size_t>(e)], codes, unscaled);
+      for (int i = 0; i < 16; ++i) expected[static_cast<size_t>(b * 16 + i)] = float_to_bf16(unscaled[i]);
+    }
+
+  const DeviceBuffer<uint16_t> d_x(x);
+  const DeviceBuffer<int32_t> d_token_of_row(token_of_row), d_offsets(offsets);
+  const DeviceBuffer<float> d_scales(input_scales);
+  DeviceBuffer<uint16_t> d_sorted(x.size());
+  kernels::launch_gather_rows_fp4(d_x.get(), d_token_of_row.get(), d_offsets.get(), num_experts, num_rows, kHidden,
+                                  d_scales.get(), d_sorted.get(), nullptr);
+  FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint16_t> sorted = d_sorted.download();
+  int64_t num_bad = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (sorted[i] == expected[i]) continue;
+    if (++num_bad > 5) continue;
+    const size_t e = static_cast<size_t>(
+        std::upper_bound(offsets.begin(), offsets.end(), static_cast<int32_t>(i / kHidden)) - offsets.begin() - 1);
+    ADD_FAILURE() << "input_scale " << input_scales[e] << ", block amax " << amaxes[e] << ": input bf16 0x" << std::hex
+                  << x[i] << " gave 0x" << sorted[i] << ", expected 0x" << expected[i] << std::dec;
+  }
+  EXPECT_EQ(num_bad, 0) << "of " << x.size() << " elements in " << num_experts << " (input_scale, amax) cases";
+}
+
 TEST(MoeOpsGpu, GatherRowsFp4RejectsBadParameters) {
   FP4MOE_REQUIRE_GPU();
   DeviceBuffer<uint16_t> x(1024), sorted(1024);
@@ -946,6 +1026,9 @@ TEST(MoeOpsGpu, GatherRowsFp4RejectsBadParameters) {
   EXPECT_THROW(kernels::launch_gather_rows_fp4(x.get(), idx.get(), idx.get(), 8, 4, 16, nullptr, sorted.get(),
                                                nullptr), Error);  // no input scales
   EXPECT_THROW(kernels::launch_gather_rows_fp4(x.get() + 1, idx.get(), idx.get(), 8, 4, 16, scales.get(),
+                                               sorted.get(), nullptr), Error);
+  // More experts than a layer has (kMaxExperts = 512).
+  EXPECT_THROW(kernels::launch_gather_rows_fp4(x.get(), idx.get(), idx.get(), 513, 4, 16, scales.get(),
                                                sorted.get(), nullptr), Error);
   EXPECT_NO_THROW(kernels::launch_gather_rows_fp4(nullptr, nullptr, nullptr, 8, 0, 16, nullptr, nullptr, nullptr));
 }
