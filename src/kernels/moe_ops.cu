@@ -477,7 +477,7 @@ __global__ void __launch_bounds__(kElementwiseThreads)
   const bool narrow = num_blocks <= INT32_MAX;  // 32-bit division: a few instructions, 64-bit ~70
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_blocks;
        i += stride) {
-    const int64_t row = narrow ? static_cast<int64_t>(static_cast<uint32_t>(i) / static_cast<uint32_t>(blocks_per_row))
+    const int64_t row = narrow ? int64_t{static_cast<uint32_t>(i) / static_cast<uint32_t>(blocks_per_row)}
                                : i / blocks_per_row;
     const int64_t block = i - row * blocks_per_row;
     const uint4* src = x + (static_cast<int64_t>(token_of_row[row]) * blocks_per_row + block) * 2;

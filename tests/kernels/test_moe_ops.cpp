@@ -986,15 +986,17 @@ TEST(MoeOpsGpu, GatherRowsFp4EveryBf16ValueMatchesTheCpuQuantiser) {
   std::vector<int32_t> token_of_row(static_cast<size_t>(num_rows));
   std::iota(token_of_row.begin(), token_of_row.end(), 0);
   std::vector<uint16_t> expected(x.size());
-  for (int64_t e = 0; e < num_experts; ++e)
-    for (int64_t b = offsets[static_cast<size_t>(e)] * kBlocksPerRow; b < offsets[static_cast<size_t>(e) + 1] * kBlocksPerRow;
-         ++b) {
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t first = offsets[static_cast<size_t>(e)] * kBlocksPerRow;
+    const int64_t end = offsets[static_cast<size_t>(e) + 1] * kBlocksPerRow;
+    for (int64_t b = first; b < end; ++b) {
       float block[16], unscaled[16];
       uint8_t codes[16];
       for (int i = 0; i < 16; ++i) block[i] = bf16_to_float(x[static_cast<size_t>(b * 16 + i)]);
       nvfp4_act_quantize_block(block, input_scales[static_cast<size_t>(e)], codes, unscaled);
       for (int i = 0; i < 16; ++i) expected[static_cast<size_t>(b * 16 + i)] = float_to_bf16(unscaled[i]);
     }
+  }
 
   const DeviceBuffer<uint16_t> d_x(x);
   const DeviceBuffer<int32_t> d_token_of_row(token_of_row), d_offsets(offsets);
