@@ -46,7 +46,11 @@ static_assert(kMaxTopK <= 32, "lane j holds the j-th chosen expert");
 // (higher key, or equal key and lower index: the tie rule of fp4moe::route);
 // rank j < top_k is the j-th choice. The counting runs on all threads at
 // once: a chain of top_k warp argmax rounds is latency-bound (one warp,
-// ~3,000 dependent instructions, 12 us at T = 1 in ncu), this is ~1 us.
+// ~3,000 dependent instructions, 12 us at T = 1 in ncu). It counts in two
+// steps, each a short chain: within the expert's slice of 32, then, for the
+// top_k of every slice (the candidates), among the candidates. An expert
+// beaten by a non-candidate is beaten by that slice's top_k as well, so a
+// candidate's count among candidates is its rank wherever that is < top_k.
 // noaux_tc ranks groups the same way first. A non-finite logit excludes its
 // expert as in fp4moe::route (docs/design.md §3): its key is -inf, so it
 // ranks after every finite one and ids stay in range and distinct whatever
@@ -54,8 +58,11 @@ static_assert(kMaxTopK <= 32, "lane j holds the j-th chosen expert");
 // kErrorNonFiniteLogits.
 struct RouteShared {
   // Selection key: the logit, or c = sigmoid(logit) + bias for noaux_tc; NaN
-  // for experts of dropped groups and for the padding to a multiple of 4.
-  alignas(16) float key[kMaxExperts + 4];
+  // for experts of dropped groups and for the padding to a slice of 32.
+  alignas(16) float key[kMaxExperts];
+  // The top_k of each slice of 32 experts (key, expert); NaN keys: empty.
+  alignas(16) float candidate_key[kMaxExperts / 32 * kMaxTopK];
+  alignas(16) int candidate[kMaxExperts / 32 * kMaxTopK];
   float group_score[kMaxExperts / 2];
   uint8_t group_kept[kMaxExperts / 2];
   int chosen[kMaxTopK];            // expert of rank j, then the shared chunks' experts
@@ -109,9 +116,11 @@ __device__ void route_token(RouteShared& sh,
     }
     sh.key[e] = key;
   }
-  // Pad to a multiple of 4 keys for the float4 reads; NaN ranks nowhere.
-  if (tid < 4 && num_experts % 4 != 0 && num_experts + tid < kMaxExperts + 4)
-    sh.key[num_experts + tid] = NAN;
+  // Pad to whole slices of 32 keys for the float4 reads; NaN ranks nowhere.
+  const int num_slices = (num_experts + 31) / 32;
+  static_assert(kMaxExperts % 32 == 0, "slices of 32 experts");
+  for (int e = num_experts + tid; e < num_slices * 32; e += kRouteThreads) sh.key[e] = NAN;
+  for (int c = tid; c < num_slices * top_k; c += kRouteThreads) sh.candidate_key[c] = NAN;
   if (__syncthreads_or(saw_nonfinite) && tid == 0 && error_flags != nullptr)
     atomicOr(error_flags, kErrorNonFiniteLogits);
 
@@ -152,17 +161,41 @@ __device__ void route_token(RouteShared& sh,
   for (int e = tid; e < num_experts; e += kRouteThreads) {
     const float key = sh.key[e];
     if (isnan(key)) continue;
+    const int slice = e / 32;
     int rank[4] = {0, 0, 0, 0};
-    const float4* keys4 = reinterpret_cast<const float4*>(sh.key);
-#pragma unroll 4
-    for (int o = 0; o < (num_experts + 3) / 4; ++o) {
+    const float4* keys4 = reinterpret_cast<const float4*>(sh.key + slice * 32);
+#pragma unroll
+    for (int o = 0; o < 8; ++o) {
       const float4 k4 = keys4[o];
-      const int base = 4 * o;
-      rank[0] += k4.x > key || (k4.x == key && base + 0 < e);
-      rank[1] += k4.y > key || (k4.y == key && base + 1 < e);
-      rank[2] += k4.z > key || (k4.z == key && base + 2 < e);
-      rank[3] += k4.w > key || (k4.w == key && base + 3 < e);
+      const int base = slice * 32 + 4 * o;
+      rank[0] += ranks_before(k4.x, base + 0, key, e);
+      rank[1] += ranks_before(k4.y, base + 1, key, e);
+      rank[2] += ranks_before(k4.z, base + 2, key, e);
+      rank[3] += ranks_before(k4.w, base + 3, key, e);
     }
+    const int in_slice = rank[0] + rank[1] + rank[2] + rank[3];
+    if (in_slice < top_k) {
+      sh.candidate_key[slice * top_k + in_slice] = key;
+      sh.candidate[slice * top_k + in_slice] = e;
+    }
+  }
+  __syncthreads();
+  const int num_candidates = num_slices * top_k;
+  for (int c = tid; c < num_candidates; c += kRouteThreads) {
+    const float key = sh.candidate_key[c];
+    if (isnan(key)) continue;
+    const int e = sh.candidate[c];
+    int rank[4] = {0, 0, 0, 0};
+    int j = 0;
+    for (; j + 4 <= num_candidates; j += 4) {
+      const float4 k4 = *reinterpret_cast<const float4*>(sh.candidate_key + j);
+      const int4 e4 = *reinterpret_cast<const int4*>(sh.candidate + j);
+      rank[0] += ranks_before(k4.x, e4.x, key, e);
+      rank[1] += ranks_before(k4.y, e4.y, key, e);
+      rank[2] += ranks_before(k4.z, e4.z, key, e);
+      rank[3] += ranks_before(k4.w, e4.w, key, e);
+    }
+    for (; j < num_candidates; ++j) rank[0] += ranks_before(sh.candidate_key[j], sh.candidate[j], key, e);
     const int total = rank[0] + rank[1] + rank[2] + rank[3];
     if (total < top_k) sh.chosen[total] = e;
   }
