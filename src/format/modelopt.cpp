@@ -720,6 +720,14 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
                "' but no shared expert for it to gate (expected '", prefix, "shared_expert.gate_proj.weight')");
   if (stem.empty()) return weights;
   const bool gated = stem == prefix + "shared_expert.";
+  // Qwen2-MoE's gate, nn.Linear(hidden, 1): [1, hidden]; a flat [hidden] is read too.
+  auto read_shared_gate = [&] {
+    FP4MOE_CHECK(source.contains(gate_name), path, ": missing tensor '", gate_name, "' (a Qwen2-MoE shared expert '",
+                 stem, "*' is scaled by sigmoid(shared_expert_gate · x))");
+    const TensorView& g = *source.get(gate_name).first;
+    const std::vector<int64_t> shape = g.shape.size() == 1 ? std::vector<int64_t>{H} : std::vector<int64_t>{1, H};
+    return read_float_tensor(source, path, gate_name, shape, "the shared expert's gate");
+  };
   // A shared expert left in high precision (ModelOpt's experts-only configs
   // quantise the routed experts alone) is refused by name, not as a missing
   // scale: the layer runs it as extra NVFP4 experts of the same GEMMs.
@@ -736,8 +744,6 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
                    path, ": tensor '", name, "' beside an unquantised shared expert '", stem,
                    "*'; expected only {gate_proj,up_proj,down_proj}.weight (a shared expert is NVFP4 or "
                    "unquantised, not a mix)");
-    FP4MOE_CHECK(!gated || source.contains(gate_name), path, ": missing tensor '", gate_name,
-                 "' (a Qwen2-MoE shared expert '", stem, "*' is scaled by sigmoid(shared_expert_gate · x))");
     SharedExpertWeights shared;
     shared.inter = S;
     const char* what = "an unquantised shared expert";
@@ -745,11 +751,7 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
     const std::vector<float> up = read_float_tensor(source, path, stem + "up_proj.weight", {S, H}, what);
     shared.dense_gate_up.insert(shared.dense_gate_up.end(), up.begin(), up.end());
     shared.dense_down = read_float_tensor(source, path, stem + "down_proj.weight", {H, S}, what);
-    if (gated) {
-      const TensorView& g = *source.get(gate_name).first;
-      const std::vector<int64_t> shape = g.shape.size() == 1 ? std::vector<int64_t>{H} : std::vector<int64_t>{1, H};
-      shared.gate = read_float_tensor(source, path, gate_name, shape, "the shared expert's gate");
-    }
+    if (gated) shared.gate = read_shared_gate();
     weights.shared_expert = std::move(shared);
     return weights;
   }
@@ -760,8 +762,6 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
                    "' are there: a shared expert needs all of {gate_proj,up_proj,down_proj}.{weight,weight_scale,"
                    "weight_scale_2})", source.where_else(name));
     }
-  FP4MOE_CHECK(!gated || source.contains(gate_name), path, ": missing tensor '", gate_name,
-               "' (a Qwen2-MoE shared expert '", stem, "*' is scaled by sigmoid(shared_expert_gate · x))");
   const std::string shared_shape_source = stem + "gate_proj.weight";
   const TensorView& shared_gate0 = *source.get(shared_shape_source).first;
   FP4MOE_CHECK(shared_gate0.dtype == DType::U8 && shared_gate0.shape.size() == 2 &&
@@ -786,12 +786,7 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix) 
                  "up_proj.weight_scale_2' = ", exact(*shared_scale_2[1]),
                  "; ModelOpt shares one weight_scale_2 between gate and up");
   problems.throw_if_any(path, prefix);
-  if (gated) {
-    // nn.Linear(hidden, 1): [1, hidden]; a flat [hidden] is read too.
-    const TensorView& g = *source.get(gate_name).first;
-    const std::vector<int64_t> shape = g.shape.size() == 1 ? std::vector<int64_t>{H} : std::vector<int64_t>{1, H};
-    shared.gate = read_float_tensor(source, path, gate_name, shape, "the shared expert's gate");
-  }
+  if (gated) shared.gate = read_shared_gate();
   weights.shared_expert = std::move(shared);
   return weights;
 }

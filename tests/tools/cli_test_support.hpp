@@ -174,9 +174,12 @@ class CliTest : public ::testing::Test {
   }
 
   // Runs `fp4moe <args>` with stdout and stderr captured.
-  CliResult run(const std::string& args) const {
-    const std::string command = "'" + cli_binary() + "' " + args + " >'" + path("stdout") +
-                                "' 2>'" + path("stderr") + "'";
+  CliResult run(const std::string& args) const { return run_with("", args); }
+
+  // The same with a shell prefix (ulimit, trap) before it.
+  CliResult run_with(const std::string& shell_prefix, const std::string& args) const {
+    const std::string command = shell_prefix + " '" + cli_binary() + "' " + args + " >'" + path("stdout") + "' 2>'" +
+                                path("stderr") + "'";
     const int status = std::system(command.c_str());
     CliResult result;
     result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;

@@ -174,18 +174,6 @@ class QuantizeTest : public CliTest {
     return path(name);
   }
 
-  // Runs fp4moe with a shell prefix (ulimit, trap) before it.
-  CliResult run_with(const std::string& shell_prefix, const std::string& args) const {
-    const std::string command = shell_prefix + " '" + cli_binary() + "' " + args + " >'" + path("stdout") + "' 2>'" +
-                                path("stderr") + "'";
-    const int status = std::system(command.c_str());
-    CliResult result;
-    result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    result.out = read_text(path("stdout"));
-    result.err = read_text(path("stderr"));
-    return result;
-  }
-
   // Nothing named OUT or OUT.tmp.* in the test directory.
   void expect_no_output(const std::string& out_name) const {
     for (const auto& entry : fs::directory_iterator(path("")))
