@@ -154,6 +154,10 @@ inline constexpr int64_t kSm90MaxShortK = 1024;
 GemmPlan plan_gemm(const GemmProblem& problem, int64_t smem_budget_bytes, int num_sms,
                    int compute_capability = 0, int blocks_per_sm = 2);
 
+// (m-tile, n-tile) pairs of `problem` with `config` that the planner expects
+// (the active experts' mean rows each, rounded up to whole m-tiles).
+double expected_tiles(const GemmProblem& problem, const TileConfig& config);
+
 // Upper bound of (m-tile, n-tile) pairs of `problem` with `config` over any
 // routing of its rows (what a plan's workspace and split-K counters cover).
 int64_t max_tiles(const GemmProblem& problem, const TileConfig& config);

@@ -11,12 +11,16 @@
 //   EPILOGUE fp4moe::Epilogue: every tile shape is compiled with each epilogue
 //
 // Only configurations that earned their place in the sweeps of
-// docs/perf-notes.md (bench/results/archive/2026-12/*sweep*): one per token-tile size, each
-// <= 99 KB so the same list runs on SM120 and SM86 as on SM90.
+// docs/perf-notes.md (bench/results/archive/2026-12/*sweep*): one per token-tile size,
+// and the m8 tile at two pipeline depths (4 stages: two blocks per SM on
+// SM90, more bytes in flight per block; 3 stages: three blocks per SM; the
+// planner picks by waves of units, plan_gemm), each <= 99 KB so the same
+// list runs on SM120 and SM86 as on SM90.
 #pragma once
 
 #define FP4MOE_PORTABLE_TILES(X, EPI) \
   X(128, 8, 256, 4, 4, EPI)           \
+  X(128, 8, 256, 3, 4, EPI)           \
   X(128, 32, 128, 4, 4, EPI)          \
   X(128, 64, 128, 3, 4, EPI)
 

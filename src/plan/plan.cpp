@@ -323,6 +323,11 @@ double rows_per_active_expert(const GemmProblem& p) {
 
 }  // namespace
 
+double expected_tiles(const GemmProblem& p, const TileConfig& config) {
+  return std::ceil(rows_per_active_expert(p) / config.block_m) * active_experts(p) *
+         static_cast<double>(ceil_div(p.n, config.block_n));
+}
+
 int64_t max_tiles(const GemmProblem& p, const TileConfig& config) {
   return max_m_tiles(p.num_rows, p.num_experts, config.block_m) * ceil_div(p.n, config.block_n);
 }
@@ -342,7 +347,6 @@ GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_
   GemmPlan plan;
   plan.config = config;
   plan.split_k = std::max(split_k, 1);
-  const int64_t n_tiles = ceil_div(p.n, config.block_n);
   plan.max_tiles = max_tiles(p, config);
   if (p.num_rows == 0) {
     plan.reason = "no rows";
@@ -350,8 +354,7 @@ GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_
   }
   const double active = active_experts(p);
   const double rows_per_expert = rows_per_active_expert(p);
-  const double tiles =
-      std::ceil(rows_per_expert / config.block_m) * active * static_cast<double>(n_tiles);
+  const double tiles = expected_tiles(p, config);
   const bool sm90 = config.family == KernelFamily::kSm90;
   if (sm90) blocks_per_sm = 1;  // the warp-specialised kernel takes a whole SM
   const double slots = static_cast<double>(std::max(1, num_sms) * std::max(1, blocks_per_sm));
@@ -454,6 +457,26 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
       pick = &c;
       break;
     }
+  }
+  // The portable family compiles the m8 tile at two pipeline depths (the
+  // deeper first in the list; its shared memory leaves room for 2 blocks per
+  // SM, the shallower one's for 3). The deeper one keeps more bytes in
+  // flight per block, which wins while one wave of its block slots holds
+  // every unit; past that the shallower one's third block per SM hides more
+  // latency in the issue-bound mainloop (1.04-1.09x at T = 4-64, 1.26x on
+  // GLM-5's GEMM2 at T = 1) — except where its units would spill a few into
+  // a second wave that the deeper one's two waves absorb (DeepSeek-V3's
+  // GEMM2 at T = 1, 448 units: the layer 1.08x slower). docs/perf-notes.md,
+  // "Three blocks per SM".
+  const auto end = fitting.cend();
+  const auto sibling = std::find_if(fitting.cbegin() + (pick - fitting.data()) + 1, end, [&](const TileConfig& c) {
+    return c.family == KernelFamily::kPortable && c.block_m == pick->block_m;
+  });
+  if (pick->family == KernelFamily::kPortable && sibling != end) {
+    const double slots = static_cast<double>(std::max(1, num_sms)) * std::max(1, blocks_per_sm);
+    const double shallower_slots = slots / std::max(1, blocks_per_sm) * (std::max(1, blocks_per_sm) + 1);
+    const double units = expected_tiles(p, *pick) * plan_gemm_with(p, *pick, num_sms, blocks_per_sm).split_k;
+    if (units > slots && !(units > shallower_slots && units <= 2 * slots)) pick = &*sibling;
   }
   return plan_gemm_with(p, *pick, num_sms, blocks_per_sm);
 }

@@ -173,6 +173,29 @@ TEST(Planner, PicksTokenTileByRowsPerExpert) {
   EXPECT_EQ(plan_gemm(wide, 232448, 132).split_k, 1) << plan_gemm(wide, 232448, 132).reason;
 }
 
+TEST(Planner, PortableM8PipelineDepthFollowsTheWaves) {
+  const auto stages = [](const GemmProblem& p) { return plan_gemm(p, 232448, 132, 90).config.stages; };
+  // One wave of the 4-stage tile's 264 slots holds every unit: 4 stages
+  // (DeepSeek-V3 GEMM1 at T = 1: 8 experts x 32 n-tiles = 256 units).
+  EXPECT_EQ(stages(moe_gemm_problem(1, 256, 8, 7168, 2048, 1)), 4);
+  // GLM-5 GEMM2 at T = 1: 8 x 48 = 384 units, one wave of the 3-stage tile's
+  // 396 slots (three blocks per SM).
+  EXPECT_EQ(stages(moe_gemm_problem(2, 256, 8, 6144, 2048, 1)), 3);
+  // DeepSeek-V3 GEMM2 at T = 1: 8 x 56 = 448 units would spill 52 into a
+  // second wave of the 3-stage tile; two waves of the 4-stage one take them.
+  EXPECT_EQ(stages(moe_gemm_problem(2, 256, 8, 7168, 2048, 1)), 4);
+  // Many waves (T = 16, 64): the third block per SM.
+  for (int64_t tokens : {16, 64}) {
+    EXPECT_EQ(stages(moe_gemm_problem(1, 256, 8, 7168, 2048, tokens)), 3) << tokens;
+    EXPECT_EQ(stages(moe_gemm_problem(2, 256, 8, 7168, 2048, tokens)), 3) << tokens;
+  }
+  // Both depths fit 2 and 3 blocks per SM on SM90 (228 KB, 1 KB reserved per block).
+  for (int stages_ : {4, 3}) {
+    TileConfig c = TileConfig::parse("n128m8k256s" + std::to_string(stages_) + "w4");
+    EXPECT_LE((smem_layout(c).total_bytes + 1024) * (stages_ == 4 ? 2 : 3), 233472) << c.to_string();
+  }
+}
+
 TEST(Planner, OneTokenActivatesExactlyTopKExperts) {
   // Kimi K2: 384 experts, top 8. The expectation is exactly 8 at one token;
   // rounding it up to 9 once made the planner split GEMM2 (1.28x slower).
