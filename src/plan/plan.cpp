@@ -458,25 +458,28 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
       break;
     }
   }
-  // The portable family compiles the m8 tile at two pipeline depths (the
-  // deeper first in the list; its shared memory leaves room for 2 blocks per
-  // SM, the shallower one's for 3). The deeper one keeps more bytes in
-  // flight per block, which wins while one wave of its block slots holds
-  // every unit; past that the shallower one's third block per SM hides more
-  // latency in the issue-bound mainloop (1.04-1.09x at T = 4-64, 1.26x on
-  // GLM-5's GEMM2 at T = 1) — except where its units would spill a few into
-  // a second wave that the deeper one's two waves absorb (DeepSeek-V3's
-  // GEMM2 at T = 1, 448 units: the layer 1.08x slower). docs/perf-notes.md,
-  // "Three blocks per SM".
-  const auto end = fitting.cend();
-  const auto sibling = std::find_if(fitting.cbegin() + (pick - fitting.data()) + 1, end, [&](const TileConfig& c) {
-    return c.family == KernelFamily::kPortable && c.block_m == pick->block_m;
-  });
-  if (pick->family == KernelFamily::kPortable && sibling != end) {
-    const double slots = static_cast<double>(std::max(1, num_sms)) * std::max(1, blocks_per_sm);
-    const double shallower_slots = slots / std::max(1, blocks_per_sm) * (std::max(1, blocks_per_sm) + 1);
-    const double units = expected_tiles(p, *pick) * plan_gemm_with(p, *pick, num_sms, blocks_per_sm).split_k;
-    if (units > slots && !(units > shallower_slots && units <= 2 * slots)) pick = &*sibling;
+  // The portable family compiles the m8 tile at two pipeline depths, the
+  // deeper first in the list; on SM90 its shared memory leaves room for 2
+  // blocks per SM (blocks_per_sm), the shallower one's for one more. The
+  // deeper one keeps more bytes in flight per block, which wins while one
+  // wave of its block slots holds every unit; past that the shallower one's
+  // extra block per SM hides more latency in the issue-bound mainloop
+  // (~1.05x at T = 4-64, 1.26x on GLM-5's GEMM2 at T = 1) — except where its
+  // units would spill a few into a second wave that two waves of the deeper
+  // one absorb (DeepSeek-V3's GEMM2 at T = 1, 448 units: the layer 1.08x
+  // slower). docs/perf-notes.md, "Three blocks per SM".
+  if (pick->family == KernelFamily::kPortable) {
+    const auto next = fitting.begin() + (pick - fitting.data()) + 1;
+    const auto shallower = std::find_if(next, fitting.end(), [&](const TileConfig& c) {
+      return c.family == KernelFamily::kPortable && c.block_m == pick->block_m;
+    });
+    if (shallower != fitting.end()) {
+      const int per_sm = std::max(1, blocks_per_sm);
+      const double slots = static_cast<double>(std::max(1, num_sms)) * per_sm;
+      const double shallower_slots = slots / per_sm * (per_sm + 1);
+      const double units = expected_tiles(p, *pick) * plan_gemm_with(p, *pick, num_sms, blocks_per_sm).split_k;
+      if (units > slots && !(units > shallower_slots && units <= 2 * slots)) pick = &*shallower;
+    }
   }
   return plan_gemm_with(p, *pick, num_sms, blocks_per_sm);
 }

@@ -3,6 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/plan.hpp"
@@ -190,10 +193,9 @@ TEST(Planner, PortableM8PipelineDepthFollowsTheWaves) {
     EXPECT_EQ(stages(moe_gemm_problem(2, 256, 8, 7168, 2048, tokens)), 3) << tokens;
   }
   // Both depths fit 2 and 3 blocks per SM on SM90 (228 KB, 1 KB reserved per block).
-  for (int stages_ : {4, 3}) {
-    TileConfig c = TileConfig::parse("n128m8k256s" + std::to_string(stages_) + "w4");
-    EXPECT_LE((smem_layout(c).total_bytes + 1024) * (stages_ == 4 ? 2 : 3), 233472) << c.to_string();
-  }
+  for (const auto& [name, blocks] : std::vector<std::pair<std::string, int>>{{"n128m8k256s4w4", 2},
+                                                                             {"n128m8k256s3w4", 3}})
+    EXPECT_LE((smem_layout(TileConfig::parse(name)).total_bytes + 1024) * blocks, 233472) << name;
 }
 
 TEST(Planner, OneTokenActivatesExactlyTopKExperts) {
