@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdio>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "fp4moe/error.hpp"
 #include "plan/compiled_configs.hpp"
@@ -459,25 +461,31 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
     }
   }
   // The portable family compiles the m8 tile at two pipeline depths, the
-  // deeper first in the list; on SM90 its shared memory leaves room for 2
-  // blocks per SM (blocks_per_sm), the shallower one's for one more. The
-  // deeper one keeps more bytes in flight per block, which wins while one
-  // wave of its block slots holds every unit; past that the shallower one's
-  // extra block per SM hides more latency in the issue-bound mainloop
-  // (~1.05x at T = 4-64, 1.26x on GLM-5's GEMM2 at T = 1) — except where its
-  // units would spill a few into a second wave that two waves of the deeper
-  // one absorb (DeepSeek-V3's GEMM2 at T = 1, 448 units: the layer 1.08x
-  // slower). docs/perf-notes.md, "Three blocks per SM".
-  if (pick->family == KernelFamily::kPortable) {
+  // deeper first in the list. Where the shallower one fits more blocks per
+  // SM (SM90: 3 against 2), the deeper one keeps more bytes in flight per
+  // block, which wins while one wave of its block slots holds every unit;
+  // past that the shallower one's extra block per SM hides more latency in
+  // the issue-bound mainloop (~1.05x at T = 4-64, 1.26x on GLM-5's GEMM2 at
+  // T = 1) — except where its units would spill a few into a second wave
+  // that two waves of the deeper one absorb (DeepSeek-V3's GEMM2 at T = 1,
+  // 448 units: the layer 1.08x slower). docs/perf-notes.md, "Three blocks
+  // per SM". Where both fit as many blocks (SM120, SM86: one), the deeper.
+  const std::string arch = "sm" + std::to_string(compute_capability);
+  const std::vector<std::string> archs = known_archs();
+  if (pick->family == KernelFamily::kPortable && std::find(archs.begin(), archs.end(), arch) != archs.end()) {
+    const ArchLimits limits = arch_limits(arch);
+    const auto resident = [&](const TileConfig& c) {
+      return limits.smem_per_sm / (smem_layout(c).total_bytes + limits.smem_reserved_per_block);
+    };
     const auto next = fitting.begin() + (pick - fitting.data()) + 1;
     const auto shallower = std::find_if(next, fitting.end(), [&](const TileConfig& c) {
-      return c.family == KernelFamily::kPortable && c.block_m == pick->block_m;
+      return c.family == KernelFamily::kPortable && c.block_m == pick->block_m && resident(c) > resident(*pick);
     });
-    if (shallower != fitting.end()) {
-      const int per_sm = std::max(1, blocks_per_sm);
+    if (shallower != fitting.end() && resident(*pick) >= 1) {
+      const int per_sm = static_cast<int>(resident(*pick));
       const double slots = static_cast<double>(std::max(1, num_sms)) * per_sm;
-      const double shallower_slots = slots / per_sm * (per_sm + 1);
-      const double units = expected_tiles(p, *pick) * plan_gemm_with(p, *pick, num_sms, blocks_per_sm).split_k;
+      const double shallower_slots = static_cast<double>(std::max(1, num_sms)) * resident(*shallower);
+      const double units = expected_tiles(p, *pick) * plan_gemm_with(p, *pick, num_sms, per_sm).split_k;
       if (units > slots && !(units > shallower_slots && units <= 2 * slots)) pick = &*shallower;
     }
   }

@@ -192,6 +192,8 @@ TEST(Planner, PortableM8PipelineDepthFollowsTheWaves) {
     EXPECT_EQ(stages(moe_gemm_problem(1, 256, 8, 7168, 2048, tokens)), 3) << tokens;
     EXPECT_EQ(stages(moe_gemm_problem(2, 256, 8, 7168, 2048, tokens)), 3) << tokens;
   }
+  // Where both depths fit as many blocks per SM (SM120: one), the deeper.
+  EXPECT_EQ(plan_gemm(moe_gemm_problem(2, 256, 8, 7168, 2048, 16), 101376, 188, 120).config.stages, 4);
   // Both depths fit 2 and 3 blocks per SM on SM90 (228 KB, 1 KB reserved per block).
   for (const auto& [name, blocks] : std::vector<std::pair<std::string, int>>{{"n128m8k256s4w4", 2},
                                                                              {"n128m8k256s3w4", 3}})
