@@ -95,8 +95,7 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
   for (const TileConfig& c : compiled_configs()) {
     const FitReport fit = check_fit(c, budget);
     const SmemLayout layout = smem_layout(c);
-    const int64_t per_block = layout.total_bytes + arch.smem_reserved_per_block;
-    const int64_t resident = fit.fits ? arch.smem_per_sm / per_block : 0;
+    const int64_t resident = fit.fits ? blocks_per_sm_by_smem(c, arch) : 0;
     nlohmann::json regions = nlohmann::json::array();
     for (const auto& r : layout.regions)
       regions.push_back({{"name", r.name}, {"shape", r.shape}, {"offset", r.offset}, {"bytes", r.bytes},

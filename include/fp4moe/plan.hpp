@@ -90,6 +90,9 @@ struct SmemLayout {
 
 // The layout the kernel for `config` carves its shared memory from.
 SmemLayout smem_layout(const TileConfig& config);
+// Blocks of `config` that one SM of `arch` holds by shared memory (its
+// layout plus the system's reserve per block; registers are not counted).
+int64_t blocks_per_sm_by_smem(const TileConfig& config, const ArchLimits& arch);
 
 // Whether a config fits a per-block budget, and if not, why and what would
 // make it fit.

@@ -7,8 +7,6 @@
 #include <cmath>
 #include <cstdio>
 #include <sstream>
-#include <string>
-#include <vector>
 
 #include "fp4moe/error.hpp"
 #include "plan/compiled_configs.hpp"
@@ -33,6 +31,10 @@ const std::vector<ArchLimits>& arch_table() {
   return table;
 }
 }  // namespace
+
+int64_t blocks_per_sm_by_smem(const TileConfig& config, const ArchLimits& arch) {
+  return arch.smem_per_sm / (smem_layout(config).total_bytes + arch.smem_reserved_per_block);
+}
 
 std::vector<std::string> known_archs() {
   std::vector<std::string> names;
@@ -470,13 +472,11 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   // that two waves of the deeper one absorb (DeepSeek-V3's GEMM2 at T = 1,
   // 448 units: the layer 1.08x slower). docs/perf-notes.md, "Three blocks
   // per SM". Where both fit as many blocks (SM120, SM86: one), the deeper.
-  const std::string arch = "sm" + std::to_string(compute_capability);
-  const std::vector<std::string> archs = known_archs();
-  if (pick->family == KernelFamily::kPortable && std::find(archs.begin(), archs.end(), arch) != archs.end()) {
-    const ArchLimits limits = arch_limits(arch);
-    const auto resident = [&](const TileConfig& c) {
-      return limits.smem_per_sm / (smem_layout(c).total_bytes + limits.smem_reserved_per_block);
-    };
+  const auto& archs = arch_table();
+  const auto arch = std::find_if(archs.begin(), archs.end(),
+                                 [&](const ArchLimits& a) { return a.compute_capability == compute_capability; });
+  if (pick->family == KernelFamily::kPortable && arch != archs.end()) {
+    const auto resident = [&](const TileConfig& c) { return blocks_per_sm_by_smem(c, *arch); };
     const auto next = fitting.begin() + (pick - fitting.data()) + 1;
     const auto shallower = std::find_if(next, fitting.end(), [&](const TileConfig& c) {
       return c.family == KernelFamily::kPortable && c.block_m == pick->block_m && resident(c) > resident(*pick);

@@ -194,10 +194,13 @@ TEST(Planner, PortableM8PipelineDepthFollowsTheWaves) {
   }
   // Where both depths fit as many blocks per SM (SM120: one), the deeper.
   EXPECT_EQ(plan_gemm(moe_gemm_problem(2, 256, 8, 7168, 2048, 16), 101376, 188, 120).config.stages, 4);
-  // Both depths fit 2 and 3 blocks per SM on SM90 (228 KB, 1 KB reserved per block).
+  // The depths fit 2 and 3 blocks per SM on SM90 (228 KB, 1 KB reserved per
+  // block), one each on SM120.
   for (const auto& [name, blocks] : std::vector<std::pair<std::string, int>>{{"n128m8k256s4w4", 2},
-                                                                             {"n128m8k256s3w4", 3}})
-    EXPECT_LE((smem_layout(TileConfig::parse(name)).total_bytes + 1024) * blocks, 233472) << name;
+                                                                             {"n128m8k256s3w4", 3}}) {
+    EXPECT_EQ(blocks_per_sm_by_smem(TileConfig::parse(name), arch_limits("sm90")), blocks) << name;
+    EXPECT_EQ(blocks_per_sm_by_smem(TileConfig::parse(name), arch_limits("sm120")), 1) << name;
+  }
 }
 
 TEST(Planner, OneTokenActivatesExactlyTopKExperts) {
