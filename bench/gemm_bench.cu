@@ -87,7 +87,7 @@ __global__ void dequantize_prepared(const uint8_t* weights, const uint8_t* scale
       for (int kk : {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9}) {
         const int64_t col = kf * 64 + ks * 16 + kk;
         if (col >= k) continue;
-        const uint8_t code = (word >> (4 * layout::nibble_position(r, kk))) & 0xF;
+        const uint8_t code = static_cast<uint8_t>(layout::code_of_slot(word, layout::code_slot(r, kk)));
         out[(e * n + row) * k + col] = __float2bfloat16(e2m1_to_float(code) * scale);
       }
     }

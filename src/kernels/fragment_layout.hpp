@@ -15,14 +15,23 @@
 //
 // where group is the 16-row group within the 128-row tile (fragment_index()).
 // With g = lane / 4 and t = lane % 4, the word for (lane, kstep) holds the
-// eight codes the MMA's A fragment needs, at nibble positions:
+// eight codes the MMA's A fragment needs, one per slot (code_slot()):
 //   3: W[g][2t]     7: W[g][2t+1]        (a0: row g,   k 2t..2t+1)
 //   2: W[g+8][2t]   6: W[g+8][2t+1]      (a1: row g+8, k 2t..2t+1)
 //   1: W[g][2t+8]   5: W[g][2t+9]        (a2: row g,   k 2t+8..2t+9)
 //   0: W[g+8][2t+8] 4: W[g+8][2t+9]      (a3: row g+8, k 2t+8..2t+9)
-// (k relative to the k-step's 16). Nibbles 3 and 7 sit at bits 12..15 and
-// 28..31, exactly where a bf16x2's two halves need sign and exponent bits
-// after a shift by 6; shifting the word left by 4 brings the next pair there.
+// (k relative to the k-step's 16). A code is not kept as a nibble: its sign
+// bit and its 3-bit magnitude (exponent and mantissa) sit at the bits of
+// slot_bits(), chosen so that each A register needs at most two shifts and two
+// logic ops. A bf16x2 wants the pair's signs at bits 15 and 31 and the
+// magnitudes at bits 6..8 and 22..24; the word holds a0 exactly there (one
+// mask), a1 three bits lower (a shift, a mask), a2's signs one bit lower and
+// magnitudes three bits higher, a3's signs two lower and magnitudes six lower
+// (two shifts, a mask, a masked or). No arrangement of the 32 bits gives
+// three of the four registers with one shift each (an exhaustive search), and
+// three of the four shifts are left shifts, which ptxas issues as IMAD.SHL on
+// the FMA pipe beside the logic ops' integer pipe (docs/perf-notes.md, "The
+// fragment word's bit layout").
 //
 // A lane reads its eight scale codes with one 8-byte load; per k-step the
 // codes of its two rows sit side by side, so one byte permute and one
@@ -67,16 +76,61 @@ inline constexpr uint32_t kScaleBf16Bias = 236u << 7;
 // The dequantised weights carry a factor 2^-7 that the epilogue removes.
 inline constexpr float kEpilogueScale = 128.0f;
 
-// Nibble position (0..7) inside the fragment word of the element at
-// (row r in 0..15, k in 0..15) of an m16 x k16 block, for lane (g, t) with
-// g = r % 8, t = (k % 8) / 2.
-FP4MOE_HOST_DEVICE int nibble_position(int r, int k) {
+// Slot (0..7) inside the fragment word of the element at (row r in 0..15,
+// k in 0..15) of an m16 x k16 block, for lane (g, t) with g = r % 8,
+// t = (k % 8) / 2.
+FP4MOE_HOST_DEVICE int code_slot(int r, int k) {
   const bool high_row = r >= 8;   // row g+8
   const bool high_k = k >= 8;     // k 2t+8..2t+9
   const bool odd = k & 1;         // second element of the bf16x2 pair
-  // a0 -> 3, a1 -> 2, a2 -> 1, a3 -> 0; the odd element sits 4 nibbles higher.
+  // a0 -> 3, a1 -> 2, a2 -> 1, a3 -> 0; the odd element sits 4 slots higher.
   const int pair = (high_k ? 2 : 0) + (high_row ? 1 : 0);
   return (3 - pair) + (odd ? 4 : 0);
+}
+
+// Where slot s keeps its code: the sign bit, and the lowest bit of the
+// magnitude (the code's low three bits, in order). The odd element of a pair
+// is the bf16x2's upper half, 16 bits up. dequant_a_fragment()
+// (grouped_gemm_common.cuh) undoes exactly this.
+struct SlotBits {
+  int sign;
+  int magnitude;
+};
+FP4MOE_HOST_DEVICE constexpr SlotBits slot_bits(int slot) {
+  const int high = slot >= 4 ? 16 : 0;
+  switch (slot % 4) {
+    case 3: return {15 + high, 6 + high};   // a0: where the bf16 wants them
+    case 2: return {12 + high, 3 + high};   // a1: both 3 bits lower
+    case 1: return {14 + high, 9 + high};   // a2: sign 1 lower, magnitude 3 higher
+    default: return {13 + high, 0 + high};  // a3: sign 2 lower, magnitude 6 lower
+  }
+}
+
+// The bits of a fragment word that hold `code` (0..15) in slot s.
+FP4MOE_HOST_DEVICE uint32_t code_in_slot(int slot, uint32_t code) {
+  const SlotBits b = slot_bits(slot);
+  return ((code >> 3) & 1u) << b.sign | (code & 7u) << b.magnitude;
+}
+
+// The code that slot s of `word` holds.
+FP4MOE_HOST_DEVICE uint32_t code_of_slot(uint32_t word, int slot) {
+  const SlotBits b = slot_bits(slot);
+  return ((word >> b.sign) & 1u) << 3 | ((word >> b.magnitude) & 7u);
+}
+
+// A register j (0..3: a0..a3) of a fragment word before the block scale:
+// the bf16x2 whose halves are the pair's codes in bf16 bits (sign at bit
+// 15, magnitude at bits 6..8), each worth the code's value times 2^-126.
+// At most two shifts and two logic ops each (j is a constant in the kernels).
+FP4MOE_HOST_DEVICE uint32_t placed_pair(uint32_t word, int j) {
+  constexpr uint32_t kSigns = 0x80008000u;
+  constexpr uint32_t kMagnitudes = 0x01C001C0u;
+  switch (j) {
+    case 0: return word & (kSigns | kMagnitudes);
+    case 1: return (word << 3) & (kSigns | kMagnitudes);
+    case 2: return ((word << 1) & kSigns) | ((word >> 3) & kMagnitudes);
+    default: return ((word << 2) & kSigns) | ((word << 6) & kMagnitudes);
+  }
 }
 
 // Byte, within a fragment's 64 scale codes, of the code of row g + 8 * half

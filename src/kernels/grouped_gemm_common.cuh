@@ -168,19 +168,17 @@ __device__ __forceinline__ WorkUnit decode_unit(const GroupedGemmParams& p, cons
   return u;
 }
 
-// Eight fp4 codes (fragment order) and the two rows' block scales as one
+// Eight fp4 codes (one fragment word) and the two rows' block scales as one
 // bf16x2 {row g, row g + 8} -> the four A registers of one m16n8k16 MMA.
 // NOTE: ptxas folds the half-broadcasts into the multiplies' operands
 // (HMUL2 ... R.H0_H0 / R.H1_H1), so the pair costs nothing to split.
 __device__ __forceinline__ void dequant_a_fragment(uint32_t codes, uint32_t scales, uint32_t (&a)[4]) {
-  // Sign to bit 15/31, exponent+mantissa (3 bits) to bits 6..8 / 22..24.
-  auto place = [](uint32_t v) { return (v & 0x80008000u) | ((v >> 6) & 0x01C001C0u); };
   const uint32_t row_g = ptx::broadcast_low_bf16(scales);
   const uint32_t row_g8 = ptx::broadcast_high_bf16(scales);
-  a[0] = ptx::mul_bf16x2(place(codes), row_g);
-  a[1] = ptx::mul_bf16x2(place(codes << 4), row_g8);
-  a[2] = ptx::mul_bf16x2(place(codes << 8), row_g);
-  a[3] = ptx::mul_bf16x2(place(codes << 12), row_g8);
+  a[0] = ptx::mul_bf16x2(layout::placed_pair(codes, 0), row_g);
+  a[1] = ptx::mul_bf16x2(layout::placed_pair(codes, 1), row_g8);
+  a[2] = ptx::mul_bf16x2(layout::placed_pair(codes, 2), row_g);
+  a[3] = ptx::mul_bf16x2(layout::placed_pair(codes, 3), row_g8);
 }
 
 // k-step `ks` of a lane's eight scale codes (fragment_layout.hpp: per k-step

@@ -83,7 +83,7 @@ PreparedGemmWeights prepare_gemm_weights(std::span<const Nvfp4Matrix* const> exp
                 // not decode to zero, so the codes carry it instead.
                 const bool live = row < p.n && col < p.k && m.scale(row, col) != 0;
                 const uint32_t code = live ? m.code(row, col) : 0u;
-                word |= code << (4 * layout::nibble_position(r, kk));
+                word |= layout::code_in_slot(layout::code_slot(r, kk), code);
               }
             }
             uint8_t* dst = wdst + lane * 16 + ks * 4;
@@ -149,7 +149,7 @@ float PreparedGemmWeights::value(int64_t e, int64_t r, int64_t c) const {
   const uint8_t* word_bytes = weights.data() + frag * kFragBytes + (g * 4 + t) * 16 + ks * 4;
   const uint32_t word = word_bytes[0] | (word_bytes[1] << 8) | (word_bytes[2] << 16) |
                         (static_cast<uint32_t>(word_bytes[3]) << 24);
-  const uint8_t code = (word >> (4 * layout::nibble_position(rr, kk))) & 0xF;
+  const uint8_t code = static_cast<uint8_t>(layout::code_of_slot(word, layout::code_slot(rr, kk)));
   const uint8_t scode = scales[frag * kFragScaleBytes + layout::scale_byte(g, ks, rr >= 8 ? 1 : 0)];
   // scale code -> bf16 bits carry the block scale times 2^119.
   const float scale = bf16_to_float(layout::scale_code_to_bf16_bits(scode)) * 0x1p-119f;

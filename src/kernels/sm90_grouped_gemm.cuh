@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
         ptx::fence_proxy_async_shared();  // the cp.async rows are read by wgmma (async proxy)
         const uint8_t* w_stage = s_weights + stage * L.weight_stage_bytes + group * kFragBytes;
         const uint8_t* sc_stage = s_scales + stage * L.scale_stage_bytes + group * kFragScaleBytes;
-        const uint32_t a_stage = act_ring + stage * L.act_stage_bytes;
+        const uint64_t a_stage_desc = ptx::smem_desc_k_major_sw128(act_ring + stage * L.act_stage_bytes);
         // Every fragment's codes and scales of the stage are loaded up front,
         // so the later fragments' loads overlap the first one's dequantisation.
         uint4 stage_codes[K_FRAGS];
@@ -374,8 +374,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
           ptx::wgmma_fence();
 #pragma unroll
           for (int ks = 0; ks < 4; ++ks)
-            ptx::Wgmma<WIDTH>::mma(
-                acc, a[ks], ptx::smem_desc_k_major_sw128(a_stage + kf * (BLOCK_M * 128) + ks * 32));
+            ptx::Wgmma<WIDTH>::mma(acc, a[ks], ptx::smem_desc_advance(a_stage_desc, kf * (BLOCK_M * 128) + ks * 32));
           ptx::wgmma_commit();
           ptx::wgmma_wait<1>();  // the previous fragment's wgmmas are done
           if (kf == 0 && prev_stage >= 0) {  // ... and with them every read of the previous stage

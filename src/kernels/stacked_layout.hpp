@@ -61,11 +61,11 @@ FP4MOE_HOST_DEVICE FragmentCoords fragment_coords(int64_t frag, int64_t n_groups
   return {tile / tiles_per_expert, (tile % tiles_per_expert) * kTileGroups + group_in_tile, kf};
 }
 
-// Inverse of nibble_position(): the (row r in 0..15, k in 0..15) of an
-// m16 x k16 block that nibble `nibble` of lane (g, t)'s word holds.
-FP4MOE_HOST_DEVICE void nibble_source(int g, int t, int nibble, int& r, int& k) {
-  const int pair = 3 - nibble % 4;  // a0..a3
-  const bool odd = nibble >= 4;
+// Inverse of code_slot(): the (row r in 0..15, k in 0..15) of an m16 x k16
+// block that slot `slot` of lane (g, t)'s word holds.
+FP4MOE_HOST_DEVICE void slot_source(int g, int t, int slot, int& r, int& k) {
+  const int pair = 3 - slot % 4;  // a0..a3
+  const bool odd = slot >= 4;
   r = g + ((pair & 1) ? 8 : 0);
   k = 2 * t + ((pair & 2) ? 8 : 0) + (odd ? 1 : 0);
 }
@@ -79,9 +79,9 @@ FP4MOE_HOST_DEVICE uint32_t prepared_weight_word(const StackedNvfp4& s, int64_t 
   const int lane = w / 4, ks = w % 4;  // [lane 0..31][kstep 0..3]
   const int g = lane / 4, t = lane % 4;
   uint32_t word = 0;
-  for (int nibble = 0; nibble < 8; ++nibble) {
+  for (int slot = 0; slot < 8; ++slot) {
     int r, kk;
-    nibble_source(g, t, nibble, r, kk);
+    slot_source(g, t, slot, r, kk);
     const int64_t row = f.group * kFragRows + r;
     const int64_t col = f.kf * kFragK + ks * 16 + kk;
     if (row >= s.n || col >= s.k) continue;
@@ -89,7 +89,7 @@ FP4MOE_HOST_DEVICE uint32_t prepared_weight_word(const StackedNvfp4& s, int64_t 
     if (s.scales[src_row * (s.k / 16) + col / 16] == 0) continue;
     const uint8_t byte = s.packed[src_row * (s.k / 2) + col / 2];
     const uint32_t code = (col & 1) ? (byte >> 4) : (byte & 0xFu);
-    word |= code << (4 * nibble);
+    word |= code_in_slot(slot, code);
   }
   return word;
 }

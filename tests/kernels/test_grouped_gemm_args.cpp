@@ -1,10 +1,14 @@
 // CPU tests of the grouped GEMM's host side: argument validation (refused
-// before any CUDA call), and the weight packer's round trip.
+// before any CUDA call), the weight packer's round trip, and the fragment
+// word's bit layout as the dequantiser reads it.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <random>
 
 #include "fp4moe/error.hpp"
+#include "fp4moe/nvfp4.hpp"
+#include "kernels/fragment_layout.hpp"
 #include "kernels/grouped_gemm.hpp"
 #include "gpu_test_util.hpp"
 
@@ -154,6 +158,35 @@ TEST(PrepareGemmWeights, RoundTripsEveryElement) {
           ASSERT_EQ(p.value(e, r, c), experts[e].value(r, c))
               << "expert " << e << " [" << r << ", " << c << "] n=" << n << " k=" << k;
   }
+}
+
+// The kernels' dequantiser reads the fragment word with layout::placed_pair:
+// every code in every slot must come out as its e2m1 value times 2^-126 in
+// its register's half, whatever the other seven slots hold.
+TEST(FragmentLayout, EveryCodeInEverySlotPlacesExactly) {
+  std::mt19937 rng(5);
+  for (int slot = 0; slot < 8; ++slot) {
+    const int j = 3 - slot % 4;  // the A register of the slot's pair
+    const int half = slot / 4;   // 0: the bf16x2's low half (even k), 1: high
+    for (uint32_t code = 0; code < 16; ++code) {
+      for (int trial = 0; trial < 16; ++trial) {
+        uint32_t word = layout::code_in_slot(slot, code);
+        for (int other = 0; other < 8; ++other)
+          if (other != slot) word |= layout::code_in_slot(other, rng() & 0xFu);
+        ASSERT_EQ(layout::code_of_slot(word, slot), code) << "slot " << slot;
+        const uint16_t bits = static_cast<uint16_t>(layout::placed_pair(word, j) >> (16 * half));
+        ASSERT_EQ(bf16_to_float(bits), std::ldexp(e2m1_to_float(static_cast<uint8_t>(code)), -126))
+            << "slot " << slot << " code " << code << " word " << std::hex << word;
+      }
+    }
+  }
+  // The eight slots tile the word: all ones in every slot set every bit once.
+  uint32_t all = 0;
+  for (int slot = 0; slot < 8; ++slot) {
+    EXPECT_EQ(all & layout::code_in_slot(slot, 0xFu), 0u) << "slot " << slot << " overlaps";
+    all |= layout::code_in_slot(slot, 0xFu);
+  }
+  EXPECT_EQ(all, 0xFFFFFFFFu);
 }
 
 TEST(PrepareGemmWeights, RejectsBadInput) {

@@ -135,5 +135,13 @@ __device__ __forceinline__ uint64_t smem_desc_k_major_sw128(uint32_t smem_addr) 
   return static_cast<uint64_t>((smem_addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) |
          (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
+// The descriptor of the operand `bytes` further on (a multiple of 16) from
+// the one `desc` describes: the start-address field is the address >> 4 and
+// shared addresses stay below 256 KB, so the field of the sum never carries
+// into the next one. One add instead of the mask, shift and or above per
+// wgmma (uniform-datapath instructions take the consumers' issue slots).
+__device__ __forceinline__ uint64_t smem_desc_advance(uint64_t desc, uint32_t bytes) {
+  return desc + (bytes >> 4);
+}
 
 }  // namespace fp4moe::ptx
