@@ -535,9 +535,14 @@ TEST_F(QuantizeTest, SignalMidwayLeavesNothingPartial) {
   for (int l = 0; l < 48; ++l)
     add_f32(w, "model.layers." + std::to_string(l) + ".self_attn.o_proj.weight", {512, 2048}, values);
   w.write(dir + "/model.safetensors");
+  // The signal goes once the temporary output exists (the handler is in
+  // place before it is created; a fixed delay raced the process's start on a
+  // loaded machine), or never if the process has already exited.
   const std::string command = "'" + cli_binary() + "' quantize -q '" + dir + "' '" + path("out") + "' 2>'" +
-                              path("stderr") + "' & pid=$!; sleep 0.3; kill -TERM $pid; wait $pid; echo $? >'" +
-                              path("rc") + "'";
+                              path("stderr") + "' & pid=$!; for i in $(seq 1000); do " +
+                              "ls -d '" + path("out") + "'.tmp.* >/dev/null 2>&1 && break; " +
+                              "kill -0 $pid 2>/dev/null || break; sleep 0.01; done; " +
+                              "kill -TERM $pid 2>/dev/null; wait $pid; echo $? >'" + path("rc") + "'";
   ASSERT_EQ(std::system(command.c_str()), 0);
   const int rc = std::stoi(read_text(path("rc")));
   const std::string err = read_text(path("stderr"));
