@@ -90,8 +90,8 @@ FP4MOE_HOST_DEVICE int code_slot(int r, int k) {
 
 // Where slot s keeps its code: the sign bit, and the lowest bit of the
 // magnitude (the code's low three bits, in order). The odd element of a pair
-// is the bf16x2's upper half, 16 bits up. dequant_a_fragment()
-// (grouped_gemm_common.cuh) undoes exactly this.
+// is the bf16x2's upper half, 16 bits up. placed_pair() below is what the
+// kernels' dequantiser (grouped_gemm_common.cuh) makes of them.
 struct SlotBits {
   int sign;
   int magnitude;
