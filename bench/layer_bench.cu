@@ -408,6 +408,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
         variants.push_back(invariant);
       }
     }
+  if (opt.default_only) variants.resize(1);  // deterministic finalize, automatic gather, PDL
   const MoeLayerOptions defaults;
 
   for (const LayerShape& shape : opt.models) {

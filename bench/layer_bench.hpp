@@ -172,6 +172,7 @@ struct LayerBenchOptions {
   std::vector<int64_t> tokens = {1, 16, 64, 256, 1024};
   int iterations = 20;
   bool with_graph = true;  // graph replay of the default variant
+  bool default_only = false;  // skip the other variants (plain launches, w4a4, batch invariant, ...)
   uint64_t seed = 1;
 };
 

@@ -28,6 +28,7 @@ void add_bench_command(CLI::App& app) {
     bool no_cublas = false;
     bool layer = false;
     bool no_graph = false;
+    bool default_only = false;
     int ep = 0;
   };
   auto o = std::make_shared<BenchCli>();
@@ -48,6 +49,9 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--config", o->config, "Force a tile config, e.g. n128m8k256s4w4 (not with --layer)");
   cmd->add_flag("--no-cublas", o->no_cublas, "Skip the cuBLAS bf16 peer (not with --layer)");
   cmd->add_flag("--no-graph", o->no_graph, "--layer: skip the CUDA-graph replay");
+  cmd->add_flag("--default-only", o->default_only,
+                "--layer: time the default variant only (deterministic finalize, automatic gather, programmatic "
+                "launch), not the plain-launch, w4a4, batch-invariant, atomic and gather variants");
   cmd->add_option("--ep", o->ep,
                   "--layer: the expert-parallel layer over this machine's first N GPUs instead (NCCL; per-phase "
                   "times with the all-to-all on its own, the single-GPU layer as peer; default tokens: 1 16 64 "
@@ -70,6 +74,7 @@ void add_bench_command(CLI::App& app) {
       bench::LayerBenchOptions opts;
       opts.iterations = o->options.iterations;
       opts.with_graph = !o->no_graph;
+      opts.default_only = o->default_only;
       if (cmd->count("--tokens") > 0) opts.tokens = o->options.tokens;
       const std::vector<std::string> names =
           o->models.empty() ? std::vector<std::string>{"glm-5", "deepseek-v3"} : o->models;
@@ -88,7 +93,8 @@ void add_bench_command(CLI::App& app) {
       open_json();
       if (cmd->count("--ep") > 0) {
 #ifdef FP4MOE_WITH_NCCL
-        FP4MOE_CHECK(cmd->count("--no-graph") == 0, "--no-graph does not apply to --ep (no graph replays)");
+        for (const char* flag : {"--no-graph", "--default-only"})
+          FP4MOE_CHECK(cmd->count(flag) == 0, flag, " does not apply to --ep (one variant, no graph replays)");
         bench::EpBenchOptions ep;
         ep.models = opts.models;
         ep.num_ranks = o->ep;
@@ -104,7 +110,7 @@ void add_bench_command(CLI::App& app) {
       return;
     }
 
-    for (const char* flag : {"--no-graph", "--ep"})
+    for (const char* flag : {"--no-graph", "--default-only", "--ep"})
       FP4MOE_CHECK(cmd->count(flag) == 0, flag, " applies to --layer only");
     bench::Options opts = o->options;
     std::vector<std::string> names = o->models;

@@ -91,7 +91,9 @@ struct SmemLayout {
 // The layout the kernel for `config` carves its shared memory from.
 SmemLayout smem_layout(const TileConfig& config);
 // Blocks of `config` that one SM of `arch` holds by shared memory (its
-// layout plus the system's reserve per block; registers are not counted).
+// layout plus the system's reserve per block), at most the blocks an SM90
+// kernel is compiled for (its registers are split for them); the portable
+// family's registers are not counted.
 int64_t blocks_per_sm_by_smem(const TileConfig& config, const ArchLimits& arch);
 
 // Whether a config fits a per-block budget, and if not, why and what would
@@ -133,19 +135,15 @@ struct GemmPlan {
 // Whether a family's kernels run on a GPU of compute capability `cc`
 // (e.g. 90): the portable family from 80 on, the SM90 family on 90 only.
 bool family_runs_on(KernelFamily family, int compute_capability);
-// Where the SM90 family takes over from the portable one (rows per active
-// expert; measured by `fp4moe tune` over the eight README shapes,
-// docs/perf-notes.md): where K >= kSm90LongK above
-// kSm90MinRowsPerExpertLongK rows; where kSm90MaxShortK < K < kSm90LongK
-// above kSm90MinRowsPerExpert (a unit of a shorter K has too few k-tiles to
-// fill the SM90 pipeline: the portable m32 tile is 4-35 % faster at 8-24
-// rows on every GEMM2 of K = 1536-2880); never where K <= kSm90MaxShortK
-// (Qwen3-30B's GEMM2, K = 768: the portable m64 tile is faster at every
-// token count).
-inline constexpr double kSm90MinRowsPerExpert = 24;
-inline constexpr double kSm90MinRowsPerExpertLongK = 7;
-inline constexpr int64_t kSm90LongK = 4096;
-inline constexpr int64_t kSm90MaxShortK = 1024;
+// Where the SM90 family takes over from the portable one: above
+// kSm90MinRowsPerExpert rows per active expert, at every K
+// (docs/perf-notes.md, "Two blocks per SM"). With its m8 ... m32 tiles at two
+// blocks per SM it beats the portable tiles from 8 rows per expert on the
+// GEMM2s of K = 1536-2880 too (T = 256), and its m128 tile beat the portable
+// m64 one on Qwen3-30B's GEMM2 (K = 768) at 64 and 256 rows per expert
+// (1.55-1.68x in one run); at ~5 rows (Kimi K2 at T = 256) the portable m8
+// tile is still ahead.
+inline constexpr double kSm90MinRowsPerExpert = 7;
 
 // Picks a config for `problem` among those with its epilogue fitting
 // `smem_budget_bytes` whose family runs on `compute_capability` (0: the

@@ -132,15 +132,17 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // False (cp.async instead) for tiles under kSm90TensorMapMinBlockM tokens and
 // where a map cannot describe x: no encoder, a row pitch that is not a
 // multiple of 16 bytes, a pointer not 16-byte aligned.
-bool encode_activation_map(const kernels::GroupedGemmParams& p, int block_m, CUtensorMap* map) {
+bool encode_activation_map(const kernels::GroupedGemmParams& p, const TileConfig& config, CUtensorMap* map) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (block_m < kSm90TensorMapMinBlockM || encode == nullptr || p.gather_rows != nullptr || p.k % 8 != 0 ||
+  if (config.block_m < kSm90TensorMapMinBlockM || encode == nullptr || p.gather_rows != nullptr || p.k % 8 != 0 ||
       !aligned16(p.x) || p.x_rows < 1)
     return false;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.k), static_cast<cuuint64_t>(p.x_rows)};
   const cuuint64_t row_pitch[1] = {static_cast<cuuint64_t>(p.k) * 2};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(kFragK),
-                             static_cast<cuuint32_t>(sm90_mma_width_step(block_m))};
+                             static_cast<cuuint32_t>(sm90_mma_width_step(
+                                 config.block_m, sm90_smem_layout(config.block_m, config.block_k, config.stages,
+                                                                  config.epilogue).blocks_per_sm))};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult result = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<__nv_bfloat16*>(p.x), dims,
                                  row_pitch, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -303,7 +305,7 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   p.num_rows = static_cast<int>(args.num_rows);
   p.split_k = plan.split_k;
   p.x_map_valid = plan.config.family == KernelFamily::kSm90 &&
-                  encode_activation_map(p, plan.config.block_m, &p.x_map);
+                  encode_activation_map(p, plan.config, &p.x_map);
 
   const int blocks_per_sm = std::max(1, occupancy(entry, dev.device));
   const int64_t max_units = plan.max_tiles * plan.split_k;

@@ -62,7 +62,7 @@ struct GroupedGemmParams {
   int num_rows;
   int split_k;                    // k-slices per tile
   // SM90 family, activations not gathered: x as a 2-D tensor map ([x_rows,
-  // k] bf16, boxes of 64 k x sm90_mma_width_step(BLOCK_M) rows, 128-byte
+  // k] bf16, boxes of 64 k x sm90_mma_width_step(BLOCK_M, blocks per SM) rows, 128-byte
   // swizzle, zeros outside), read by the kernel through its __grid_constant__
   // parameter. x_map_valid = 0: the producer copies rows with cp.async.
   int x_map_valid;

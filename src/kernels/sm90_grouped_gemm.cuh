@@ -64,10 +64,18 @@ inline constexpr int kBarWarpgroup0 = 2;    // + consumer warpgroup index
 inline constexpr int kBarProducer = 2 + kSm90Consumers;
 
 // Registers per thread after the producer gives its surplus to the consumers
-// (setmaxnreg): 128 * (kProducerRegs + kSm90Consumers * kConsumerRegs) <= 64K.
-inline constexpr int kProducerRegs = 64;
-inline constexpr int kConsumerRegs = 216;
-static_assert(128 * (kProducerRegs + kSm90Consumers * kConsumerRegs) <= 65536, "register file overcommitted");
+// (setmaxnreg), for one or two blocks per SM (Sm90SmemLayout::blocks_per_sm).
+// A block owns what it launched with: ptxas gives the kernel the most its
+// launch bounds allow, 65536 / (384 * blocks) rounded down to 8 (168 and 80),
+// and the split must stay within it, or setmaxnreg.inc waits forever.
+constexpr int producer_regs(int blocks_per_sm) { return blocks_per_sm == 1 ? 64 : 32; }
+constexpr int consumer_regs(int blocks_per_sm) { return blocks_per_sm == 1 ? 216 : 104; }
+constexpr int launch_regs(int blocks_per_sm) { return 65536 / (kSm90Threads * blocks_per_sm) / 8 * 8; }
+constexpr bool register_split_fits(int blocks_per_sm) {
+  return producer_regs(blocks_per_sm) + kSm90Consumers * consumer_regs(blocks_per_sm) <=
+         (kSm90Consumers + 1) * launch_regs(blocks_per_sm);
+}
+static_assert(register_split_fits(1) && register_split_fits(2), "register file overcommitted");
 
 // Byte offset, inside one stage's activation tile, of 16-byte chunk c (8 k
 // values) of token row r: 64-wide K blocks of BLOCK_M rows x 128 B, chunks
@@ -78,8 +86,8 @@ __device__ __forceinline__ uint32_t act_chunk_offset(int r, int c) {
 }
 
 // The token width a unit's wgmmas run at: its valid rows rounded up to a
-// quarter of the tile (m32 ... m128), 8 or 16 (m16); m8 and m256 tiles run
-// at their full width.
+// multiple of STEP = sm90_mma_width_step(BLOCK_M, blocks per SM), at most
+// BLOCK_M (a quarter of the tile for m32 ... m128 at one block per SM).
 // A tile that holds only the tail of an expert's rows (a Poisson spread puts
 // one behind about half the experts when the tile is sized near the mean)
 // then costs the tensor cores what its rows need, not BLOCK_M columns, and
@@ -88,29 +96,25 @@ __device__ __forceinline__ uint32_t act_chunk_offset(int r, int c) {
 // NOTE: m256 has one width: with 128 accumulators per thread a second
 // mainloop copy made ptxas spill in the SwiGLU kernel, and three or four
 // serialised its wgmmas for lack of registers (C7512).
-template <int BLOCK_M>
-inline constexpr int kMmaWidthStep = sm90_mma_width_step(BLOCK_M);
-
-template <int BLOCK_M>
+template <int BLOCK_M, int STEP>
 __host__ __device__ constexpr int mma_width(int rows_valid) {
-  constexpr int STEP = kMmaWidthStep<BLOCK_M>;
   const int steps = rows_valid <= STEP ? 1 : (rows_valid + STEP - 1) / STEP;
   return steps * STEP < BLOCK_M ? steps * STEP : BLOCK_M;
 }
 
-static_assert(mma_width<128>(1) == 32 && mma_width<128>(33) == 64 && mma_width<128>(97) == 128 &&
-              mma_width<256>(100) == 256 && mma_width<16>(9) == 16 &&
-              mma_width<8>(0) == 8 && mma_width<64>(64) == 64);
+static_assert(mma_width<128, 32>(1) == 32 && mma_width<128, 32>(33) == 64 && mma_width<128, 32>(97) == 128 &&
+              mma_width<256, 256>(100) == 256 && mma_width<16, 8>(9) == 16 && mma_width<8, 8>(0) == 8 &&
+              mma_width<64, 16>(64) == 64 && mma_width<32, 16>(17) == 32);
 
 // Calls f(std::integral_constant<int, width>{}); width is one of
-// mma_width<BLOCK_M>'s values.
-template <int BLOCK_M, int W = kMmaWidthStep<BLOCK_M>, class F>
+// mma_width<BLOCK_M, STEP>'s values.
+template <int BLOCK_M, int STEP, int W = STEP, class F>
 __device__ __forceinline__ void with_mma_width(int width, F&& f) {
   if constexpr (W >= BLOCK_M) {
     f(std::integral_constant<int, BLOCK_M>{});
   } else {
     if (width == W) return f(std::integral_constant<int, W>{});
-    with_mma_width<BLOCK_M, W + kMmaWidthStep<BLOCK_M>>(width, static_cast<F&&>(f));
+    with_mma_width<BLOCK_M, STEP, W + STEP>(width, static_cast<F&&>(f));
   }
 }
 
@@ -132,7 +136,8 @@ __device__ __forceinline__ void fence_registers(uint32_t (&r)[N]) {
 }  // namespace sm90
 
 template <int BLOCK_M, int BLOCK_K, int STAGES, Epilogue EPI>
-__global__ void __launch_bounds__(kSm90Threads, 1)
+__global__ void __launch_bounds__(kSm90Threads)
+    __maxnreg__(sm90::launch_regs(sm90_smem_layout(BLOCK_M, BLOCK_K, STAGES, EPI).blocks_per_sm))
     sm90_grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p) {
 #if FP4MOE_SM90_DEVICE_CODE
   constexpr Sm90SmemLayout L = sm90_smem_layout(BLOCK_M, BLOCK_K, STAGES, EPI);
@@ -143,6 +148,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   constexpr int X_CHUNKS = BLOCK_K / 8;          // 16-byte chunks per activation row per stage
   constexpr int NACC = BLOCK_M / 2;              // fp32 accumulators per consumer thread
   constexpr int CHUNK = L.chunk_tokens;          // tokens per epilogue round
+  constexpr int STEP = sm90_mma_width_step(BLOCK_M, L.blocks_per_sm);  // wgmma widths: multiples of it
   static_assert(BLOCK_M % 8 == 0 && BLOCK_M <= 256 && BLOCK_M % CHUNK == 0 && CHUNK % 8 == 0,
                 "BLOCK_M must be a multiple of 8 up to 256 (wgmma N)");
   static_assert(BLOCK_K % kFragK == 0 && layout::kPadK % BLOCK_K == 0 && layout::kPadN % BLOCK_N == 0,
@@ -196,7 +202,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
 
   if (warpgroup == 0) {
     // ================================================================ producer
-    ptx::setmaxnreg_dec<sm90::kProducerRegs>();
+    ptx::setmaxnreg_dec<sm90::producer_regs(L.blocks_per_sm)>();
     const int64_t num_units = static_cast<int64_t>(s_prefix[p.num_experts]) * units_per_mtile;
     const int ptid = tid;
     if (p.x_map_valid) {
@@ -205,7 +211,6 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       // (rows past the expert's land in columns nobody stores; past x and
       // past k they are zeros).
       if (ptid == 0) {
-        constexpr int STEP = sm90::kMmaWidthStep<BLOCK_M>;
         ptx::prefetch_tensormap(&p.x_map);
         int stage = 0;
         uint32_t phase = 0;
@@ -214,7 +219,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
               detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
           const size_t tile_frag0 = static_cast<size_t>(
               layout::fragment_index(u.expert, u.n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
-          const int boxes = sm90::mma_width<BLOCK_M>(u.rows_valid) / STEP;
+          const int boxes = sm90::mma_width<BLOCK_M, STEP>(u.rows_valid) / STEP;
           const uint32_t stage_bytes =
               static_cast<uint32_t>(L.weight_stage_bytes + L.scale_stage_bytes) + K_FRAGS * boxes * STEP * 128;
           for (int it = 0; it < u.num_k_tiles; ++it) {
@@ -281,7 +286,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       // Only the rows the consumers' wgmmas read (zeros past the valid ones);
       // the copy loop is compiled per width so that it has no data-dependent
       // branch per copy (one cost 2-4 % on full tiles: perf-notes, SM90 v4).
-      sm90::with_mma_width<BLOCK_M>(sm90::mma_width<BLOCK_M>(u.rows_valid), [&](auto width) {
+      sm90::with_mma_width<BLOCK_M, STEP>(sm90::mma_width<BLOCK_M, STEP>(u.rows_valid), [&](auto width) {
         constexpr int WIDTH = decltype(width)::value;
         constexpr int PASSES = (WIDTH + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
         for (int it = 0; it < u.num_k_tiles; ++it) {
@@ -318,7 +323,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     ptx::cp_async_wait_all();  // leave no copy of this thread in flight
   } else {
     // =============================================================== consumers
-    ptx::setmaxnreg_inc<sm90::kConsumerRegs>();
+    ptx::setmaxnreg_inc<sm90::consumer_regs(L.blocks_per_sm)>();
     const int64_t num_units = static_cast<int64_t>(s_prefix[p.num_experts]) * units_per_mtile;
     const int consumer = warpgroup - 1;  // 0 .. kSm90Consumers - 1
     const int ctid = tid - 128;          // 0 .. 128 * kSm90Consumers - 1
@@ -393,7 +398,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       // group per iteration the next one would overwrite the A operand of the
       // group still in flight (seen as wrong results with BLOCK_K = 64).
       constexpr int STAGES_PER_ITER = K_FRAGS % 2 == 0 ? 1 : 2;
-      sm90::with_mma_width<BLOCK_M>(sm90::mma_width<BLOCK_M>(u.rows_valid), [&](auto width) {
+      sm90::with_mma_width<BLOCK_M, STEP>(sm90::mma_width<BLOCK_M, STEP>(u.rows_valid), [&](auto width) {
         int it = 0;
         for (; it + STAGES_PER_ITER <= u.num_k_tiles; it += STAGES_PER_ITER) {
 #pragma unroll

@@ -24,8 +24,8 @@ const std::vector<ArchLimits>& arch_table() {
       {"sm80", 80, kSmemLimitSm80, 167936, 1024},
       {"sm86", 86, kSmemLimitSm86, 102400, 1024},
       {"sm89", 89, kSmemLimitSm86, 102400, 1024},
-      {"sm90", 90, kSmemLimitSm90, 233472, 1024},
-      {"sm100", 100, kSmemLimitSm90, 233472, 1024},
+      {"sm90", 90, kSmemLimitSm90, kSmemPerSmSm90, kSmemReservedPerBlock},
+      {"sm100", 100, kSmemLimitSm90, kSmemPerSmSm90, kSmemReservedPerBlock},
       {"sm120", 120, kSmemLimitSm120, 102400, 1024},
   };
   return table;
@@ -33,7 +33,12 @@ const std::vector<ArchLimits>& arch_table() {
 }  // namespace
 
 int64_t blocks_per_sm_by_smem(const TileConfig& config, const ArchLimits& arch) {
-  return arch.smem_per_sm / (smem_layout(config).total_bytes + arch.smem_reserved_per_block);
+  const int64_t by_smem = arch.smem_per_sm / (smem_layout(config).total_bytes + arch.smem_reserved_per_block);
+  // An SM90 kernel's registers are split for the blocks it is compiled for.
+  if (config.family == KernelFamily::kSm90)
+    return std::min<int64_t>(by_smem, sm90_smem_layout(config.block_m, config.block_k, config.stages,
+                                                       config.epilogue).blocks_per_sm);
+  return by_smem;
 }
 
 std::vector<std::string> known_archs() {
@@ -360,7 +365,8 @@ GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_
   const double rows_per_expert = rows_per_active_expert(p);
   const double tiles = expected_tiles(p, config);
   const bool sm90 = config.family == KernelFamily::kSm90;
-  if (sm90) blocks_per_sm = 1;  // the warp-specialised kernel takes a whole SM
+  if (sm90)  // the warp-specialised kernel is compiled for one or two blocks per SM
+    blocks_per_sm = sm90_smem_layout(config.block_m, config.block_k, config.stages, config.epilogue).blocks_per_sm;
   const double slots = static_cast<double>(std::max(1, num_sms) * std::max(1, blocks_per_sm));
   // Split-K only fills block slots that the tiles leave idle: the largest
   // split whose units still fit in one wave of slots, with at least
@@ -424,8 +430,7 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   };
   const double rows_per_expert = rows_per_active_expert(p);
   std::vector<TileConfig> fitting;
-  const bool sm90_rows = p.k >= kSm90LongK ? rows_per_expert > kSm90MinRowsPerExpertLongK
-                         : p.k > kSm90MaxShortK && rows_per_expert > kSm90MinRowsPerExpert;
+  const bool sm90_rows = rows_per_expert > kSm90MinRowsPerExpert;
   if (family_runs_on(KernelFamily::kSm90, compute_capability) && (p.single_family || sm90_rows))
     fitting = candidates(KernelFamily::kSm90);
   if (fitting.empty()) fitting = candidates(KernelFamily::kPortable);

@@ -22,6 +22,10 @@ inline constexpr int64_t kSmemLimitSm80 = 166912;
 inline constexpr int64_t kSmemLimitSm86 = 101376;  // also SM89
 inline constexpr int64_t kSmemLimitSm90 = 232448;  // also SM100
 inline constexpr int64_t kSmemLimitSm120 = 101376;
+// Shared memory per SM on SM90 (also SM100), and what each resident block
+// costs on top of its own (reserved by the system).
+inline constexpr int64_t kSmemPerSmSm90 = 233472;
+inline constexpr int64_t kSmemReservedPerBlock = 1024;
 // The portable family must fit the smallest of these.
 inline constexpr int64_t kPortableSmemLimit = 101376;
 
@@ -158,7 +162,12 @@ inline constexpr int64_t kSm90AtomAlign = 1024;
 // rows: a quarter of the tile from m32 up, 8 for m8 and m16, the whole tile
 // for m256 (sm90_grouped_gemm.cuh, sm90::mma_width). Also the rows of one
 // tensor-map box of activations: a unit's width is a whole number of them.
-constexpr int sm90_mma_width_step(int block_m) {
+// Kernels compiled for two blocks per SM (Sm90SmemLayout::blocks_per_sm)
+// have at most two widths: with 104 registers per consumer thread, four
+// copies of the m32 mainloop, or two of the m64 one, made ptxas serialise
+// the wgmmas for lack of registers (C7512).
+constexpr int sm90_mma_width_step(int block_m, int blocks_per_sm) {
+  if (blocks_per_sm == 2) return block_m >= 64 ? block_m : block_m / 2 > 8 ? block_m / 2 : 8;
   return block_m == 256 ? 256 : block_m >= 32 ? block_m / 4 : 8;
 }
 
@@ -200,7 +209,18 @@ struct Sm90SmemLayout {
   int64_t flag_offset = 0, flag_bytes = 0;
 
   int64_t total_bytes = 0;
+  // Blocks resident per SM: the kernel is compiled for this many (its
+  // launch bounds, and the producer's and consumers' register counts).
+  int blocks_per_sm = 1;
 };
+
+// Two blocks per SM where the token tile has at most kSm90TwoBlocksMaxBlockM
+// rows and two blocks' shared memory fits the SM: four consumer warpgroups
+// dequantising on the SM instead of two, each with a smaller register budget
+// (sm90_grouped_gemm.cuh, sm90::consumer_regs), and one block's epilogue or
+// pipeline fill overlapping the other's mainloop. Larger tiles' accumulators
+// need the one-block budget.
+inline constexpr int kSm90TwoBlocksMaxBlockM = 64;
 
 constexpr Sm90SmemLayout sm90_smem_layout(int block_m, int block_k, int stages, Epilogue epilogue) {
   Sm90SmemLayout l;
@@ -233,6 +253,8 @@ constexpr Sm90SmemLayout sm90_smem_layout(int block_m, int block_k, int stages, 
   l.flag_bytes = 16;
 
   l.total_bytes = align_up(l.flag_offset + l.flag_bytes, kSmemAlign);
+  l.blocks_per_sm =
+      block_m <= kSm90TwoBlocksMaxBlockM && 2 * (l.total_bytes + kSmemReservedPerBlock) <= kSmemPerSmSm90 ? 2 : 1;
   return l;
 }
 

@@ -47,7 +47,7 @@ struct Candidate {
   int split_k = 1;
 
   bool operator==(const Candidate&) const = default;
-  std::string to_string() const;  // "sm90n128m16k128s10w12-swiglu split_k 2"
+  std::string to_string() const;  // "sm90n128m16k128s7w12-swiglu split_k 2"
 };
 
 // What limits the candidates on one device.

@@ -6,7 +6,7 @@
 //     {"gpu": "NVIDIA H200", "sms": 132, "driver": "570.86.15", "library": "0.1.0",
 //      "n": 4096, "k": 6144, "experts": 256, "top_k": 8, "epilogue": "swiglu",
 //      "batch_invariant": false, "bucket": 64,
-//      "config": "sm90n128m16k128s10w12-swiglu", "split_k": 1,
+//      "config": "sm90n128m16k128s7w12-swiglu", "split_k": 1,
 //      "time_us": 41.2, "heuristic_config": "...", "heuristic_split_k": 1,
 //      "heuristic_us": 43.0, "date": "2026-12-04"}, ...]}
 //

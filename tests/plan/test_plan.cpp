@@ -83,7 +83,7 @@ TEST(SmemModel, RegionsAreDisjointAlignedAndSumToTotal) {
 }
 
 TEST(SmemModel, Sm90RegionsAreDisjointAlignedAndSumToTotal) {
-  int fits_sm120 = 0;
+  int prefill_tiles_fitting_sm120 = 0;
   for (const TileConfig& c : compiled_configs()) {
     if (c.family != KernelFamily::kSm90) continue;
     const SmemLayout layout = smem_layout(c);
@@ -115,10 +115,10 @@ TEST(SmemModel, Sm90RegionsAreDisjointAlignedAndSumToTotal) {
     EXPECT_EQ(layout.total_bytes, l.total_bytes);
     EXPECT_LE(l.total_bytes, kSmemLimitSm90) << c.to_string();
     EXPECT_TRUE(check_fit(c, arch_limits("sm90").smem_per_block).fits) << c.to_string();
-    fits_sm120 += check_fit(c, arch_limits("sm120").smem_per_block).fits;
+    if (c.block_m == 128) prefill_tiles_fitting_sm120 += check_fit(c, arch_limits("sm120").smem_per_block).fits;
   }
-  // One tile shape (with each epilogue) fits the 101,376 B of SM120 / SM86.
-  EXPECT_EQ(fits_sm120, 3);
+  // One 128-row tile shape (with each epilogue) fits the 101,376 B of SM120 / SM86.
+  EXPECT_EQ(prefill_tiles_fitting_sm120, 3);
 }
 
 TEST(SmemModel, RefusesWithBreakdownAndAdvice) {
@@ -237,27 +237,18 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
   }
   for (int cc : {0, 80, 89, 100, 120})
     EXPECT_EQ(plan_gemm(prefill, 232448, 132, cc).config.family, KernelFamily::kPortable) << cc;
-  // The boundary: more than kSm90MinRowsPerExpertLongK rows per active
-  // expert where K >= kSm90LongK, more than kSm90MinRowsPerExpert where
-  // kSm90MaxShortK < K < kSm90LongK.
+  // The boundary: more than kSm90MinRowsPerExpert rows per active expert,
+  // at a long and a short K alike.
   GemmProblem edge = decode;
   edge.single_family = false;
   edge.expected_active_experts = 256;
-  ASSERT_GE(edge.k, kSm90LongK);
-  edge.num_rows = static_cast<int64_t>(kSm90MinRowsPerExpertLongK) * 256;
-  EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kPortable);
-  edge.num_rows += 256;
-  EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kSm90);
-  edge.k = kSm90LongK - 256;
-  EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kPortable);
-  edge.num_rows = static_cast<int64_t>(kSm90MinRowsPerExpert) * 256;
-  EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kPortable);
-  edge.num_rows += 256;
-  EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kSm90);
-  // A K of at most kSm90MaxShortK stays portable at any rows per expert.
-  edge.k = kSm90MaxShortK;
-  edge.num_rows = 512 * 256;
-  EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kPortable);
+  for (int64_t k : {int64_t{7168}, int64_t{768}}) {
+    edge.k = k;
+    edge.num_rows = static_cast<int64_t>(kSm90MinRowsPerExpert) * 256;
+    EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kPortable) << k;
+    edge.num_rows += 256;
+    EXPECT_EQ(plan_gemm(edge, 232448, 132, 90).config.family, KernelFamily::kSm90) << k;
+  }
   // With SM120's budget only the small SM90 config fits; it is still chosen on SM90.
   const GemmPlan small = plan_gemm(prefill, 101376, 132, 90);
   EXPECT_EQ(small.config.family, KernelFamily::kSm90);

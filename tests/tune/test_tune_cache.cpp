@@ -118,7 +118,7 @@ TEST(TuneCache, RoundTripKeepsEveryField) {
   const std::string path = dir / "sub/dir/tune-cache.json";  // directories are created
   const DeviceIdentity h100{"NVIDIA H100 80GB HBM3", 132, "560.35.03", tune::library_version()};
   const std::vector<CacheEntry> written = {entry(glm5(1), 1, "n128m8k256s4w4-swiglu", 2),
-                                           entry(glm5(2), 64, "sm90n128m16k128s10w12-finalize", 1),
+                                           entry(glm5(2), 64, "sm90n128m16k128s7w12-finalize", 1),
                                            entry(glm5(1), 4096, "sm90n128m128k128s4w12-swiglu", 1, h100, true)};
   const tune::MergeSummary summary = tune::write_cache(path, written, kH200);
   EXPECT_EQ(summary.added, 3);
@@ -332,8 +332,8 @@ TEST(TuneCache, AtomicMergeKeepsOtherEntriesAndDropsStaleOnes) {
                     old_driver);  // the old driver wrote all of them
   const tune::MergeSummary summary =
       tune::write_cache(path,
-                        {entry(glm5(1), 64, "sm90n128m16k128s10w12-swiglu", 1),
-                         entry(glm5(2), 64, "sm90n128m16k128s10w12-finalize", 1)},
+                        {entry(glm5(1), 64, "sm90n128m16k128s7w12-swiglu", 1),
+                         entry(glm5(2), 64, "sm90n128m16k128s7w12-finalize", 1)},
                         kH200);
   EXPECT_EQ(summary.added, 1);
   EXPECT_EQ(summary.replaced, 1);
@@ -346,7 +346,7 @@ TEST(TuneCache, AtomicMergeKeepsOtherEntriesAndDropsStaleOnes) {
   for (const CacheEntry& e : cache.entries) {
     EXPECT_FALSE(e.device == old_driver) << "stale entry kept";
     if (e.device == kH200 && e.bucket == 64 && e.gemm.epilogue == Epilogue::kSwiglu)
-      EXPECT_EQ(e.config, "sm90n128m16k128s10w12-swiglu") << "the new entry replaces the old";
+      EXPECT_EQ(e.config, "sm90n128m16k128s7w12-swiglu") << "the new entry replaces the old";
   }
   // Only the cache and its lock remain: no temporary file.
   std::vector<std::string> names;
@@ -550,7 +550,7 @@ TEST(TuneCandidates, EveryCandidateFitsRunsAndHasTheEpilogue) {
 TEST(TuneCandidates, BatchInvariantLayersUseOnlyInvariantChoices) {
   const Candidate portable_split{TileConfig::parse("n128m8k256s4w4-swiglu"), 2};
   const Candidate portable{TileConfig::parse("n128m8k256s4w4-swiglu"), 1};
-  const Candidate sm90{TileConfig::parse("sm90n128m16k128s10w12-swiglu"), 1};
+  const Candidate sm90{TileConfig::parse("sm90n128m16k128s7w12-swiglu"), 1};
   EXPECT_NE(tune::check_batch_invariant(portable_split, Epilogue::kSwiglu, kSm90Limits).find("split_k 2"),
             std::string::npos);
   EXPECT_NE(tune::check_batch_invariant(portable, Epilogue::kSwiglu, kSm90Limits).find("sm90 family"),
@@ -563,7 +563,7 @@ TEST(TuneCandidates, BatchInvariantLayersUseOnlyInvariantChoices) {
   cache.path = "/c.json";
   cache.status = CacheStatus::kOk;
   cache.entries = {entry(glm5(1), 1, "n128m8k256s4w4-swiglu", 2),
-                   entry(glm5(1), 64, "sm90n128m16k128s10w12-swiglu", 1)};
+                   entry(glm5(1), 64, "sm90n128m16k128s7w12-swiglu", 1)};
   std::vector<std::string> warnings;
   const TunedGemm plain(cache, kH200, glm5(1), 8, kSm90Limits, true, &warnings);
   EXPECT_TRUE(warnings.empty()) << "not faulty, just not for this layer";
@@ -573,7 +573,7 @@ TEST(TuneCandidates, BatchInvariantLayersUseOnlyInvariantChoices) {
   // The same layer without batch invariance takes both.
   EXPECT_TRUE(TunedGemm(cache, kH200, glm5(1), 8, kSm90Limits, false, nullptr).find(1)->rejected.empty());
   // Entries tuned for batch invariance win over the plain ones, for invariant layers only.
-  cache.entries.push_back(entry(glm5(1), 16, "sm90n128m8k128s12w12-swiglu", 1, kH200, /*batch_invariant=*/true));
+  cache.entries.push_back(entry(glm5(1), 16, "sm90n128m8k128s9w12-swiglu", 1, kH200, /*batch_invariant=*/true));
   const TunedGemm invariant(cache, kH200, glm5(1), 8, kSm90Limits, true, nullptr);
   ASSERT_EQ(invariant.choices().size(), 1u);
   EXPECT_EQ(invariant.find(1)->bucket, 16);
