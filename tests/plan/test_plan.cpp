@@ -110,8 +110,9 @@ TEST(SmemModel, Sm90RegionsAreDisjointAlignedAndSumToTotal) {
                         l.scale_stage_bytes, l.epilogue_offset})
       EXPECT_EQ(off % 16, 0) << c.to_string();
     EXPECT_EQ(l.barrier_bytes, 2 * 8 * int64_t{c.stages});
-    EXPECT_EQ(l.epilogue_bytes,
-              int64_t{kSm90Consumers} * std::min(c.block_m, kSm90EpilogueChunk) * l.epi_row_elems * l.epi_elem_bytes);
+    EXPECT_EQ(c.block_m % l.chunk_tokens, 0) << c.to_string();
+    EXPECT_LE(l.chunk_tokens, kSm90EpilogueChunk) << c.to_string();
+    EXPECT_EQ(l.epilogue_bytes, int64_t{kSm90Consumers} * l.chunk_tokens * l.epi_row_elems * l.epi_elem_bytes);
     EXPECT_EQ(layout.total_bytes, l.total_bytes);
     EXPECT_LE(l.total_bytes, kSmemLimitSm90) << c.to_string();
     EXPECT_TRUE(check_fit(c, arch_limits("sm90").smem_per_block).fits) << c.to_string();
