@@ -65,9 +65,9 @@ inline constexpr int kBarProducer = 2 + kSm90Consumers;
 
 // Registers per thread after the producer gives its surplus to the consumers
 // (setmaxnreg), for one or two blocks per SM (Sm90SmemLayout::blocks_per_sm).
-// A block owns what it launched with: ptxas gives the kernel the most its
-// launch bounds allow, 65536 / (384 * blocks) rounded down to 8 (168 and 80),
-// and the split must stay within it, or setmaxnreg.inc waits forever.
+// A block owns what it launched with: the kernel is compiled for
+// launch_regs (__maxnreg__: 65536 / (384 * blocks) rounded down to 8, 168 and
+// 80), and the split must stay within it, or setmaxnreg.inc waits forever.
 constexpr int producer_regs(int blocks_per_sm) { return blocks_per_sm == 1 ? 64 : 32; }
 constexpr int consumer_regs(int blocks_per_sm) { return blocks_per_sm == 1 ? 216 : 104; }
 constexpr int launch_regs(int blocks_per_sm) { return 65536 / (kSm90Threads * blocks_per_sm) / 8 * 8; }
