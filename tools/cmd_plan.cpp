@@ -110,7 +110,9 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
                             {"blocks_per_sm_by_smem", resident},
                             {"regions", regions}});
     if (!out) {
-      std::cout << format_layout(c, budget) << "  blocks per SM (shared memory bound): " << resident << "\n";
+      std::cout << format_layout(c, budget) << "  blocks per SM (shared memory bound"
+                << (c.family == KernelFamily::kSm90 ? ", at most the blocks the kernel is compiled for" : "")
+                << "): " << resident << "\n";
       if (!runs)
         std::cout << "  (the " << to_string(c.family) << " family does not run on " << arch.name
                   << ": shown for its shared-memory fit only)\n";
