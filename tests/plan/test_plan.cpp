@@ -122,6 +122,29 @@ TEST(SmemModel, Sm90RegionsAreDisjointAlignedAndSumToTotal) {
   EXPECT_EQ(prefill_tiles_fitting_sm120, 3);
 }
 
+TEST(SmemModel, Sm90TwoBlockTilesFitHalfAnSmAndCompileAtMostTwoWidths) {
+  int two_block = 0;
+  for (const TileConfig& c : compiled_configs()) {
+    if (c.family != KernelFamily::kSm90) continue;
+    const Sm90SmemLayout l = sm90_smem_layout(c.block_m, c.block_k, c.stages, c.epilogue);
+    const int step = sm90_mma_width_step(c.block_m, l.blocks_per_sm);
+    EXPECT_EQ(c.block_m % step, 0) << c.to_string();
+    EXPECT_EQ(blocks_per_sm_by_smem(c, arch_limits("sm90")), l.blocks_per_sm) << c.to_string();
+    if (l.blocks_per_sm == 1) continue;
+    ++two_block;
+    EXPECT_LE(c.block_m, kSm90TwoBlocksMaxBlockM) << c.to_string();
+    EXPECT_LE(2 * (l.total_bytes + kSmemReservedPerBlock), kSmemPerSmSm90) << c.to_string();
+    // The consumers' 104 registers hold two mainloop copies at most, one above 32 rows.
+    EXPECT_LE(c.block_m / step, c.block_m > 32 ? 1 : 2) << c.to_string();
+  }
+  EXPECT_GT(two_block, 0);
+  // One block where two do not fit, whatever the tile.
+  EXPECT_EQ(sm90_smem_layout(64, 128, 6, Epilogue::kNone).blocks_per_sm, 1);
+  EXPECT_EQ(sm90_smem_layout(128, 64, 3, Epilogue::kNone).blocks_per_sm, 1);  // fits twice, too many accumulators
+  EXPECT_EQ(sm90_smem_layout(32, 128, 5, Epilogue::kFinalize).blocks_per_sm, 2);
+  EXPECT_EQ(sm90_smem_layout(32, 128, 6, Epilogue::kFinalize).blocks_per_sm, 1);
+}
+
 TEST(SmemModel, RefusesWithBreakdownAndAdvice) {
   // Fewer stages make it fit.
   const FitReport by_stages = check_fit(TileConfig::parse("n128m32k256s4w4"), 101376);
