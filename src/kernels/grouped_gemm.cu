@@ -140,9 +140,8 @@ bool encode_activation_map(const kernels::GroupedGemmParams& p, const TileConfig
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.k), static_cast<cuuint64_t>(p.x_rows)};
   const cuuint64_t row_pitch[1] = {static_cast<cuuint64_t>(p.k) * 2};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(kFragK),
-                             static_cast<cuuint32_t>(sm90_mma_width_step(
-                                 config.block_m, sm90_smem_layout(config.block_m, config.block_k, config.stages,
-                                                                  config.epilogue).blocks_per_sm))};
+                             static_cast<cuuint32_t>(
+                                 sm90_mma_width_step(config.block_m, sm90_smem_layout(config).blocks_per_sm))};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult result = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<__nv_bfloat16*>(p.x), dims,
                                  row_pitch, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,

@@ -36,8 +36,7 @@ int64_t blocks_per_sm_by_smem(const TileConfig& config, const ArchLimits& arch) 
   const int64_t by_smem = arch.smem_per_sm / (smem_layout(config).total_bytes + arch.smem_reserved_per_block);
   // An SM90 kernel's registers are split for the blocks it is compiled for.
   if (config.family == KernelFamily::kSm90)
-    return std::min<int64_t>(by_smem, sm90_smem_layout(config.block_m, config.block_k, config.stages,
-                                                       config.epilogue).blocks_per_sm);
+    return std::min<int64_t>(by_smem, sm90_smem_layout(config).blocks_per_sm);
   return by_smem;
 }
 
@@ -192,7 +191,7 @@ SmemLayout sm90_layout(const TileConfig& c) {
                    c.block_m <= 256,
                "tile config ", c.to_string(), ": the SM90 family has BLOCK_N = ", kSm90BlockN, ", ",
                kSm90Threads / 32, " warps and BLOCK_M a multiple of 8 up to 256");
-  const Sm90SmemLayout l = sm90_smem_layout(c.block_m, c.block_k, c.stages, c.epilogue);
+  const Sm90SmemLayout l = sm90_smem_layout(c);
   const std::string stages = "STAGES=" + std::to_string(c.stages);
   const std::string bn = "BLOCK_N=" + std::to_string(c.block_n);
   const std::string bm = "BLOCK_M=" + std::to_string(c.block_m);
@@ -366,7 +365,7 @@ GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_
   const double tiles = expected_tiles(p, config);
   const bool sm90 = config.family == KernelFamily::kSm90;
   if (sm90)  // the warp-specialised kernel is compiled for one or two blocks per SM
-    blocks_per_sm = sm90_smem_layout(config.block_m, config.block_k, config.stages, config.epilogue).blocks_per_sm;
+    blocks_per_sm = sm90_smem_layout(config).blocks_per_sm;
   const double slots = static_cast<double>(std::max(1, num_sms) * std::max(1, blocks_per_sm));
   // Split-K only fills block slots that the tiles leave idle: the largest
   // split whose units still fit in one wave of slots, with at least

@@ -259,4 +259,9 @@ constexpr Sm90SmemLayout sm90_smem_layout(int block_m, int block_k, int stages, 
   return l;
 }
 
+// The layout of an SM90 config (its family is not checked here).
+constexpr Sm90SmemLayout sm90_smem_layout(const TileConfig& c) {
+  return sm90_smem_layout(c.block_m, c.block_k, c.stages, c.epilogue);
+}
+
 }  // namespace fp4moe

@@ -476,9 +476,7 @@ TEST(GroupedGemmGpu, SmemModelMatchesCompiledKernels) {
     EXPECT_EQ(attr.local_bytes, 0) << config.to_string() << " spills to local memory";
     EXPECT_GE(attr.blocks_per_sm, 1) << config.to_string();
     if (config.family == KernelFamily::kSm90)  // the blocks its registers are split for
-      EXPECT_EQ(attr.blocks_per_sm,
-                sm90_smem_layout(config.block_m, config.block_k, config.stages, config.epilogue).blocks_per_sm)
-          << config.to_string();
+      EXPECT_EQ(attr.blocks_per_sm, sm90_smem_layout(config).blocks_per_sm) << config.to_string();
     std::printf("  %-24s smem %6lld B (model %6lld B), %3d registers, %d blocks/SM\n",
                 config.to_string().c_str(), static_cast<long long>(attr.max_dynamic_smem_bytes),
                 static_cast<long long>(layout.total_bytes), attr.num_regs, attr.blocks_per_sm);

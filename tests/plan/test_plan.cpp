@@ -87,7 +87,7 @@ TEST(SmemModel, Sm90RegionsAreDisjointAlignedAndSumToTotal) {
   for (const TileConfig& c : compiled_configs()) {
     if (c.family != KernelFamily::kSm90) continue;
     const SmemLayout layout = smem_layout(c);
-    const Sm90SmemLayout l = sm90_smem_layout(c.block_m, c.block_k, c.stages, c.epilogue);
+    const Sm90SmemLayout l = sm90_smem_layout(c);
     EXPECT_EQ(c.block_n, kSm90BlockN);
     EXPECT_EQ(l.act_bytes, int64_t{c.stages} * c.block_m * c.block_k * 2) << c.to_string();
     EXPECT_EQ(l.weight_bytes, int64_t{c.stages} * c.block_n * c.block_k / 2) << c.to_string();
@@ -126,7 +126,7 @@ TEST(SmemModel, Sm90TwoBlockTilesFitHalfAnSmAndCompileAtMostTwoWidths) {
   int two_block = 0;
   for (const TileConfig& c : compiled_configs()) {
     if (c.family != KernelFamily::kSm90) continue;
-    const Sm90SmemLayout l = sm90_smem_layout(c.block_m, c.block_k, c.stages, c.epilogue);
+    const Sm90SmemLayout l = sm90_smem_layout(c);
     const int step = sm90_mma_width_step(c.block_m, l.blocks_per_sm);
     EXPECT_EQ(c.block_m % step, 0) << c.to_string();
     EXPECT_EQ(blocks_per_sm_by_smem(c, arch_limits("sm90")), l.blocks_per_sm) << c.to_string();
