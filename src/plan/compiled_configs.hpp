@@ -38,14 +38,17 @@
 //   STAGES   depth of the mbarrier ring
 // One per token-tile size. The m8, m16 and m32 tiles are shallow enough for
 // two blocks per SM (Sm90SmemLayout::blocks_per_sm), which beat one block
-// with a deeper ring at 93 of 96 points (docs/perf-notes.md, "Two blocks per
-// SM"). sm90n128m128k64s3w12 fits the 101,376-byte budget of SM120/SM86-class
+// with a deeper ring at 60 of 64 points (docs/perf-notes.md, "Two blocks per
+// SM"); m64 at both, the deeper first (the planner takes the first of a
+// size). sm90n128m128k64s3w12 fits the 101,376-byte budget of SM120/SM86-class
 // parts (fp4moe plan --arch sm120), as do some two-block tiles.
 #define FP4MOE_SM90_TILES(X, EPI) \
   X(8, 128, 9, EPI)               \
   X(16, 128, 7, EPI)              \
   X(32, 128, 5, EPI)              \
+  X(48, 128, 4, EPI)              \
   X(64, 128, 6, EPI)              \
+  X(64, 128, 3, EPI)              \
   X(128, 128, 4, EPI)             \
   X(128, 64, 3, EPI)              \
   X(256, 64, 4, EPI)

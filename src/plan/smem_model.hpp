@@ -166,7 +166,7 @@ inline constexpr int64_t kSm90AtomAlign = 1024;
 // have at most two widths, and one above 32 rows: with 104 registers per
 // consumer thread, four copies of the m32 mainloop or two of the m64 one
 // made ptxas serialise the wgmmas for lack of registers (C7512), and two of
-// an m48 one spilled (none of m48 or two-block m64 is compiled today).
+// the m48 one spilled.
 constexpr int sm90_mma_width_step(int block_m, int blocks_per_sm) {
   if (blocks_per_sm == 2) return block_m > 32 ? block_m : block_m / 2 > 8 ? block_m / 2 : 8;
   return block_m == 256 ? 256 : block_m >= 32 ? block_m / 4 : 8;
@@ -239,7 +239,11 @@ constexpr Sm90SmemLayout sm90_smem_layout(int block_m, int block_k, int stages, 
   l.barrier_bytes = 2 * int64_t{stages} * 8;
   l.ring_end = align_up(l.barrier_offset + l.barrier_bytes, kSmemAlign);
 
-  l.chunk_tokens = block_m < kSm90EpilogueChunk ? block_m : kSm90EpilogueChunk;
+  // Tokens per epilogue round: the tile's up to kSm90EpilogueChunk, in whole
+  // rounds (m48: 16).
+  l.chunk_tokens = block_m < kSm90EpilogueChunk          ? block_m
+                   : block_m % kSm90EpilogueChunk == 0 ? kSm90EpilogueChunk
+                                                         : 16;
   const EpilogueRow row = epilogue_row(epilogue, kSm90WarpgroupRows);
   l.epi_row_elems = row.elems;
   l.epi_elem_bytes = row.elem_bytes;
