@@ -36,19 +36,22 @@
 //   BLOCK_K  K elements per pipeline stage: 64 or 128 (with four 64-wide
 //            fragments per stage ptxas serialises the wgmmas, C7513)
 //   STAGES   depth of the mbarrier ring
-// One per token-tile size. The m8, m16 and m32 tiles are shallow enough for
-// two blocks per SM (Sm90SmemLayout::blocks_per_sm), which beat one block
-// with a deeper ring at 60 of 64 points (docs/perf-notes.md, "Two blocks per
-// SM"); m64 at both, the deeper first (the planner takes the first of a
-// size). sm90n128m128k64s3w12 fits the 101,376-byte budget of SM120/SM86-class
-// parts (fp4moe plan --arch sm120), as do some two-block tiles.
+// The m8 ... m64 tiles are shallow enough for two blocks per SM
+// (Sm90SmemLayout::blocks_per_sm), which beat one block with a deeper ring at
+// 93 of 96 points for m8 ... m32 (docs/perf-notes.md, "Two blocks per SM").
+// m48 and the two-block m64 beat m128 by 1.07-1.20x on uniformly routed
+// experts of 32-51 rows but lost to it in the layer's skewed routing ("Tiles
+// for 32-48 rows"): the planner does not take them (nor the one-block m64),
+// the tuner may. sm90n128m128k64s3w12 fits the 101,376-byte budget of
+// SM120/SM86-class parts (fp4moe plan --arch sm120), as do the m48 and
+// two-block m64 tiles.
 #define FP4MOE_SM90_TILES(X, EPI) \
   X(8, 128, 9, EPI)               \
   X(16, 128, 7, EPI)              \
   X(32, 128, 5, EPI)              \
   X(48, 128, 4, EPI)              \
-  X(64, 128, 6, EPI)              \
   X(64, 128, 3, EPI)              \
+  X(64, 128, 6, EPI)              \
   X(128, 128, 4, EPI)             \
   X(128, 64, 3, EPI)              \
   X(256, 64, 4, EPI)
