@@ -333,6 +333,12 @@ __global__ void __launch_bounds__(kSm90Threads)
     const int t = lane % 4;
     const int group = consumer * 4 + warp;  // this warp's 16-row fragment group in the tile
     const int n_half = p.n / 2;
+    // kFinalize: this warpgroup's table of the unit's output slots and
+    // router weights, (BLOCK_M) int32 then (BLOCK_M) fp32; each thread loads
+    // the slots of rows wtid, wtid + 128, ...
+    constexpr int SLOT_LOADS = EPI == Epilogue::kFinalize ? (BLOCK_M + 127) / 128 : 1;
+    int32_t* s_slots = reinterpret_cast<int32_t*>(smem + L.slots_offset) + consumer * 2 * BLOCK_M;
+    float* s_row_weights = reinterpret_cast<float*>(s_slots + BLOCK_M);
     int stage = 0;
     uint32_t phase = 0;
     float acc[NACC];
@@ -342,6 +348,16 @@ __global__ void __launch_bounds__(kSm90Threads)
       const int e = u.expert;
 #pragma unroll
       for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
+      // kFinalize: the output slots of the unit's rows, loaded here and used
+      // in the epilogue, so that the L2 round trip overlaps the mainloop.
+      [[maybe_unused]] int32_t row_slots[SLOT_LOADS];
+      if constexpr (EPI == Epilogue::kFinalize) {
+#pragma unroll
+        for (int j = 0; j < SLOT_LOADS; ++j) {
+          const int r = wtid + 128 * j;
+          row_slots[j] = r < u.rows_valid ? __ldg(p.scatter_rows + u.row_begin + r) : -1;
+        }
+      }
 
       // ---- mainloop. One stage: wait for it, then per 64-wide K fragment
       // dequantise, fence, four wgmmas, commit, and wait for the previous
@@ -453,6 +469,22 @@ __global__ void __launch_bounds__(kSm90Threads)
       }
 
       // ---- epilogue, CHUNK tokens at a time through this warpgroup's staging.
+      if constexpr (EPI == Epilogue::kFinalize) {
+        // Read in the rounds below, after their first barrier; rewritten for
+        // the next unit only after their last one.
+#pragma unroll
+        for (int j = 0; j < SLOT_LOADS; ++j) {
+          const int r = wtid + 128 * j;
+          if (r >= u.rows_valid) continue;
+          int slot = row_slots[j];
+          if (slot < 0 || slot / p.out_row_divisor >= p.out_rows) {
+            atomicOr(p.error_flags, kErrorGatherRowOutOfRange);
+            slot = -1;
+          }
+          s_slots[r] = slot;
+          s_row_weights[r] = slot >= 0 && p.row_weights ? __ldg(p.row_weights + slot) : 1.0f;
+        }
+      }
       const float out_scale = __ldg(p.global_scales + e) * layout::kEpilogueScale;
       const float up_scale = detail::up_epilogue_scale(p, e, out_scale);  // kSwiglu's up rows
       uint8_t* stage_base = s_epilogue + consumer * (CHUNK * L.epi_row_elems * L.epi_elem_bytes);
@@ -497,14 +529,10 @@ __global__ void __launch_bounds__(kSm90Threads)
             for (int i = wtid; i < rows * OUT_CHUNKS; i += 128) {
               const int r = i / OUT_CHUNKS;
               const int col = n0 + (i % OUT_CHUNKS) * 4;
-              if (col >= p.n) continue;
-              const int slot = __ldg(p.scatter_rows + row_first + r);
-              if (slot < 0 || slot / p.out_row_divisor >= p.out_rows) {
-                atomicOr(p.error_flags, kErrorGatherRowOutOfRange);
-                continue;
-              }
+              const int slot = s_slots[c * CHUNK + r];
+              if (col >= p.n || slot < 0) continue;
               const float4 v = *reinterpret_cast<const float4*>(s_out_f32 + r * L.epi_row_elems + col - n0);
-              detail::finalize_store(p, e, slot, col, v, p.row_weights ? __ldg(p.row_weights + slot) : 1.0f);
+              detail::finalize_store(p, e, slot, col, v, s_row_weights[c * CHUNK + r]);
             }
           } else {
             // (rows, OUT_N) bf16 -> Y rows, 16-byte stores; the output width

@@ -212,10 +212,14 @@ SmemLayout sm90_layout(const TileConfig& c) {
                        (l.epi_elem_bytes == 4 ? " fp32 " : " bf16 ") + fp4moe::to_string(c.epilogue) + " staging",
        l.epilogue_offset, int64_t{kSm90Consumers} * l.chunk_tokens * epi_row_bytes, false},
       {"row indices", dims({bm}) + " int64 producer's gathered row offsets", l.rows_offset, l.rows_bytes, false},
-      {"schedule", "(" + std::to_string(kMaxExperts + 1) + " + 32) int32 m-tile prefix per expert",
-       l.schedule_offset, l.schedule_bytes, false},
-      {"split-k flag", "(4) int32 + padding", l.flag_offset, l.total_bytes - l.flag_offset, false},
   };
+  if (l.slots_bytes > 0)
+    out.regions.push_back({"output slots", dims({"CONSUMERS=" + std::to_string(kSm90Consumers), bm}) +
+                                               " int32 slot, fp32 weight",
+                           l.slots_offset, l.slots_bytes, false});
+  out.regions.push_back({"schedule", "(" + std::to_string(kMaxExperts + 1) + " + 32) int32 m-tile prefix per expert",
+                         l.schedule_offset, l.schedule_bytes, false});
+  out.regions.push_back({"split-k flag", "(4) int32 + padding", l.flag_offset, l.total_bytes - l.flag_offset, false});
   out.total_bytes = l.total_bytes;
   return out;
 }
@@ -449,7 +453,9 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   // mostly empty m-tile), and from ~24 rows takes the 128-row tile, whose
   // tensor-mapped activation copies beat the 64-row tile's cp.async, until
   // experts get ~3 x 128 rows: measured best by `fp4moe tune` over the eight
-  // README shapes (docs/perf-notes.md, the autotuner).
+  // README shapes (docs/perf-notes.md, the autotuner). The m48 and m64 tiles
+  // win at 32-51 rows only where the routing is near uniform; on the layer's
+  // skewed routing m128 was ahead ("Tiles for 32-48 rows").
   double target = rows_per_expert;
   if (fitting.front().family == KernelFamily::kSm90) {
     if (rows_per_expert >= 384) {

@@ -204,6 +204,10 @@ struct Sm90SmemLayout {
   // The producer's table of the unit's (gathered) token rows, as element
   // offsets in x, (BLOCK_M) int64.
   int64_t rows_offset = 0, rows_bytes = 0;
+  // kFinalize: each consumer warpgroup's table of the unit's output slots and
+  // router weights, (CONSUMERS, BLOCK_M) x (int32 slot, fp32 weight); empty
+  // for the other epilogues.
+  int64_t slots_offset = 0, slots_bytes = 0;
   // Scheduler: m-tile prefix sums per expert (kMaxExperts + 1) + 32 int32.
   int64_t schedule_offset = 0, schedule_bytes = 0;
   // Split-K: the "this block reduces the tile" flag.
@@ -252,7 +256,9 @@ constexpr Sm90SmemLayout sm90_smem_layout(int block_m, int block_k, int stages, 
 
   l.rows_offset = align_up(l.epilogue_offset + l.epilogue_bytes, kSmemAlign);
   l.rows_bytes = int64_t{block_m} * 8;
-  l.schedule_offset = align_up(l.rows_offset + l.rows_bytes, kSmemAlign);
+  l.slots_offset = align_up(l.rows_offset + l.rows_bytes, kSmemAlign);
+  l.slots_bytes = epilogue == Epilogue::kFinalize ? int64_t{kSm90Consumers} * block_m * 8 : 0;
+  l.schedule_offset = align_up(l.slots_offset + l.slots_bytes, kSmemAlign);
   l.schedule_bytes = (kMaxExperts + 1 + 32) * 4;
   l.flag_offset = align_up(l.schedule_offset + l.schedule_bytes, 16);
   l.flag_bytes = 16;
