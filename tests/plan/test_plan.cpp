@@ -102,7 +102,8 @@ TEST(SmemModel, Sm90RegionsAreDisjointAlignedAndSumToTotal) {
                                {l.barrier_offset + l.barrier_bytes, l.ring_end},
                                {l.ring_end, l.epilogue_offset},
                                {l.epilogue_offset + l.epilogue_bytes, l.rows_offset},
-                               {l.rows_offset + l.rows_bytes, l.schedule_offset},
+                               {l.rows_offset + l.rows_bytes, l.slots_offset},
+                               {l.slots_offset + l.slots_bytes, l.schedule_offset},
                                {l.schedule_offset + l.schedule_bytes, l.flag_offset},
                                {l.flag_offset + l.flag_bytes, l.total_bytes}};
     for (const auto& e : ends) EXPECT_LE(e[0], e[1]) << c.to_string();
@@ -110,6 +111,10 @@ TEST(SmemModel, Sm90RegionsAreDisjointAlignedAndSumToTotal) {
                         l.scale_stage_bytes, l.epilogue_offset})
       EXPECT_EQ(off % 16, 0) << c.to_string();
     EXPECT_EQ(l.barrier_bytes, 2 * 8 * int64_t{c.stages});
+    // The finalize epilogue's per-warpgroup (slot, router weight) table; no other epilogue has one.
+    EXPECT_EQ(l.slots_bytes, c.epilogue == Epilogue::kFinalize ? int64_t{kSm90Consumers} * c.block_m * 8 : 0)
+        << c.to_string();
+    EXPECT_EQ(l.slots_offset % 16, 0) << c.to_string();
     EXPECT_EQ(c.block_m % l.chunk_tokens, 0) << c.to_string();
     EXPECT_LE(l.chunk_tokens, kSm90EpilogueChunk) << c.to_string();
     EXPECT_EQ(l.epilogue_bytes, int64_t{kSm90Consumers} * l.chunk_tokens * l.epi_row_elems * l.epi_elem_bytes);
