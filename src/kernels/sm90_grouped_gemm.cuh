@@ -30,7 +30,9 @@
 // follow the portable family (portable_grouped_gemm.cuh). The epilogue stages
 // each warpgroup's 64 rows x up to kSm90EpilogueChunk tokens token-major in a
 // region of its own (the producer keeps filling the ring meanwhile) and
-// writes whole 16-byte chunks of output rows.
+// writes whole 16-byte chunks of output rows. FINALIZE's output slots are
+// loaded when a unit starts and its router weights once per row, into a
+// table of the warpgroup's (Sm90SmemLayout::slots_*).
 //
 // Built for sm_90a only; on other targets the kernel is an empty stub and the
 // host never launches it. Tested in tests/kernels/test_grouped_gemm.cpp
