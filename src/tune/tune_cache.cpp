@@ -58,9 +58,16 @@ namespace {
 // The first structural fault of one entry, or "" (fields: see tune_cache.hpp).
 std::string parse_entry(const json& j, CacheEntry* e) {
   if (!j.is_object()) return "not an object";
+  // Strings from the file reach one-line messages (an unknown epilogue, a
+  // config that is not compiled, another GPU's name): a control character in
+  // one is damage, not text to print.
+  const auto has_control = [](const std::string& text) {
+    return std::any_of(text.begin(), text.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; });
+  };
   const auto string_field = [&](const char* name, std::string* out) -> std::string {
     const auto it = j.find(name);
     if (it == j.end() || !it->is_string()) return std::string("'") + name + "' is missing or not a string";
+    if (has_control(it->get<std::string>())) return std::string("'") + name + "' holds a control character";
     *out = it->get<std::string>();
     return {};
   };
@@ -112,6 +119,7 @@ std::string parse_entry(const json& j, CacheEntry* e) {
     const auto it = j.find(name);
     if (it == j.end()) continue;
     if (!it->is_string()) return std::string("'") + name + "' is not a string";
+    if (has_control(it->get<std::string>())) return std::string("'") + name + "' holds a control character";
     *out = it->get<std::string>();
   }
   return {};

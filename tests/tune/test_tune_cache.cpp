@@ -184,6 +184,10 @@ TEST(TuneCache, CorruptFilesAreReportedAndIgnored) {
       {cache_with_field("time_us", "\"fast\""), "'time_us'"},
       {R"({"format": "fp4moe tune cache", "version": 1, "entries": [{"time_us": 1e400}]})", "not valid JSON"},
       {cache_with_field("date", "20261204"), "'date'"},
+      // File strings reach one-line messages: a control character in one is damage (found by fuzz_tune_cache).
+      {cache_with_field("epilogue", R"("f\nalize")"), "'epilogue' holds a control character"},
+      {cache_with_field("gpu", R"("NVIDIA\rH200")"), "'gpu' holds a control character"},
+      {cache_with_field("date", R"("2026-12-04\u007f")"), "'date' holds a control character"},
   };
   // The fixture itself is valid.
   write_text(path, cache_with_field("time_us", "12.5"));
