@@ -62,7 +62,8 @@ std::string parse_entry(const json& j, CacheEntry* e) {
   // config that is not compiled, another GPU's name): a control character in
   // one is damage, not text to print.
   const auto has_control = [](const std::string& text) {
-    return std::any_of(text.begin(), text.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; });
+    return std::any_of(text.begin(), text.end(),
+                       [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; });
   };
   const auto string_field = [&](const char* name, std::string* out) -> std::string {
     const auto it = j.find(name);
