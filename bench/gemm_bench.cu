@@ -471,6 +471,8 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
                            {"n", n},
                            {"k", k},
                            {"config", plan.config.to_string()},
+                           {"light_config", plan.light_max_rows > 0 ? plan.light_config.to_string() : ""},
+                           {"light_max_rows", plan.light_max_rows},
                            {"family", to_string(plan.config.family)},
                            {"split_k", plan.split_k},
                            {"time_us", t_us},

@@ -130,7 +130,26 @@ struct GemmPlan {
   int split_k = 1;        // K slices per tile, reduced in a fixed order
   int64_t max_tiles = 0;  // upper bound of (m-tile, n-tile) pairs
   std::string reason;     // why this config and split
+  // Light experts first (light_max_rows > 0): a launch of light_config, unsplit,
+  // over the experts of at most light_max_rows rows, then `config` over the
+  // others. Both launches read the device-side offsets, so which expert goes
+  // where is decided on the GPU (graph-capturable). 0: one launch of `config`.
+  TileConfig light_config;
+  int light_max_rows = 0;
+  int64_t light_max_tiles = 0;  // upper bound of light_config's tiles
 };
+
+// The SM90 light/heavy split (GemmPlan::light_max_rows): where the planner
+// would run the m128 tile for experts of about 24-48 rows, experts of at most
+// kSm90LightMaxRows rows run first on the two-block m48 tile, which beat m128
+// by 1.13-1.20x on uniformly routed experts of 32 rows but lost to it on the
+// layer's skewed routing, where many experts have far more rows
+// (docs/perf-notes.md, "Tiles for 32-48 rows").
+inline constexpr int kSm90LightMaxRows = 48;
+
+// `plan` with a light stage: `light` (same epilogue) first over the experts
+// of at most light_max_rows rows.
+GemmPlan with_light_stage(GemmPlan plan, const GemmProblem& problem, const TileConfig& light, int light_max_rows);
 
 // Whether a family's kernels run on a GPU of compute capability `cc`
 // (e.g. 90): the portable family from 80 on, the SM90 family on 90 only.

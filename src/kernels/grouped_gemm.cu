@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -236,7 +237,9 @@ GemmPlan plan_grouped_gemm(const GemmProblem& problem, const std::optional<TileC
   const GemmPlan first =
       plan_gemm(problem, dev.smem_per_block, dev.num_sms, kernels::compute_capability(dev));
   const KernelEntry& entry = find_kernel(first.config);
-  return plan_gemm_with(problem, first.config, dev.num_sms, occupancy(entry, dev.device));
+  const GemmPlan plan = plan_gemm_with(problem, first.config, dev.num_sms, occupancy(entry, dev.device));
+  return first.light_max_rows > 0 ? with_light_stage(plan, problem, first.light_config, first.light_max_rows)
+                                  : plan;
 }
 
 size_t grouped_gemm_workspace_bytes(const GemmPlan& plan) {
@@ -258,6 +261,15 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   const int64_t tiles_needed = max_tiles(problem_of(args, epilogue), plan.config);
   FP4MOE_CHECK(plan.max_tiles >= tiles_needed, "grouped_gemm: the plan covers ", plan.max_tiles,
                " tiles but ", args.num_rows, " rows may need ", tiles_needed, "; plan again for this problem");
+  if (plan.light_max_rows > 0) {
+    FP4MOE_CHECK(plan.light_config.epilogue == epilogue, "grouped_gemm: the light stage's config ",
+                 plan.light_config.to_string(), " has another epilogue than ", plan.config.to_string());
+    check_fits_device(find_kernel(plan.light_config), dev);
+    const int64_t light_needed = max_tiles(problem_of(args, epilogue), plan.light_config);
+    FP4MOE_CHECK(plan.light_max_tiles >= light_needed, "grouped_gemm: the plan's light stage covers ",
+                 plan.light_max_tiles, " tiles but ", args.num_rows, " rows may need ", light_needed,
+                 "; plan again for this problem");
+  }
   FP4MOE_CHECK(plan.split_k >= 1 && plan.split_k <= 64, "grouped_gemm: split_k = ", plan.split_k);
   if (args.num_rows == 0) return;
   const size_t workspace_needed = grouped_gemm_workspace_bytes(plan);
@@ -302,16 +314,30 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   p.n_groups = static_cast<int>((args.n + layout::kPadN - 1) / layout::kPadN * layout::kPadN / 16);
   p.k_frags = static_cast<int>((args.k + layout::kPadK - 1) / layout::kPadK * layout::kPadK / 64);
   p.num_rows = static_cast<int>(args.num_rows);
-  p.split_k = plan.split_k;
-  p.x_map_valid = plan.config.family == KernelFamily::kSm90 &&
-                  encode_activation_map(p, plan.config, &p.x_map);
 
-  const int blocks_per_sm = std::max(1, occupancy(entry, dev.device));
-  const int64_t max_units = plan.max_tiles * plan.split_k;
-  const int grid = static_cast<int>(std::min<int64_t>(max_units, int64_t{dev.num_sms} * blocks_per_sm));
-  if (grid == 0) return;
-  kernels::launch_kernel(entry.fn, grid, entry.config.warps * 32, static_cast<size_t>(entry.smem_bytes),
-                         stream, args.programmatic_launch, p);
+  // One launch over the experts whose rows lie in [min_rows, max_rows].
+  const auto launch = [&](const TileConfig& config, int split_k, int64_t tiles, int min_rows, int max_rows) {
+    const KernelEntry& e = find_kernel(config);
+    kernels::GroupedGemmParams q = p;
+    q.split_k = split_k;
+    q.min_expert_rows = min_rows;
+    q.max_expert_rows = max_rows;
+    q.x_map_valid = config.family == KernelFamily::kSm90 && encode_activation_map(q, config, &q.x_map);
+    const int blocks_per_sm = std::max(1, occupancy(e, dev.device));
+    const int grid = static_cast<int>(std::min<int64_t>(tiles * split_k, int64_t{dev.num_sms} * blocks_per_sm));
+    if (grid == 0) return;
+    kernels::launch_kernel(e.fn, grid, e.config.warps * 32, static_cast<size_t>(e.smem_bytes), stream,
+                           args.programmatic_launch, q);
+  };
+  constexpr int kAllRows = std::numeric_limits<int32_t>::max();
+  if (plan.light_max_rows > 0) {
+    // The light experts first, then the others (the second launch waits for
+    // the first: programmatic launches wait for their predecessor's grid).
+    launch(plan.light_config, 1, plan.light_max_tiles, 0, plan.light_max_rows);
+    launch(plan.config, plan.split_k, plan.max_tiles, plan.light_max_rows + 1, kAllRows);
+  } else {
+    launch(plan.config, plan.split_k, plan.max_tiles, 0, kAllRows);
+  }
 }
 
 std::string grouped_gemm_device_errors(const void* workspace, cudaStream_t stream) {

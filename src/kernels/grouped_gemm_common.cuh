@@ -61,6 +61,11 @@ struct GroupedGemmParams {
   int k_frags;                    // k_pad / 64
   int num_rows;
   int split_k;                    // k-slices per tile
+  // Experts whose row count lies outside [min_expert_rows, max_expert_rows]
+  // get no tiles in this launch (GemmPlan's light/heavy split); 0 and
+  // INT32_MAX take every expert.
+  int min_expert_rows;
+  int max_expert_rows;
   // SM90 family, activations not gathered: x as a 2-D tensor map ([x_rows,
   // k] bf16, boxes of 64 k x sm90_mma_width_step(BLOCK_M, blocks per SM) rows, 128-byte
   // swizzle, zeros outside), read by the kernel through its __grid_constant__
@@ -94,7 +99,7 @@ __device__ __forceinline__ void build_schedule(const GroupedGemmParams& p, int32
       if (begin < 0 || end > p.num_rows) bad |= kErrorOffsetsOutOfRange;
       // Malformed offsets produce no work rather than out-of-bounds accesses.
       const int rows = (end > begin && begin >= 0 && end <= p.num_rows) ? end - begin : 0;
-      tiles = (rows + BLOCK_M - 1) / BLOCK_M;
+      if (rows >= p.min_expert_rows && rows <= p.max_expert_rows) tiles = (rows + BLOCK_M - 1) / BLOCK_M;
     }
     counts[i] = tiles;
     local_sum += tiles;

@@ -499,7 +499,26 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
       if (units > slots && !(units > shallower_slots && units <= 2 * slots)) pick = &*shallower;
     }
   }
-  return plan_gemm_with(p, *pick, num_sms, blocks_per_sm);
+  GemmPlan plan = plan_gemm_with(p, *pick, num_sms, blocks_per_sm);
+  // Light experts on the two-block m48 tile first, where the m128 tile takes
+  // experts of ~24-48 rows (kSm90LightMaxRows).
+  if (pick->family == KernelFamily::kSm90 && pick->block_m == 128 && rows_per_expert <= kSm90LightMaxRows) {
+    const auto light = std::find_if(fitting.begin(), fitting.end(), [](const TileConfig& c) {
+      return c.block_m == kSm90LightMaxRows && sm90_smem_layout(c).blocks_per_sm == 2;
+    });
+    if (light != fitting.end()) plan = with_light_stage(plan, p, *light, kSm90LightMaxRows);
+  }
+  return plan;
+}
+
+GemmPlan with_light_stage(GemmPlan plan, const GemmProblem& p, const TileConfig& light, int light_max_rows) {
+  FP4MOE_CHECK(light.epilogue == plan.config.epilogue && light_max_rows >= 1, "with_light_stage: ",
+               light.to_string(), " for ", plan.config.to_string(), " up to ", light_max_rows, " rows");
+  plan.light_config = light;
+  plan.light_max_rows = light_max_rows;
+  plan.light_max_tiles = max_tiles(p, light);
+  plan.reason += "; experts of at most " + std::to_string(light_max_rows) + " rows first on " + light.to_string();
+  return plan;
 }
 
 }  // namespace fp4moe

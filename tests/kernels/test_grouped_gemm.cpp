@@ -184,6 +184,29 @@ const std::vector<GemmCase>& enumerated_cases() {
   return cases;
 }
 
+// The light/heavy split (GemmPlan::light_max_rows): experts of at most a few
+// rows on the two-block m48 tile, the others on m128, for every enumerated
+// case (their row counts straddle the splits), against the reference.
+TEST(GroupedGemmGpu, LightAndHeavyExpertsInTwoLaunchesMatchReference) {
+  FP4MOE_REQUIRE_GPU();
+  const TileConfig heavy = TileConfig::parse("sm90n128m128k128s4w12");
+  const TileConfig light = TileConfig::parse("sm90n128m48k128s4w12");
+  if (!runs_here(heavy)) GTEST_SKIP() << "the SM90 family does not run on this GPU";
+  std::mt19937 rng(4321);
+  for (const GemmCase& c : enumerated_cases()) {
+    Problem prob(c, rng);
+    const std::vector<double> ref = prob.reference();
+    for (int light_max_rows : {1, 8, 48}) {
+      const GroupedGemmArgs a = prob.args();
+      GemmPlan plan = plan_grouped_gemm(a, heavy);
+      plan.split_k = 1;
+      plan = with_light_stage(plan, GemmProblem{a.num_experts, a.n, a.k, a.num_rows, 0, Epilogue::kNone}, light,
+                              light_max_rows);
+      run_and_check(prob, plan, ref, describe(c, heavy, 1) + ", light up to " + std::to_string(light_max_rows));
+    }
+  }
+}
+
 TEST(GroupedGemmGpu, EveryCompiledConfigMatchesReference) {
   FP4MOE_REQUIRE_GPU();
   std::mt19937 rng(1234);

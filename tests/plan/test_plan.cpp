@@ -264,6 +264,22 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
     q.num_rows = rows_per_expert * 256;
     EXPECT_EQ(plan_gemm(q, 232448, 132, 90).config.block_m, block_m) << rows_per_expert << " rows per expert";
   }
+  // Where the m128 tile takes experts of ~24-48 rows, the light ones run first on the two-block m48 tile.
+  for (const auto& [rows_per_expert, light] : std::vector<std::pair<int64_t, bool>>{
+           {16, false}, {24, true}, {32, true}, {48, true}, {64, false}, {128, false}}) {
+    GemmProblem q = prefill;
+    q.expected_active_experts = 256;
+    q.num_rows = rows_per_expert * 256;
+    const GemmPlan plan = plan_gemm(q, 232448, 132, 90);
+    EXPECT_EQ(plan.light_max_rows > 0, light) << rows_per_expert << " rows per expert: " << plan.reason;
+    if (!light) continue;
+    EXPECT_EQ(plan.light_max_rows, kSm90LightMaxRows);
+    EXPECT_EQ(plan.light_config.block_m, kSm90LightMaxRows);
+    EXPECT_EQ(plan.light_config.epilogue, plan.config.epilogue);
+    EXPECT_EQ(sm90_smem_layout(plan.light_config).blocks_per_sm, 2);
+    EXPECT_EQ(plan.light_max_tiles, max_tiles(q, plan.light_config));
+    EXPECT_NE(plan.reason.find(plan.light_config.to_string()), std::string::npos) << plan.reason;
+  }
   for (int cc : {0, 80, 89, 100, 120})
     EXPECT_EQ(plan_gemm(prefill, 232448, 132, cc).config.family, KernelFamily::kPortable) << cc;
   // The boundary: more than kSm90MinRowsPerExpert rows per active expert,
