@@ -167,6 +167,8 @@ struct MoeForwardArgs {
   int64_t num_tokens = 0;
   // Either router logits (routing computed on the device) ...
   const float* router_logits = nullptr;    // fp32 [num_tokens, num_experts]
+  // A weight: read before the previous kernel in the stream ends
+  // (docs/design.md §3), so that kernel must not write it.
   const float* correction_bias = nullptr;  // fp32 [num_experts], kNoauxTc only; null = zeros
   // ... or the caller's routing (both set, router_logits null).
   const int32_t* topk_ids = nullptr;       // int32 [num_tokens, top_k]

@@ -83,13 +83,39 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;  // xor butterfly: every lane adds the same pairs, so all get the same bits
 }
 
+// Experts per routing thread: thread t keys experts t, t + kRouteThreads, ...
+constexpr int kRouteExpertsPerThread = kMaxExperts / kRouteThreads;
+static_assert(kMaxExperts % kRouteThreads == 0, "whole experts per routing thread");
+
+// noaux_tc's correction bias of this thread's experts (0 where there is
+// none). A model constant, so the kernels load it before waiting for the
+// stream's previous kernel (whose output, the logits, they do wait for):
+// its HBM round trip then overlaps that kernel instead of following the
+// logits' (docs/design.md §3: the bias must not be written by the kernel
+// just before the layer).
+struct ExpertBias {
+  float value[kRouteExpertsPerThread];
+};
+
+__device__ __forceinline__ ExpertBias load_expert_bias(const float* __restrict__ correction_bias, int num_experts,
+                                                       const RoutingParams& params) {
+  ExpertBias bias;
+#pragma unroll
+  for (int i = 0; i < kRouteExpertsPerThread; ++i) {
+    const int e = static_cast<int>(threadIdx.x) + i * kRouteThreads;
+    const bool used = params.mode == RoutingMode::kNoauxTc && correction_bias != nullptr && e < num_experts;
+    bias.value[i] = used ? __ldg(correction_bias + e) : 0.0f;
+  }
+  return bias;
+}
+
 // Routes one token with the whole block (kRouteThreads threads). With
 // shared expert slots, the token's row of ids and weights has top_k +
 // shared.num_shared entries: its choices, then experts num_experts + j with
 // the shared weight (1, or sigmoid(gate · x) in fp32).
 __device__ void route_token(RouteShared& sh,
-                            const float* __restrict__ router_logits,    // [num_tokens, num_experts]
-                            const float* __restrict__ correction_bias,  // [num_experts] or null (noaux_tc)
+                            const float* __restrict__ router_logits,  // [num_tokens, num_experts]
+                            const ExpertBias& bias,                   // load_expert_bias()
                             int num_experts, const RoutingParams& params, int64_t token,
                             int32_t* __restrict__ topk_ids,      // [num_tokens, top_k + num_shared]
                             float* __restrict__ topk_weights,    // [num_tokens, top_k + num_shared]
@@ -104,12 +130,21 @@ __device__ void route_token(RouteShared& sh,
   // follow, for the fused single-token sort (visible after the syncs below).
   if (tid < shared.num_shared) sh.chosen[top_k + tid] = num_experts + tid;
 
+  // Every logit load is issued before the first is used: one round trip.
+  float logit[kRouteExpertsPerThread];
+#pragma unroll
+  for (int i = 0; i < kRouteExpertsPerThread; ++i) {
+    const int e = tid + i * kRouteThreads;
+    logit[i] = e < num_experts ? __ldg(logits + e) : 0.0f;
+  }
   bool saw_nonfinite = false;
-  for (int e = tid; e < num_experts; e += kRouteThreads) {
-    const float logit = __ldg(logits + e);
+#pragma unroll
+  for (int i = 0; i < kRouteExpertsPerThread; ++i) {
+    const int e = tid + i * kRouteThreads;
+    if (e >= num_experts) break;
     float key = -INFINITY;  // excluded
-    if (isfinite(logit)) {
-      key = noaux ? sigmoid(logit) + (correction_bias ? __ldg(correction_bias + e) : 0.0f) : logit;
+    if (isfinite(logit[i])) {
+      key = noaux ? sigmoid(logit[i]) + bias.value[i] : logit[i];
       if (isnan(key)) key = -INFINITY;  // a NaN correction bias
     } else {
       saw_nonfinite = true;
@@ -268,9 +303,10 @@ __global__ void __launch_bounds__(kRouteThreads)
                  int num_experts, RoutingParams params, int32_t* __restrict__ topk_ids,
                  float* __restrict__ topk_weights, int32_t* __restrict__ error_flags, SharedSlots shared) {
   __shared__ RouteShared sh;
+  const ExpertBias bias = load_expert_bias(correction_bias, num_experts, params);
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
-  route_token(sh, router_logits, correction_bias, num_experts, params, blockIdx.x, topk_ids,
+  route_token(sh, router_logits, bias, num_experts, params, blockIdx.x, topk_ids,
               topk_weights, error_flags, shared);
 }
 
@@ -431,9 +467,10 @@ __global__ void __launch_bounds__(kRouteThreads)
   __shared__ RouteShared route_sh;
   __shared__ SortShared<kRouteThreads> sort_sh;
   __shared__ bool is_last;
+  const ExpertBias bias = load_expert_bias(correction_bias, num_experts, params);
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
-  route_token(route_sh, router_logits, correction_bias, num_experts, params, blockIdx.x, topk_ids,
+  route_token(route_sh, router_logits, bias, num_experts, params, blockIdx.x, topk_ids,
               topk_weights, error_flags, shared);
   // The sort sees the shared chunks as experts num_experts.., one more slot
   // per token each.
