@@ -312,16 +312,13 @@ __global__ void __launch_bounds__(kRouteThreads)
 
 // ------------------------------------------------------------------- sort
 
-// Where the sort reads the expert ids from.
-enum class IdSource { kGlobal, kShared };
-
 // Calls fn(pair, expert_id, in_range, valid) for every pair, in warp-uniform
 // chunks of 32 consecutive pairs so that every lane of a warp reaches the
 // warp intrinsics inside fn together (lanes past the end pass in_range =
-// false). NOTE: global ids are read through L2 (ld.global.cg), not the
+// false). NOTE: the ids are read through L2 (ld.global.cg), not the
 // read-only path: in route_and_sort_kernel other blocks of the same grid
 // wrote them.
-template <int THREADS, IdSource SOURCE, typename Fn>
+template <int THREADS, typename Fn>
 __device__ __forceinline__ void for_each_pair(const int32_t* topk_ids, int64_t num_pairs,
                                               int num_experts, Fn&& fn) {
   const int warp = static_cast<int>(threadIdx.x) / 32;
@@ -330,7 +327,7 @@ __device__ __forceinline__ void for_each_pair(const int32_t* topk_ids, int64_t n
     const int64_t pair = chunk + lane;
     const bool in_range = pair < num_pairs;
     int32_t id = -1;
-    if (in_range) id = SOURCE == IdSource::kShared ? topk_ids[pair] : __ldcg(topk_ids + pair);
+    if (in_range) id = __ldcg(topk_ids + pair);
     const bool valid = in_range && static_cast<uint32_t>(id) < static_cast<uint32_t>(num_experts);
     fn(pair, id, in_range, valid);
   }
@@ -349,9 +346,9 @@ struct SortShared {
 // expert are grouped with __match_any_sync so each group costs one shared
 // atomic: routing that sends every token to one expert does not serialise
 // 32-fold.
-template <int THREADS, IdSource SOURCE>
+template <int THREADS>
 __device__ void sort_pairs_in_block(SortShared<THREADS>& sh,
-                                    const int32_t* topk_ids,  // [num_pairs], in SOURCE memory
+                                    const int32_t* topk_ids,  // [num_pairs]
                                     int64_t num_pairs, int top_k, int num_experts,
                                     int32_t* __restrict__ expert_offsets,  // [num_experts + 1]
                                     int32_t* __restrict__ token_of_row,    // [num_pairs]
@@ -368,7 +365,7 @@ __device__ void sort_pairs_in_block(SortShared<THREADS>& sh,
   __syncthreads();
 
   bool saw_invalid = false;
-  for_each_pair<THREADS, SOURCE>(
+  for_each_pair<THREADS>(
       topk_ids, num_pairs, num_experts, [&](int64_t, int32_t id, bool in_range, bool valid) {
         saw_invalid |= in_range && !valid && id != kAbsentSlot;
         const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
@@ -422,7 +419,7 @@ __device__ void sort_pairs_in_block(SortShared<THREADS>& sh,
   if (tid == THREADS - 1) expert_offsets[num_experts] = start;  // the total
   __syncthreads();
 
-  for_each_pair<THREADS, SOURCE>(
+  for_each_pair<THREADS>(
       topk_ids, num_pairs, num_experts, [&](int64_t pair, int32_t id, bool, bool valid) {
         const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
         if (!valid) return;
@@ -446,17 +443,57 @@ __global__ void __launch_bounds__(kSortThreads)
   __shared__ SortShared<kSortThreads> sh;
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
-  sort_pairs_in_block<kSortThreads, IdSource::kGlobal>(sh, topk_ids, num_pairs, top_k, num_experts,
+  sort_pairs_in_block<kSortThreads>(sh, topk_ids, num_pairs, top_k, num_experts,
                                                        expert_offsets, token_of_row, pair_of_row,
                                                        error_flags);
+}
+
+// The sort of a single token's `rows` slots (chosen: their experts, in
+// shared memory, at most kMaxTopK) without a histogram: expert e's first
+// row is the number of valid slots with a smaller expert, and slot j's row
+// its rank by (expert, j), the order sort_pairs_in_block places them in.
+// No barrier, no atomic: each thread counts over the slots on its own (the
+// block-wide histogram, scan and placement cost five barriers at T = 1).
+__device__ void sort_one_token(const int* chosen, int rows, int num_experts,
+                               int32_t* __restrict__ expert_offsets,  // [num_experts + 1]
+                               int32_t* __restrict__ token_of_row,    // [rows]
+                               int32_t* __restrict__ pair_of_row,     // [rows]
+                               int32_t* __restrict__ error_flags) {
+  const int tid = static_cast<int>(threadIdx.x);
+  auto valid = [&](int id) { return static_cast<uint32_t>(id) < static_cast<uint32_t>(num_experts); };
+  for (int e = tid; e <= num_experts; e += kRouteThreads) {
+    int below = 0;
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      if (j >= rows) break;
+      const int id = chosen[j];
+      below += valid(id) && id < e;
+    }
+    expert_offsets[e] = below;
+  }
+  if (tid >= rows) return;
+  const int id = chosen[tid];
+  if (!valid(id)) {
+    if (id != kAbsentSlot) atomicOr(error_flags, kErrorExpertIdOutOfRange);
+    return;
+  }
+  int row = 0;
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    if (j >= rows) break;
+    const int other = chosen[j];
+    row += valid(other) && (other < id || (other == id && j < tid));
+  }
+  token_of_row[row] = 0;
+  pair_of_row[row] = tid;
 }
 
 // Routing and sort in one launch, for small batches where a second kernel's
 // launch costs more than the sort: every block routes its token, then the
 // last block to finish (counted in *arrivals, which it resets to 0 for the
 // next launch) sorts all pairs with its kRouteThreads threads. A single
-// token's block sorts its choices straight from shared memory: no fence, no
-// arrival atomic, no read-back through L2.
+// token's block sorts its choices straight from shared memory
+// (sort_one_token): no fence, no arrival atomic, no read-back through L2.
 __global__ void __launch_bounds__(kRouteThreads)
     route_and_sort_kernel(const float* __restrict__ router_logits,
                           const float* __restrict__ correction_bias, int num_experts,
@@ -477,8 +514,7 @@ __global__ void __launch_bounds__(kRouteThreads)
   const int rows = params.top_k + shared.num_shared;
   const int sorted_experts = num_experts + shared.num_shared;
   if (gridDim.x == 1) {  // route_token synchronised the block after filling route_sh.chosen
-    sort_pairs_in_block<kRouteThreads, IdSource::kShared>(sort_sh, route_sh.chosen, rows, rows, sorted_experts,
-                                                          expert_offsets, token_of_row, pair_of_row, error_flags);
+    sort_one_token(route_sh.chosen, rows, sorted_experts, expert_offsets, token_of_row, pair_of_row, error_flags);
     return;
   }
   // NOTE: the classic threadfence reduction: each writer fences its ids
@@ -490,7 +526,7 @@ __global__ void __launch_bounds__(kRouteThreads)
   if (!is_last) return;
   __threadfence();
   if (threadIdx.x == 0) *arrivals = 0;
-  sort_pairs_in_block<kRouteThreads, IdSource::kGlobal>(
+  sort_pairs_in_block<kRouteThreads>(
       sort_sh, topk_ids, static_cast<int64_t>(gridDim.x) * rows, rows, sorted_experts, expert_offsets,
       token_of_row, pair_of_row, error_flags);
 }
@@ -567,7 +603,7 @@ __global__ void __launch_bounds__(kElementwiseThreads)
 }
 
 __global__ void finalize_pairs_kernel(const float4* __restrict__ pair_rows,  // [num_tokens * top_k, vectors_per_row]
-                                      const int32_t* __restrict__ topk_ids,  // [num_tokens, top_k]
+                                      const int32_t* __restrict__ topk_ids,  // [num_tokens, top_k] or null
                                       int64_t num_tokens, int top_k, int num_experts,
                                       int64_t vectors_per_row,
                                       Bf16x4* __restrict__ output) {         // [num_tokens, vectors_per_row]
@@ -582,11 +618,14 @@ __global__ void finalize_pairs_kernel(const float4* __restrict__ pair_rows,  // 
     // Slot order, from 0.0f, in fp32: the same bits on every run.
     // NOTE: ids first, then the rows, as independent loads: a load-check-load
     // chain per slot made this kernel latency-bound (ncu: 4.8 us for 1 token).
-    uint32_t written = 0;  // slots whose id is valid (the others were never written)
+    uint32_t written = ~0u;  // slots whose id is valid (the others were never written)
+    if (topk_ids != nullptr) {
+      written = 0;
 #pragma unroll 8
-    for (int slot = 0; slot < top_k; ++slot) {
-      const int32_t id = __ldg(topk_ids + token * top_k + slot);
-      if (static_cast<uint32_t>(id) < static_cast<uint32_t>(num_experts)) written |= 1u << slot;
+      for (int slot = 0; slot < top_k; ++slot) {
+        const int32_t id = __ldg(topk_ids + token * top_k + slot);
+        if (static_cast<uint32_t>(id) < static_cast<uint32_t>(num_experts)) written |= 1u << slot;
+      }
     }
     float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 8
@@ -866,8 +905,7 @@ void launch_finalize_pairs(const float* pair_rows, const int32_t* topk_ids, int6
   FP4MOE_CHECK(hidden >= 4 && hidden % 4 == 0, "launch_finalize_pairs: hidden = ", hidden,
                "; expected a positive multiple of 4 (float4 loads)");
   if (num_tokens == 0) return;
-  FP4MOE_CHECK(pair_rows && topk_ids && output,
-               "launch_finalize_pairs: pair_rows, topk_ids and output must be non-null");
+  FP4MOE_CHECK(pair_rows && output, "launch_finalize_pairs: pair_rows and output must be non-null");
   FP4MOE_CHECK(aligned_16(pair_rows) && aligned_16(output),
                "launch_finalize_pairs: pair_rows and output must be 16-byte aligned");
   const int64_t vectors_per_row = hidden / 4;

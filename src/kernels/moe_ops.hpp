@@ -130,7 +130,9 @@ void launch_gather_rows_fp4(const void* x, const int32_t* token_of_row, const in
 //   per_pair (deterministic): output[t, :] = bf16(sum over slots j = 0..top_k-1,
 //     in slot order, of pair_rows[t * top_k + j, :]), skipping slots whose id
 //     topk_ids[t * top_k + j] is outside [0, num_experts) (they were never
-//     written). pair_rows is fp32 [num_tokens * top_k, hidden].
+//     written); topk_ids null: every slot is valid (the routing kernel's ids
+//     always are), and the kernel saves the ids' round trip before the rows'.
+//     pair_rows is fp32 [num_tokens * top_k, hidden].
 //   accumulated (atomic mode): output[t, :] = bf16(accum[t, :]), then
 //     accum[t, :] = 0 so the buffer is ready for the next forward. accum is
 //     fp32 [num_tokens, hidden].

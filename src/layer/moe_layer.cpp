@@ -939,8 +939,10 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   if (atomic)
     kernels::launch_finalize_accumulated(finalize, T, m.hidden, output, stream, pdl);
   else
-    kernels::launch_finalize_pairs(finalize, topk_ids, T, rows, gemm_experts, m.hidden, output,
-                                   stream, pdl);
+    // The routing kernel's ids are all valid: no id check (a round trip
+    // before the rows' loads at small T).
+    kernels::launch_finalize_pairs(finalize, device_routing ? nullptr : topk_ids, T, rows, gemm_experts,
+                                   m.hidden, output, stream, pdl);
   record(ev.end, stream);
 }
 

@@ -1186,6 +1186,32 @@ TEST(MoeOpsGpu, FinalizePairsMatchesHostBitExact) {
       }
 }
 
+// Without ids (the layer with device routing, whose ids are all valid) every
+// slot is summed: the same bits as with the ids given.
+TEST(MoeOpsGpu, FinalizePairsWithoutIdsSumsEverySlot) {
+  FP4MOE_REQUIRE_GPU();
+  std::mt19937 rng(9);
+  constexpr int64_t kNumExperts = 64;
+  std::uniform_int_distribution<int32_t> any(0, kNumExperts - 1);
+  for (int64_t num_tokens : {1, 5, 300})
+    for (int top_k : {1, 8, 9}) {
+      constexpr int64_t kHidden = 6144;
+      const std::string what = "tokens=" + std::to_string(num_tokens) + " k=" + std::to_string(top_k);
+      std::vector<int32_t> ids(static_cast<size_t>(num_tokens * top_k));
+      for (auto& id : ids) id = any(rng);
+      const std::vector<float> pair_rows = random_normal(static_cast<size_t>(num_tokens * top_k * kHidden), rng);
+      const std::vector<uint16_t> expected =
+          host_finalize_pairs(pair_rows, ids, num_tokens, top_k, kNumExperts, kHidden);
+      const DeviceBuffer<float> d_rows(pair_rows);
+      DeviceBuffer<uint16_t> d_out(static_cast<size_t>(num_tokens * kHidden));
+      d_out.fill_bytes(0xFF);
+      kernels::launch_finalize_pairs(d_rows.get(), nullptr, num_tokens, top_k, kNumExperts, kHidden, d_out.get(),
+                                     nullptr);
+      FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      expect_bits_equal(d_out.download(), expected, kHidden, what);
+    }
+}
+
 TEST(MoeOpsGpu, FinalizeAccumulatedMatchesHostAndClears) {
   FP4MOE_REQUIRE_GPU();
   std::mt19937 rng(8);
@@ -1221,6 +1247,7 @@ TEST(MoeOpsGpu, FinalizeRejectsBadParameters) {
                                               out.get(), nullptr), Error);
   EXPECT_THROW(kernels::launch_finalize_pairs(rows.get(), ids.get(), 2, 0, 8, 8, out.get(), nullptr), Error);
   EXPECT_THROW(kernels::launch_finalize_pairs(rows.get() + 1, ids.get(), 2, 2, 8, 8, out.get(), nullptr), Error);
+  EXPECT_THROW(kernels::launch_finalize_pairs(nullptr, ids.get(), 2, 2, 8, 8, out.get(), nullptr), Error);
   EXPECT_THROW(kernels::launch_finalize_accumulated(rows.get(), 2, 6, out.get(), nullptr), Error);
   EXPECT_THROW(kernels::launch_finalize_accumulated(rows.get(), 2, 8, out.get() + 1, nullptr), Error);
   EXPECT_NO_THROW(kernels::launch_finalize_pairs(nullptr, nullptr, 0, 2, 8, 8, nullptr, nullptr));
