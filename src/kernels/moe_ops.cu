@@ -60,6 +60,10 @@ struct RouteShared {
   // Selection key: the logit, or c = sigmoid(logit) + bias for noaux_tc; NaN
   // for experts of dropped groups and for the padding to a slice of 32.
   alignas(16) float key[kMaxExperts];
+  // noaux_tc: sigmoid(logit), the unbiased score a choice's weight comes
+  // from (0 for a non-finite logit); kept here so that the weights need no
+  // second read of the logits.
+  float score[kMaxExperts];
   // The top_k of each slice of 32 experts (key, expert); NaN keys: empty.
   alignas(16) float candidate_key[kMaxExperts / 32 * kMaxTopK];
   alignas(16) int candidate[kMaxExperts / 32 * kMaxTopK];
@@ -143,13 +147,16 @@ __device__ void route_token(RouteShared& sh,
     const int e = tid + i * kRouteThreads;
     if (e >= num_experts) break;
     float key = -INFINITY;  // excluded
+    float score = 0.0f;
     if (isfinite(logit[i])) {
-      key = noaux ? sigmoid(logit[i]) + bias.value[i] : logit[i];
+      score = noaux ? sigmoid(logit[i]) : 0.0f;
+      key = noaux ? score + bias.value[i] : logit[i];
       if (isnan(key)) key = -INFINITY;  // a NaN correction bias
     } else {
       saw_nonfinite = true;
     }
     sh.key[e] = key;
+    if (noaux) sh.score[e] = score;
   }
   // Pad to whole slices of 32 keys for the float4 reads; NaN ranks nowhere.
   const int num_slices = (num_experts + 31) / 32;
@@ -274,8 +281,7 @@ __device__ void route_token(RouteShared& sh,
     const int expert = lane < top_k ? sh.chosen[lane] : 0;
     float weight = 0.0f;
     if (noaux) {
-      const float logit = __ldg(logits + expert);
-      const float unbiased = lane < top_k && isfinite(logit) ? sigmoid(logit) : 0.0f;
+      const float unbiased = lane < top_k ? sh.score[expert] : 0.0f;
       weight = unbiased / (warp_sum(unbiased) + 1e-20f) * params.routed_scaling_factor;
     } else {
       // The first choice holds the largest key; -inf there: no finite logit.
@@ -461,14 +467,18 @@ __device__ void sort_one_token(const int* chosen, int rows, int num_experts,
                                int32_t* __restrict__ error_flags) {
   const int tid = static_cast<int>(threadIdx.x);
   auto valid = [&](int id) { return static_cast<uint32_t>(id) < static_cast<uint32_t>(num_experts); };
+  // Every slot's expert in registers, INT_MAX for an invalid one or none
+  // (it counts below no expert).
+  int slot_expert[kMaxTopK];
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    const int id = j < rows ? chosen[j] : INT_MAX;
+    slot_expert[j] = valid(id) ? id : INT_MAX;
+  }
   for (int e = tid; e <= num_experts; e += kRouteThreads) {
     int below = 0;
 #pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
-      if (j >= rows) break;
-      const int id = chosen[j];
-      below += valid(id) && id < e;
-    }
+    for (int j = 0; j < kMaxTopK; ++j) below += slot_expert[j] < e;
     expert_offsets[e] = below;
   }
   if (tid >= rows) return;
@@ -479,11 +489,7 @@ __device__ void sort_one_token(const int* chosen, int rows, int num_experts,
   }
   int row = 0;
 #pragma unroll
-  for (int j = 0; j < kMaxTopK; ++j) {
-    if (j >= rows) break;
-    const int other = chosen[j];
-    row += valid(other) && (other < id || (other == id && j < tid));
-  }
+  for (int j = 0; j < kMaxTopK; ++j) row += slot_expert[j] < id || (slot_expert[j] == id && j < tid);
   token_of_row[row] = 0;
   pair_of_row[row] = tid;
 }
