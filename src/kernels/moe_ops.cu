@@ -449,9 +449,8 @@ __global__ void __launch_bounds__(kSortThreads)
   __shared__ SortShared<kSortThreads> sh;
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
-  sort_pairs_in_block<kSortThreads>(sh, topk_ids, num_pairs, top_k, num_experts,
-                                                       expert_offsets, token_of_row, pair_of_row,
-                                                       error_flags);
+  sort_pairs_in_block<kSortThreads>(sh, topk_ids, num_pairs, top_k, num_experts, expert_offsets, token_of_row,
+                                    pair_of_row, error_flags);
 }
 
 // The sort of a single token's `rows` slots (chosen: their experts, in
