@@ -455,7 +455,8 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   // experts get ~3 x 128 rows: measured best by `fp4moe tune` over the eight
   // README shapes (docs/perf-notes.md, the autotuner). The m48 and m64 tiles
   // win at 32-51 rows only where the routing is near uniform; on the layer's
-  // skewed routing m128 was ahead ("Tiles for 32-48 rows").
+  // skewed routing m128 was ahead ("Tiles for 32-48 rows"), so m48 takes only
+  // the experts that do have at most 48 rows (the light stage below).
   double target = rows_per_expert;
   if (fitting.front().family == KernelFamily::kSm90) {
     if (rows_per_expert >= 384) {
