@@ -466,18 +466,15 @@ __device__ void sort_one_token(const int* chosen, int rows, int num_experts,
                                int32_t* __restrict__ error_flags) {
   const int tid = static_cast<int>(threadIdx.x);
   auto valid = [&](int id) { return static_cast<uint32_t>(id) < static_cast<uint32_t>(num_experts); };
-  // Every slot's expert in registers, INT_MAX for an invalid one or none
-  // (it counts below no expert).
-  int slot_expert[kMaxTopK];
-#pragma unroll
-  for (int j = 0; j < kMaxTopK; ++j) {
-    const int id = j < rows ? chosen[j] : INT_MAX;
-    slot_expert[j] = valid(id) ? id : INT_MAX;
-  }
+  // NOTE: loops over the `rows` slots read from shared memory: holding all
+  // kMaxTopK slots in registers made every thread run 32 compares per
+  // expert (3.3x the instructions of this form at top-8 + 1 in ncu).
   for (int e = tid; e <= num_experts; e += kRouteThreads) {
     int below = 0;
-#pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) below += slot_expert[j] < e;
+    for (int j = 0; j < rows; ++j) {
+      const int other = chosen[j];
+      below += valid(other) && other < e;
+    }
     expert_offsets[e] = below;
   }
   if (tid >= rows) return;
@@ -487,8 +484,10 @@ __device__ void sort_one_token(const int* chosen, int rows, int num_experts,
     return;
   }
   int row = 0;
-#pragma unroll
-  for (int j = 0; j < kMaxTopK; ++j) row += slot_expert[j] < id || (slot_expert[j] == id && j < tid);
+  for (int j = 0; j < rows; ++j) {
+    const int other = chosen[j];
+    row += valid(other) && (other < id || (other == id && j < tid));
+  }
   token_of_row[row] = 0;
   pair_of_row[row] = tid;
 }
