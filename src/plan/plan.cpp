@@ -495,11 +495,11 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
       if (units > slots && !(units > shallower_slots && units <= 2 * slots)) pick = &*shallower;
     }
   }
-  // SM90 row classes (kSm90RowClasses): below the 256-row tile, the
-  // 128-row tile takes the experts above the last class and the two-block
-  // class tiles the lighter ones, each launch over the experts whose actual
-  // row count falls in its class.
-  if (pick->family == KernelFamily::kSm90 && pick->block_m >= kSm90RowClasses[0] && pick->block_m < 256) {
+  // SM90 row classes, the `pick` rule measured on an H100 (docs/perf-notes.md,
+  // "Row classes"): below the 128-row tile, the picked tile over the experts
+  // of at most its width and the 128-row tile over the rest; at the 128-row
+  // tile with at most 48 expected rows, the two-block m48 tile under it.
+  if (pick->family == KernelFamily::kSm90 && pick->block_m <= 128) {
     const auto find = [&](int block_m, int blocks) {
       return std::find_if(fitting.begin(), fitting.end(), [&](const TileConfig& c) {
         return c.block_m == block_m && (blocks == 0 || sm90_smem_layout(c).blocks_per_sm == blocks);
@@ -507,12 +507,11 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
     };
     const auto heavy = find(128, 0);
     if (heavy != fitting.end()) {
-      GemmPlan plan = plan_gemm_with(p, *heavy, num_sms, blocks_per_sm);
-      for (const int max_rows : kSm90RowClasses) {
-        const auto light = find(max_rows, 2);
-        if (light != fitting.end()) plan = with_row_stage(plan, p, *light, max_rows);
-      }
-      return plan;
+      if (pick->block_m < 128)
+        return with_row_stage(plan_gemm_with(p, *heavy, num_sms, blocks_per_sm), p, *pick, pick->block_m);
+      const auto light = find(48, 2);
+      if (rows_per_expert <= 48 && light != fitting.end())
+        return with_row_stage(plan_gemm_with(p, *heavy, num_sms, blocks_per_sm), p, *light, 48);
     }
   }
   return plan_gemm_with(p, *pick, num_sms, blocks_per_sm);
