@@ -255,41 +255,45 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
   // Prefill: the widest SM90 token tile, on SM90 only.
   EXPECT_EQ(plan_gemm(prefill, 232448, 132, 90).config.family, KernelFamily::kSm90);
   EXPECT_EQ(plan_gemm(prefill, 232448, 132, 90).config.block_m, 256);
-  // Below ~384 rows per expert the SM90 row classes: experts of at most 16
-  // rows on the two-block m16 tile, of 17-48 on the two-block m48 tile, the
-  // others on the 128-row tile; from there the 256-row tile alone.
-  for (const auto& [rows_per_expert, block_m] : std::vector<std::pair<int64_t, int>>{
-           {8, 128}, {16, 128}, {24, 128}, {32, 128}, {64, 128}, {128, 128}, {256, 128}, {512, 256}}) {
+  // Below ~384 rows per expert the SM90 row classes: the tile sized for two
+  // standard deviations above the mean over the experts of at most its
+  // width and the 128-row tile over the rest; the two-block m48 tile under
+  // the 128-row one up to 48 expected rows; from ~384 rows the 256-row tile.
+  struct Classes {
+    int64_t rows_per_expert;
+    int block_m;        // the main config's
+    int light_block_m;  // the row class's, 0: none
+  };
+  for (const Classes& c : std::vector<Classes>{
+           {8, 128, 16}, {16, 128, 32}, {24, 128, 48}, {32, 128, 48}, {64, 128, 0}, {128, 128, 0}, {256, 128, 0},
+           {512, 256, 0}}) {
     GemmProblem q = prefill;
     q.expected_active_experts = 256;
-    q.num_rows = rows_per_expert * 256;
+    q.num_rows = c.rows_per_expert * 256;
     const GemmPlan plan = plan_gemm(q, 232448, 132, 90);
-    const std::string what = std::to_string(rows_per_expert) + " rows per expert: " + plan.reason;
-    EXPECT_EQ(plan.config.block_m, block_m) << what;
-    if (block_m == 256) {
+    const std::string what = std::to_string(c.rows_per_expert) + " rows per expert: " + plan.reason;
+    EXPECT_EQ(plan.config.block_m, c.block_m) << what;
+    if (c.light_block_m == 0) {
       EXPECT_TRUE(plan.row_stages.empty()) << what;
       continue;
     }
-    ASSERT_EQ(plan.row_stages.size(), std::size(kSm90RowClasses)) << what;
-    for (size_t i = 0; i < plan.row_stages.size(); ++i) {
-      const GemmPlan::RowStage& stage = plan.row_stages[i];
-      EXPECT_EQ(stage.max_rows, kSm90RowClasses[i]) << what;
-      EXPECT_EQ(stage.config.block_m, kSm90RowClasses[i]) << what;
-      EXPECT_EQ(stage.config.family, KernelFamily::kSm90) << what;
-      EXPECT_EQ(stage.config.epilogue, plan.config.epilogue) << what;
-      EXPECT_EQ(sm90_smem_layout(stage.config).blocks_per_sm, 2) << what;
-      EXPECT_EQ(stage.max_tiles, max_tiles(q, stage.config)) << what;
-      EXPECT_NE(plan.reason.find(stage.config.to_string()), std::string::npos) << what;
-    }
-    EXPECT_EQ(describe_row_stages(plan), plan.row_stages[0].config.to_string() + " (<= 16 rows), " +
-                                             plan.row_stages[1].config.to_string() + " (<= 48 rows), then ");
+    ASSERT_EQ(plan.row_stages.size(), 1u) << what;
+    const GemmPlan::RowStage& stage = plan.row_stages[0];
+    EXPECT_EQ(stage.max_rows, c.light_block_m) << what;
+    EXPECT_EQ(stage.config.block_m, c.light_block_m) << what;
+    EXPECT_EQ(stage.config.family, KernelFamily::kSm90) << what;
+    EXPECT_EQ(stage.config.epilogue, plan.config.epilogue) << what;
+    EXPECT_EQ(stage.max_tiles, max_tiles(q, stage.config)) << what;
+    EXPECT_NE(plan.reason.find(stage.config.to_string()), std::string::npos) << what;
+    EXPECT_EQ(describe_row_stages(plan),
+              stage.config.to_string() + " (<= " + std::to_string(c.light_block_m) + " rows), then ");
   }
   // A stage must cover more rows than the one before it, with the same epilogue.
   {
     GemmProblem q = prefill;
     q.num_rows = 32 * 256;
     const GemmPlan plan = plan_gemm(q, 232448, 132, 90);
-    EXPECT_THROW(with_row_stage(plan, q, plan.row_stages[0].config, 48), Error);
+    EXPECT_THROW(with_row_stage(plan, q, plan.row_stages[0].config, plan.row_stages[0].max_rows), Error);
     TileConfig other = plan.row_stages[0].config;
     other.epilogue = plan.config.epilogue == Epilogue::kNone ? Epilogue::kSwiglu : Epilogue::kNone;
     EXPECT_THROW(with_row_stage(plan, q, other, 64), Error);
