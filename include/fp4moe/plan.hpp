@@ -144,14 +144,15 @@ struct GemmPlan {
   std::vector<RowStage> row_stages;
 };
 
-// The SM90 row classes (GemmPlan::row_stages): where the planner picks the
-// SM90 family below its 256-row tile, experts of at most 16 rows run on the
-// two-block m16 tile, those of 17-48 on the two-block m48 tile and the rest
-// on the 128-row tile. Routed experts are far from equally loaded (the
-// layer bench's T = 256: 12 rows on average, the largest 68), and a tile
-// sized for the mean reads and dequantises a heavy expert's weights once
-// per m-tile (docs/perf-notes.md, "Row classes").
-inline constexpr int kSm90RowClasses[] = {16, 48};
+// The SM90 row classes (GemmPlan::row_stages): where the planner picks an
+// SM90 tile of 16-64 rows, it runs over the experts of at most its width and
+// the 128-row tile over the rest; where it picks the 128-row tile for at
+// most kSm90LightMaxRows expected rows, the two-block m48 tile runs first
+// over the experts of at most 48 rows. Routed experts are far from equally
+// loaded (the layer bench's T = 256: 12 rows on average, the largest 68),
+// and a tile sized for the mean reads and dequantises a heavy expert's
+// weights once per m-tile (docs/perf-notes.md, "Row classes").
+inline constexpr int kSm90LightMaxRows = 48;
 
 // `plan` with one more row class: `config` (same epilogue) over the experts
 // of more rows than the last class's and at most max_rows, before

@@ -451,7 +451,8 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   // per expert spread like a Poisson count, so the SM90 family sizes its tile
   // for two standard deviations above the mean (fewer experts need a second,
   // mostly empty m-tile), one from ~384 rows, where it takes the 256-row
-  // tile; below that tile the row classes after this replace the pick.
+  // tile; below that tile the row classes after this add the 128-row tile
+  // for the experts the pick cannot hold.
   double target = rows_per_expert;
   if (fitting.front().family == KernelFamily::kSm90) {
     if (rows_per_expert >= 384) {
@@ -511,9 +512,9 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
     if (heavy != fitting.end()) {
       if (pick->block_m < 128)
         return with_row_stage(plan_gemm_with(p, *heavy, num_sms, blocks_per_sm), p, *pick, pick->block_m);
-      const auto light = find(48, 2);
-      if (rows_per_expert <= 48 && light != fitting.end())
-        return with_row_stage(plan_gemm_with(p, *heavy, num_sms, blocks_per_sm), p, *light, 48);
+      const auto light = find(kSm90LightMaxRows, 2);
+      if (rows_per_expert <= kSm90LightMaxRows && light != fitting.end())
+        return with_row_stage(plan_gemm_with(p, *heavy, num_sms, blocks_per_sm), p, *light, kSm90LightMaxRows);
     }
   }
   return plan_gemm_with(p, *pick, num_sms, blocks_per_sm);
