@@ -152,18 +152,13 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
     }
     const GemmProblem g1 = moe_gemm_problem(1, experts, topk, hidden, inter, t);
     auto name = [](const GemmPlan& p) {
-      const std::string light = p.light_max_rows > 0 ? p.light_config.to_string() + " (<= " +
-                                                           std::to_string(p.light_max_rows) + " rows), then "
-                                                     : "";
-      return light + p.config.to_string() + " sk" + std::to_string(p.split_k);
+      return describe_row_stages(p) + p.config.to_string() + " sk" + std::to_string(p.split_k);
     };
     auto plan_json = [](const GemmPlan& p, const std::string& source) {
       nlohmann::json out{{"config", p.config.to_string()}, {"split_k", p.split_k}, {"reason", p.reason},
                          {"source", source}};
-      if (p.light_max_rows > 0) {
-        out["light_config"] = p.light_config.to_string();
-        out["light_max_rows"] = p.light_max_rows;
-      }
+      for (const GemmPlan::RowStage& s : p.row_stages)
+        out["row_stages"].push_back({{"config", s.config.to_string()}, {"max_rows", s.max_rows}});
       return out;
     };
     j["plans"].push_back({{"tokens", t}, {"rows", g1.num_rows}, {"expected_active_experts", g1.expected_active_experts},

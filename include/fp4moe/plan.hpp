@@ -130,26 +130,38 @@ struct GemmPlan {
   int split_k = 1;        // K slices per tile, reduced in a fixed order
   int64_t max_tiles = 0;  // upper bound of (m-tile, n-tile) pairs
   std::string reason;     // why this config and split
-  // Light experts first (light_max_rows > 0): a launch of light_config, unsplit,
-  // over the experts of at most light_max_rows rows, then `config` over the
-  // others. Both launches read the device-side offsets, so which expert goes
-  // where is decided on the GPU (graph-capturable). 0: one launch of `config`.
-  TileConfig light_config;
-  int light_max_rows = 0;
-  int64_t light_max_tiles = 0;  // upper bound of light_config's tiles
+  // Row classes (empty: one launch of `config` over every expert). Launch i
+  // runs row_stages[i].config, unsplit, over the experts with more rows than
+  // row_stages[i - 1].max_rows (0 for the first) and at most its own
+  // max_rows; then `config` (split_k) runs over the experts above the last.
+  // Every launch filters the device-side offsets by row count, so which
+  // expert goes where is decided on the GPU (graph-capturable).
+  struct RowStage {
+    TileConfig config;
+    int max_rows = 0;
+    int64_t max_tiles = 0;  // upper bound of config's tiles
+  };
+  std::vector<RowStage> row_stages;
 };
 
-// The SM90 light/heavy split (GemmPlan::light_max_rows): where the planner
-// would run the m128 tile for experts of about 24-48 rows, experts of at most
-// kSm90LightMaxRows rows run first on the two-block m48 tile, which beat m128
-// by 1.13-1.20x on uniformly routed experts of 32 rows but lost to it on the
-// layer's skewed routing, where many experts have far more rows
-// (docs/perf-notes.md, "Tiles for 32-48 rows").
+// The SM90 row classes (GemmPlan::row_stages): where the planner picks an
+// SM90 tile of 16-64 rows, it runs over the experts of at most its width and
+// the 128-row tile over the rest; where it picks the 128-row tile for at
+// most kSm90LightMaxRows expected rows, the two-block m48 tile runs first
+// over the experts of at most 48 rows. Routed experts are far from equally
+// loaded (the layer bench's T = 256: 12 rows on average, the largest 68),
+// and a tile sized for the mean reads and dequantises a heavy expert's
+// weights once per m-tile (docs/perf-notes.md, "Row classes").
 inline constexpr int kSm90LightMaxRows = 48;
 
-// `plan` with a light stage: `light` (same epilogue) first over the experts
-// of at most light_max_rows rows.
-GemmPlan with_light_stage(GemmPlan plan, const GemmProblem& problem, const TileConfig& light, int light_max_rows);
+// `plan` with one more row class: `config` (same epilogue) over the experts
+// of more rows than the last class's and at most max_rows, before
+// plan.config.
+GemmPlan with_row_stage(GemmPlan plan, const GemmProblem& problem, const TileConfig& config, int max_rows);
+
+// "A (<= 16 rows), B (<= 48 rows), then " for a plan's row classes; "" for
+// none.
+std::string describe_row_stages(const GemmPlan& plan);
 
 // Whether a family's kernels run on a GPU of compute capability `cc`
 // (e.g. 90): the portable family from 80 on, the SM90 family on 90 only.

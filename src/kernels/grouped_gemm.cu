@@ -237,9 +237,10 @@ GemmPlan plan_grouped_gemm(const GemmProblem& problem, const std::optional<TileC
   const GemmPlan first =
       plan_gemm(problem, dev.smem_per_block, dev.num_sms, kernels::compute_capability(dev));
   const KernelEntry& entry = find_kernel(first.config);
-  const GemmPlan plan = plan_gemm_with(problem, first.config, dev.num_sms, occupancy(entry, dev.device));
-  return first.light_max_rows > 0 ? with_light_stage(plan, problem, first.light_config, first.light_max_rows)
-                                  : plan;
+  GemmPlan plan = plan_gemm_with(problem, first.config, dev.num_sms, occupancy(entry, dev.device));
+  for (const GemmPlan::RowStage& stage : first.row_stages)
+    plan = with_row_stage(plan, problem, stage.config, stage.max_rows);
+  return plan;
 }
 
 size_t grouped_gemm_workspace_bytes(const GemmPlan& plan) {
@@ -261,13 +262,13 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   const int64_t tiles_needed = max_tiles(problem_of(args, epilogue), plan.config);
   FP4MOE_CHECK(plan.max_tiles >= tiles_needed, "grouped_gemm: the plan covers ", plan.max_tiles,
                " tiles but ", args.num_rows, " rows may need ", tiles_needed, "; plan again for this problem");
-  if (plan.light_max_rows > 0) {
-    FP4MOE_CHECK(plan.light_config.epilogue == epilogue, "grouped_gemm: the light stage's config ",
-                 plan.light_config.to_string(), " has another epilogue than ", plan.config.to_string());
-    check_fits_device(find_kernel(plan.light_config), dev);
-    const int64_t light_needed = max_tiles(problem_of(args, epilogue), plan.light_config);
-    FP4MOE_CHECK(plan.light_max_tiles >= light_needed, "grouped_gemm: the plan's light stage covers ",
-                 plan.light_max_tiles, " tiles but ", args.num_rows, " rows may need ", light_needed,
+  for (const GemmPlan::RowStage& stage : plan.row_stages) {
+    FP4MOE_CHECK(stage.config.epilogue == epilogue, "grouped_gemm: the row class config ", stage.config.to_string(),
+                 " has another epilogue than ", plan.config.to_string());
+    check_fits_device(find_kernel(stage.config), dev);
+    const int64_t needed = max_tiles(problem_of(args, epilogue), stage.config);
+    FP4MOE_CHECK(stage.max_tiles >= needed, "grouped_gemm: the plan's ", stage.config.to_string(), " stage covers ",
+                 stage.max_tiles, " tiles but ", args.num_rows, " rows may need ", needed,
                  "; plan again for this problem");
   }
   FP4MOE_CHECK(plan.split_k >= 1 && plan.split_k <= 64, "grouped_gemm: split_k = ", plan.split_k);
@@ -329,15 +330,15 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
     kernels::launch_kernel(e.fn, grid, e.config.warps * 32, static_cast<size_t>(e.smem_bytes), stream,
                            args.programmatic_launch, q);
   };
-  constexpr int kAllRows = std::numeric_limits<int32_t>::max();
-  if (plan.light_max_rows > 0) {
-    // The light experts first, then the others (the second launch waits for
-    // the first: programmatic launches wait for their predecessor's grid).
-    launch(plan.light_config, 1, plan.light_max_tiles, 0, plan.light_max_rows);
-    launch(plan.config, plan.split_k, plan.max_tiles, plan.light_max_rows + 1, kAllRows);
-  } else {
-    launch(plan.config, plan.split_k, plan.max_tiles, 0, kAllRows);
+  // The row classes in order, then the main config over the experts above
+  // the last (each launch waits for the one before: programmatic launches
+  // wait for their predecessor's grid).
+  int min_rows = 0;
+  for (const GemmPlan::RowStage& stage : plan.row_stages) {
+    launch(stage.config, 1, stage.max_tiles, min_rows, stage.max_rows);
+    min_rows = stage.max_rows + 1;
   }
+  launch(plan.config, plan.split_k, plan.max_tiles, min_rows, std::numeric_limits<int32_t>::max());
 }
 
 std::string grouped_gemm_device_errors(const void* workspace, cudaStream_t stream) {

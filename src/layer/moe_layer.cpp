@@ -367,7 +367,7 @@ struct MoeLayer::Impl {
         origin->cache_path = choices.cache_path();
         origin->bucket = tuned_choice->bucket;
         // The heuristic's own config and split run as the heuristic plans
-        // them (a light stage included), as `fp4moe tune` timed them.
+        // them (row classes included), as `fp4moe tune` timed them.
         const GemmPlan heuristic = limit_split_k(plan_grouped_gemm(p), options.batch_invariant);
         if (heuristic.config == tuned_choice->choice.config && heuristic.split_k == tuned_choice->choice.split_k)
           return heuristic;

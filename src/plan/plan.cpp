@@ -450,13 +450,9 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   // largest one when experts get more rows than any tile holds. Routed rows
   // per expert spread like a Poisson count, so the SM90 family sizes its tile
   // for two standard deviations above the mean (fewer experts need a second,
-  // mostly empty m-tile), and from ~24 rows takes the 128-row tile, whose
-  // tensor-mapped activation copies beat the 64-row tile's cp.async, until
-  // experts get ~3 x 128 rows: measured best by `fp4moe tune` over the eight
-  // README shapes (docs/perf-notes.md, the autotuner). The m48 and m64 tiles
-  // win at 32-51 rows only where the routing is near uniform; on the layer's
-  // skewed routing m128 was ahead ("Tiles for 32-48 rows"), so m48 takes only
-  // the experts that do have at most 48 rows (the light stage below).
+  // mostly empty m-tile), one from ~384 rows, where it takes the 256-row
+  // tile; below that tile the row classes after this add the 128-row tile
+  // for the experts the pick cannot hold.
   double target = rows_per_expert;
   if (fitting.front().family == KernelFamily::kSm90) {
     if (rows_per_expert >= 384) {
@@ -500,26 +496,45 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
       if (units > slots && !(units > shallower_slots && units <= 2 * slots)) pick = &*shallower;
     }
   }
-  GemmPlan plan = plan_gemm_with(p, *pick, num_sms, blocks_per_sm);
-  // Light experts on the two-block m48 tile first, where the m128 tile takes
-  // experts of ~24-48 rows (kSm90LightMaxRows).
-  if (pick->family == KernelFamily::kSm90 && pick->block_m == 128 && rows_per_expert <= kSm90LightMaxRows) {
-    const auto light = std::find_if(fitting.begin(), fitting.end(), [](const TileConfig& c) {
-      return c.block_m == kSm90LightMaxRows && sm90_smem_layout(c).blocks_per_sm == 2;
-    });
-    if (light != fitting.end()) plan = with_light_stage(plan, p, *light, kSm90LightMaxRows);
+  // SM90 row classes, the `pick` rule measured on an H100 (docs/perf-notes.md,
+  // "Row classes"): from the 16-row tile below the 128-row one, the picked
+  // tile over the experts of at most its width and the 128-row tile over the
+  // rest; at the 128-row tile with at most 48 expected rows, the two-block
+  // m48 tile under it. The m8 tile (a batch-invariant layer's decode) runs
+  // alone: a second launch would add its latency to every decode step.
+  if (pick->family == KernelFamily::kSm90 && pick->block_m >= 16 && pick->block_m <= 128) {
+    const auto find = [&](int block_m, int blocks) {
+      return std::find_if(fitting.begin(), fitting.end(), [&](const TileConfig& c) {
+        return c.block_m == block_m && (blocks == 0 || sm90_smem_layout(c).blocks_per_sm == blocks);
+      });
+    };
+    const auto heavy = find(128, 0);
+    if (heavy != fitting.end()) {
+      if (pick->block_m < 128)
+        return with_row_stage(plan_gemm_with(p, *heavy, num_sms, blocks_per_sm), p, *pick, pick->block_m);
+      const auto light = find(kSm90LightMaxRows, 2);
+      if (rows_per_expert <= kSm90LightMaxRows && light != fitting.end())
+        return with_row_stage(plan_gemm_with(p, *heavy, num_sms, blocks_per_sm), p, *light, kSm90LightMaxRows);
+    }
   }
+  return plan_gemm_with(p, *pick, num_sms, blocks_per_sm);
+}
+
+GemmPlan with_row_stage(GemmPlan plan, const GemmProblem& p, const TileConfig& config, int max_rows) {
+  const int above = plan.row_stages.empty() ? 0 : plan.row_stages.back().max_rows;
+  FP4MOE_CHECK(config.epilogue == plan.config.epilogue && max_rows > above, "with_row_stage: ", config.to_string(),
+               " for ", plan.config.to_string(), " over experts of ", above + 1, " to ", max_rows, " rows");
+  plan.row_stages.push_back({config, max_rows, max_tiles(p, config)});
+  plan.reason += "; experts of " + std::to_string(above + 1) + "-" + std::to_string(max_rows) + " rows first on " +
+                 config.to_string();
   return plan;
 }
 
-GemmPlan with_light_stage(GemmPlan plan, const GemmProblem& p, const TileConfig& light, int light_max_rows) {
-  FP4MOE_CHECK(light.epilogue == plan.config.epilogue && light_max_rows >= 1, "with_light_stage: ",
-               light.to_string(), " for ", plan.config.to_string(), " up to ", light_max_rows, " rows");
-  plan.light_config = light;
-  plan.light_max_rows = light_max_rows;
-  plan.light_max_tiles = max_tiles(p, light);
-  plan.reason += "; experts of at most " + std::to_string(light_max_rows) + " rows first on " + light.to_string();
-  return plan;
+std::string describe_row_stages(const GemmPlan& plan) {
+  std::string out;
+  for (const GemmPlan::RowStage& s : plan.row_stages)
+    out += s.config.to_string() + " (<= " + std::to_string(s.max_rows) + " rows), ";
+  return out.empty() ? out : out + "then ";
 }
 
 }  // namespace fp4moe

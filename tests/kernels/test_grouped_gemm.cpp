@@ -184,25 +184,37 @@ const std::vector<GemmCase>& enumerated_cases() {
   return cases;
 }
 
-// The light/heavy split (GemmPlan::light_max_rows): experts of at most a few
-// rows on the two-block m48 tile, the others on m128, for every enumerated
-// case (their row counts straddle the splits), against the reference.
-TEST(GroupedGemmGpu, LightAndHeavyExpertsInTwoLaunchesMatchReference) {
+// Row classes (GemmPlan::row_stages): each launch takes the experts whose
+// row count falls in its class, the main config the experts above the last,
+// for every enumerated case (their row counts straddle the classes),
+// against the reference; the main launch also split in K where K allows.
+TEST(GroupedGemmGpu, RowClassesInSeveralLaunchesMatchReference) {
   FP4MOE_REQUIRE_GPU();
   const TileConfig heavy = TileConfig::parse("sm90n128m128k128s4w12");
-  const TileConfig light = TileConfig::parse("sm90n128m48k128s4w12");
+  const TileConfig m16 = TileConfig::parse("sm90n128m16k128s7w12");
+  const TileConfig m48 = TileConfig::parse("sm90n128m48k128s4w12");
   if (!runs_here(heavy)) GTEST_SKIP() << "the SM90 family does not run on this GPU";
+  struct Classes {
+    std::vector<std::pair<TileConfig, int>> stages;  // (config, max_rows)
+    int split_k;
+  };
+  const Classes classes[] = {{{{m48, 1}}, 1},  {{{m48, 8}}, 1},           {{{m48, 48}}, 1},
+                             {{{m16, 16}, {m48, 48}}, 1}, {{{m16, 16}, {m48, 48}}, 2}};
   std::mt19937 rng(4321);
   for (const GemmCase& c : enumerated_cases()) {
     Problem prob(c, rng);
     const std::vector<double> ref = prob.reference();
-    for (int light_max_rows : {1, 8, 48}) {
+    for (const Classes& cl : classes) {
       const GroupedGemmArgs a = prob.args();
-      GemmPlan plan = plan_grouped_gemm(a, heavy);
-      plan.split_k = 1;
-      plan = with_light_stage(plan, GemmProblem{a.num_experts, a.n, a.k, a.num_rows, 0, Epilogue::kNone}, light,
-                              light_max_rows);
-      run_and_check(prob, plan, ref, describe(c, heavy, 1) + ", light up to " + std::to_string(light_max_rows));
+      const GemmProblem problem{a.num_experts, a.n, a.k, a.num_rows, 0, Epilogue::kNone};
+      if (!split_k_allowed(problem, heavy, cl.split_k)) continue;
+      GemmPlan plan = plan_grouped_gemm(problem, heavy, cl.split_k);
+      std::string what = describe(c, heavy, cl.split_k) + ", classes";
+      for (const auto& [config, max_rows] : cl.stages) {
+        plan = with_row_stage(plan, problem, config, max_rows);
+        what += " " + config.to_string() + " <= " + std::to_string(max_rows);
+      }
+      run_and_check(prob, plan, ref, what);
     }
   }
 }

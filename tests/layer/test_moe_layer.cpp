@@ -891,8 +891,15 @@ TEST(MoeLayerBatchInvariance, TokenOutputsDoNotDependOnTheBatch) {
     EXPECT_EQ(invariant.plan(t).gemm1.split_k, 1) << "T=" << t;
     EXPECT_EQ(invariant.plan(t).gemm2.split_k, 1) << "T=" << t;
   }
-  EXPECT_FALSE(same_tile(invariant.plan(1).gemm1.config, invariant.plan(kTokens).gemm1.config) &&
-               same_tile(invariant.plan(1).gemm2.config, invariant.plan(kTokens).gemm2.config))
+  // The tiles a plan runs: its row classes' and its main config's.
+  const auto same_tiles = [](const GemmPlan& a, const GemmPlan& b) {
+    if (!same_tile(a.config, b.config) || a.row_stages.size() != b.row_stages.size()) return false;
+    for (size_t i = 0; i < a.row_stages.size(); ++i)
+      if (!same_tile(a.row_stages[i].config, b.row_stages[i].config)) return false;
+    return true;
+  };
+  EXPECT_FALSE(same_tiles(invariant.plan(1).gemm1, invariant.plan(kTokens).gemm1) &&
+               same_tiles(invariant.plan(1).gemm2, invariant.plan(kTokens).gemm2))
       << "the slices should run other tiles than the full batch";
 
   Stream stream;

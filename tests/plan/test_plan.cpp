@@ -255,30 +255,48 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
   // Prefill: the widest SM90 token tile, on SM90 only.
   EXPECT_EQ(plan_gemm(prefill, 232448, 132, 90).config.family, KernelFamily::kSm90);
   EXPECT_EQ(plan_gemm(prefill, 232448, 132, 90).config.block_m, 256);
-  // Tiles two standard deviations above the mean rows per expert; from ~24
-  // rows the 128-row tile, until ~384 rows per expert.
-  for (const auto& [rows_per_expert, block_m] : std::vector<std::pair<int64_t, int>>{
-           {8, 16}, {16, 32}, {24, 128}, {32, 128}, {64, 128}, {128, 128}, {256, 128}, {512, 256}}) {
+  // Below ~384 rows per expert the SM90 row classes: the tile sized for two
+  // standard deviations above the mean over the experts of at most its
+  // width and the 128-row tile over the rest; the two-block m48 tile under
+  // the 128-row one up to 48 expected rows; from ~384 rows the 256-row tile.
+  struct Classes {
+    int64_t rows_per_expert;
+    int block_m;        // the main config's
+    int light_block_m;  // the row class's, 0: none
+  };
+  for (const Classes& c : std::vector<Classes>{
+           {8, 128, 16}, {16, 128, 32}, {24, 128, 48}, {32, 128, 48}, {64, 128, 0}, {128, 128, 0}, {256, 128, 0},
+           {512, 256, 0}}) {
     GemmProblem q = prefill;
     q.expected_active_experts = 256;
-    q.num_rows = rows_per_expert * 256;
-    EXPECT_EQ(plan_gemm(q, 232448, 132, 90).config.block_m, block_m) << rows_per_expert << " rows per expert";
-  }
-  // Where the m128 tile takes experts of ~24-48 rows, the light ones run first on the two-block m48 tile.
-  for (const auto& [rows_per_expert, light] : std::vector<std::pair<int64_t, bool>>{
-           {16, false}, {24, true}, {32, true}, {48, true}, {64, false}, {128, false}}) {
-    GemmProblem q = prefill;
-    q.expected_active_experts = 256;
-    q.num_rows = rows_per_expert * 256;
+    q.num_rows = c.rows_per_expert * 256;
     const GemmPlan plan = plan_gemm(q, 232448, 132, 90);
-    EXPECT_EQ(plan.light_max_rows > 0, light) << rows_per_expert << " rows per expert: " << plan.reason;
-    if (!light) continue;
-    EXPECT_EQ(plan.light_max_rows, kSm90LightMaxRows);
-    EXPECT_EQ(plan.light_config.block_m, kSm90LightMaxRows);
-    EXPECT_EQ(plan.light_config.epilogue, plan.config.epilogue);
-    EXPECT_EQ(sm90_smem_layout(plan.light_config).blocks_per_sm, 2);
-    EXPECT_EQ(plan.light_max_tiles, max_tiles(q, plan.light_config));
-    EXPECT_NE(plan.reason.find(plan.light_config.to_string()), std::string::npos) << plan.reason;
+    const std::string what = std::to_string(c.rows_per_expert) + " rows per expert: " + plan.reason;
+    EXPECT_EQ(plan.config.block_m, c.block_m) << what;
+    if (c.light_block_m == 0) {
+      EXPECT_TRUE(plan.row_stages.empty()) << what;
+      continue;
+    }
+    ASSERT_EQ(plan.row_stages.size(), 1u) << what;
+    const GemmPlan::RowStage& stage = plan.row_stages[0];
+    EXPECT_EQ(stage.max_rows, c.light_block_m) << what;
+    EXPECT_EQ(stage.config.block_m, c.light_block_m) << what;
+    EXPECT_EQ(stage.config.family, KernelFamily::kSm90) << what;
+    EXPECT_EQ(stage.config.epilogue, plan.config.epilogue) << what;
+    EXPECT_EQ(stage.max_tiles, max_tiles(q, stage.config)) << what;
+    EXPECT_NE(plan.reason.find(stage.config.to_string()), std::string::npos) << what;
+    EXPECT_EQ(describe_row_stages(plan),
+              stage.config.to_string() + " (<= " + std::to_string(c.light_block_m) + " rows), then ");
+  }
+  // A stage must cover more rows than the one before it, with the same epilogue.
+  {
+    GemmProblem q = prefill;
+    q.num_rows = 32 * 256;
+    const GemmPlan plan = plan_gemm(q, 232448, 132, 90);
+    EXPECT_THROW(with_row_stage(plan, q, plan.row_stages[0].config, plan.row_stages[0].max_rows), Error);
+    TileConfig other = plan.row_stages[0].config;
+    other.epilogue = plan.config.epilogue == Epilogue::kNone ? Epilogue::kSwiglu : Epilogue::kNone;
+    EXPECT_THROW(with_row_stage(plan, q, other, 64), Error);
   }
   for (int cc : {0, 80, 89, 100, 120})
     EXPECT_EQ(plan_gemm(prefill, 232448, 132, cc).config.family, KernelFamily::kPortable) << cc;
