@@ -145,7 +145,7 @@ struct GemmPlan {
 };
 
 // The SM90 row classes (GemmPlan::row_stages): where the planner picks an
-// SM90 tile of 16-64 rows, it runs over the experts of at most its width and
+// SM90 tile of 16 or 32 rows, it runs over the experts of at most its width and
 // the 128-row tile over the rest; where it picks the 128-row tile for at
 // most kSm90LightMaxRows expected rows, the two-block m48 tile runs first
 // over the experts of at most 48 rows. Routed experts are far from equally
