@@ -450,9 +450,13 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   // largest one when experts get more rows than any tile holds. Routed rows
   // per expert spread like a Poisson count, so the SM90 family sizes its tile
   // for two standard deviations above the mean (fewer experts need a second,
-  // mostly empty m-tile), one from ~384 rows, where it takes the 256-row
-  // tile; below that tile the row classes after this add the 128-row tile
-  // for the experts the pick cannot hold.
+  // mostly empty m-tile), and from ~24 rows takes the 128-row tile, whose
+  // tensor-mapped activation copies beat the 64-row tile's cp.async, until
+  // experts get ~3 x 128 rows (one standard deviation from ~384 rows), where
+  // it takes the 256-row tile: measured best by `fp4moe tune` over the eight
+  // README shapes (docs/perf-notes.md, the autotuner). Below the 256-row tile
+  // the row classes after this add the 128-row tile for the experts the pick
+  // cannot hold.
   double target = rows_per_expert;
   if (fitting.front().family == KernelFamily::kSm90) {
     if (rows_per_expert >= 384) {
