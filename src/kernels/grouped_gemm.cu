@@ -315,6 +315,7 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   p.n_groups = static_cast<int>((args.n + layout::kPadN - 1) / layout::kPadN * layout::kPadN / 16);
   p.k_frags = static_cast<int>((args.k + layout::kPadK - 1) / layout::kPadK * layout::kPadK / 64);
   p.num_rows = static_cast<int>(args.num_rows);
+  p.early_weights = args.programmatic_launch && args.indices_before_previous_kernel ? 1 : 0;
 
   // One launch over the experts whose rows lie in [min_rows, max_rows].
   const auto launch = [&](const TileConfig& config, int split_k, int64_t tiles, int min_rows, int max_rows) {

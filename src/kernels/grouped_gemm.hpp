@@ -120,6 +120,14 @@ struct GroupedGemmArgs {
   // stream finishes, and wait for it on the device before touching memory.
   // Saves the launch gap between back-to-back kernels (an MoE layer's).
   bool programmatic_launch = false;
+  // With programmatic_launch: everything the GEMM reads except x (expert
+  // offsets, gather and scatter rows, router weights) was written before the
+  // kernel preceding it in the stream started, as the layer's GEMM2 has it
+  // (its routing ran before GEMM1). The portable kernel then builds its
+  // schedule and starts copying its first unit's weights while that kernel
+  // still runs, and waits for it only before the activations (the SM90
+  // family, whose launches are long, waits at its start either way).
+  bool indices_before_previous_kernel = false;
 };
 
 // Plans for the local GPU (its SM count and shared-memory limit) among the

@@ -66,6 +66,10 @@ struct GroupedGemmParams {
   // INT32_MAX take every expert.
   int min_expert_rows;
   int max_expert_rows;
+  // GroupedGemmArgs::indices_before_previous_kernel: the portable kernel
+  // reads the offsets and rows and copies its first weights before it waits
+  // for the previous grid.
+  int early_weights;
   // SM90 family, activations not gathered: x as a 2-D tensor map ([x_rows,
   // k] bf16, boxes of 64 k x sm90_mma_width_step(BLOCK_M, blocks per SM) rows, 128-byte
   // swizzle, zeros outside), read by the kernel through its __grid_constant__

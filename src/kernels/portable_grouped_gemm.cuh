@@ -85,10 +85,14 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
   const int lane = tid % 32;
   const int warp = tid / 32;
 
-  // Everything below reads what earlier kernels wrote (offsets, rows) or
-  // writes what they may still read: wait for them when launched early.
-  ptx::wait_for_prior_grids();
-  ptx::allow_dependent_launch();
+  // Everything below reads what earlier kernels wrote (offsets, rows, x) or
+  // writes what they may still read: wait for them when launched early;
+  // with p.early_weights only before the first activations (below).
+  bool waited = p.early_weights == 0;  // uniform
+  if (waited) {
+    ptx::wait_for_prior_grids();
+    ptx::allow_dependent_launch();
+  }
   detail::build_schedule<THREADS, BLOCK_M>(p, s_prefix, s_warp_sums);
 
   // ldmatrix addressing: lane supplies row (lane % 8) of matrix (lane / 8);
@@ -149,8 +153,9 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
     const uint8_t* g_weights = p.weights + tile_frag0 * kFragBytes;
     const uint8_t* g_scales = p.scales + tile_frag0 * kFragScaleBytes;
 
-    // ---- producer: one pipeline stage of weights, scales and activations.
-    auto load_stage = [&](int stage, int kt) {
+    // ---- producer: one pipeline stage of weights and scales, then of
+    // activations.
+    auto load_weights = [&](int stage, int kt) {
       const int frag0 = kt * K_FRAGS;
       const uint32_t sw = ptx::smem_u32(s_weights + stage * L.weight_stage_bytes);
       constexpr int W_CHUNKS = N_GROUPS * K_FRAGS * (kFragBytes / 16);
@@ -168,6 +173,8 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
         if (S_CHUNKS % THREADS != 0 && i >= S_CHUNKS) break;
         ptx::cp_async_16(ss + i * 16, g_scales + static_cast<size_t>(frag0) * N_GROUPS * kFragScaleBytes + i * 16, 16);
       }
+    };
+    auto load_activations = [&](int stage, int kt) {
       const uint32_t sa = ptx::smem_u32(s_act + stage * L.act_stage_bytes);
       constexpr int A_CHUNKS = BLOCK_M * X_CHUNKS;
 #pragma unroll
@@ -193,10 +200,25 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
 
-    // ---- mainloop: STAGES-deep cp.async ring.
+    // ---- mainloop: STAGES-deep cp.async ring. Under p.early_weights the
+    // first unit's first weight stages are copied before the wait; they
+    // join the first stage's commit group, so the mainloop's group count
+    // holds.
+    const bool weights_copied = !waited;
+    if (weights_copied) {
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s)
+        if (s < num_k_tiles) load_weights(s, kt_begin + s);
+      ptx::wait_for_prior_grids();
+      ptx::allow_dependent_launch();
+      waited = true;
+    }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < num_k_tiles) load_stage(s, kt_begin + s);
+      if (s < num_k_tiles) {
+        if (!weights_copied) load_weights(s, kt_begin + s);
+        load_activations(s, kt_begin + s);
+      }
       ptx::cp_async_commit();
     }
     for (int it = 0; it < num_k_tiles; ++it) {
@@ -204,7 +226,10 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
       __syncthreads();
       {
         const int next = it + STAGES - 1;
-        if (next < num_k_tiles) load_stage(next % STAGES, kt_begin + next);
+        if (next < num_k_tiles) {
+          load_weights(next % STAGES, kt_begin + next);
+          load_activations(next % STAGES, kt_begin + next);
+        }
         ptx::cp_async_commit();
       }
       const int stage = it % STAGES;

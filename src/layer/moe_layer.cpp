@@ -933,6 +933,7 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   g2.split_counters = gemm2_counters;
   g2.split_counters_capacity = kMaxSplitKTiles;
   g2.programmatic_launch = pdl;
+  g2.indices_before_previous_kernel = true;  // offsets, slots and weights come from the routing, before GEMM1
   grouped_gemm(g2, plan.gemm2, stream);
   record(ev.gemm2, stream);
   if (pair_rows) return;

@@ -11,10 +11,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
 
+#include "kernels/delayed_copy.hpp"
 #include "kernels/grouped_gemm.hpp"
 #include "fp4moe/nvfp4_activation.hpp"
 #include "fp4moe/plan.hpp"
@@ -142,9 +144,11 @@ struct Problem {
   }
 };
 
-// Runs one plan on a fresh poisoned output and checks it against the reference.
-void run_and_check(Problem& prob, const GemmPlan& plan, const std::vector<double>& ref,
-                   const std::string& what) {
+// Runs one plan on a fresh poisoned output and checks it against the
+// reference; `before_launch` may change the arguments and launch work ahead
+// of the GEMM (on the default stream).
+void run_and_check(Problem& prob, const GemmPlan& plan, const std::vector<double>& ref, const std::string& what,
+                   const std::function<void(GroupedGemmArgs&)>& before_launch = {}) {
   const size_t ws_bytes = grouped_gemm_workspace_bytes(plan);
   DeviceBuffer<uint8_t> workspace(ws_bytes);
   workspace.fill_bytes(0);
@@ -152,6 +156,7 @@ void run_and_check(Problem& prob, const GemmPlan& plan, const std::vector<double
   GroupedGemmArgs args = prob.args();
   args.workspace = workspace.get();
   args.workspace_bytes = ws_bytes;
+  if (before_launch) before_launch(args);
   grouped_gemm(args, plan, nullptr);
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(grouped_gemm_device_errors(workspace.get(), nullptr), "") << what;
@@ -469,6 +474,44 @@ TEST(GroupedGemmGpu, GraphReplayEqualsEager) {
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     cudaStreamDestroy(stream);
+  }
+}
+
+// GroupedGemmArgs::indices_before_previous_kernel: the kernel may start
+// copying weights while the kernel before it runs, but reads x only after
+// it. Here that kernel lets the GEMM start at once and writes x 200 us
+// later; x holds NaNs until then. Every portable config (the ones that copy
+// early) and one SM90 config, unsplit and split in K.
+TEST(GroupedGemmGpu, EarlyWeightCopiesWaitForThePreviousKernelsActivations) {
+  FP4MOE_REQUIRE_GPU();
+  std::vector<TileConfig> configs;
+  for (const TileConfig& c : configs_to_test())
+    if (c.family == KernelFamily::kPortable) configs.push_back(c);
+  for (const TileConfig& c : one_config_per_family())
+    if (c.family == KernelFamily::kSm90) configs.push_back(c);
+  std::mt19937 rng(77);
+  for (const GemmCase& c : {GemmCase{384, 2048, {1, 1, 1, 1, 1, 1, 1, 1}}, GemmCase{256, 512, {31, 0, 64, 100}}}) {
+    Problem prob(c, rng);
+    const std::vector<double> ref = prob.reference();
+    DeviceBuffer<uint16_t> late_x(prob.x.size());
+    for (const TileConfig& config : configs) {
+      for (int split_k : {1, 2}) {
+        const GroupedGemmArgs a = prob.args();
+        const GemmProblem problem{a.num_experts, a.n, a.k, a.num_rows, 0, Epilogue::kNone};
+        if (!split_k_allowed(problem, config, split_k)) continue;
+        const GemmPlan plan = plan_grouped_gemm(problem, config, split_k);
+        run_and_check(prob, plan, ref, describe(c, config, split_k) + ", x written late",
+                      [&](GroupedGemmArgs& args) {
+                        late_x.fill_bytes(0xFF);
+                        FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+                        args.x = late_x.get();
+                        args.programmatic_launch = true;
+                        args.indices_before_previous_kernel = true;
+                        testing::launch_delayed_copy(prob.d_x.get(), late_x.get(), late_x.bytes(), 200'000,
+                                                     nullptr);
+                      });
+      }
+    }
   }
 }
 
