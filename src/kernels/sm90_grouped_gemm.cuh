@@ -66,22 +66,14 @@ inline constexpr int kBarWarpgroup0 = 2;    // + consumer warpgroup index
 inline constexpr int kBarProducer = 2 + kSm90Consumers;
 
 // Producer warps whose lane 0 issues a share of a stage's copies when a
-// tensor map brings the activations: at one block per SM (64 registers per
-// producer thread) warp 0 the weight and scale blocks and warps 1-3 in turn
-// the activation boxes; at two (32 registers, and one or two boxes per
-// stage) one thread issues them all, as more issuers would spill.
-constexpr int copy_issuers(int blocks_per_sm) { return blocks_per_sm == 1 ? 4 : 1; }
-constexpr int box_issuers(int issuers) { return issuers == 1 ? 1 : issuers - 1; }
-
-// Boxes of `total` that box issuer `i` (0 .. box_issuers - 1) copies: those
-// numbered i, i + box_issuers, ...
-__host__ __device__ constexpr int issuer_share(int total, int i, int box_issuers) {
-  return i >= 0 && total > i ? (total - i + box_issuers - 1) / box_issuers : 0;
-}
-static_assert(copy_issuers(1) * 32 <= 128 && copy_issuers(2) * 32 <= 128, "the issuers are producer warps");
-static_assert(issuer_share(8, 0, 3) == 3 && issuer_share(8, 1, 3) == 3 && issuer_share(8, 2, 3) == 2 &&
-              issuer_share(2, 2, 3) == 0 && issuer_share(3, 2, 3) == 1 && issuer_share(8, 0, 1) == 8 &&
-              issuer_share(8, -1, 3) == 0);
+// tensor map brings the activations (the one-block tiles from
+// kSm90TensorMapMinBlockM rows): warp 0 the weight and scale blocks, warps
+// 1-3 in turn the activation boxes.
+inline constexpr int kCopyIssuers = 4;
+inline constexpr int kBoxIssuers = kCopyIssuers - 1;
+static_assert(kCopyIssuers * 32 <= 128, "the issuers are warps of the producer warpgroup");
+static_assert(kSm90TwoBlocksMaxBlockM < kSm90TensorMapMinBlockM,
+              "tensor-mapped tiles run one block per SM (64 registers per producer thread)");
 
 // Registers per thread after the producer gives its surplus to the consumers
 // (setmaxnreg), for one or two blocks per SM (Sm90SmemLayout::blocks_per_sm).
@@ -169,7 +161,9 @@ __global__ void __launch_bounds__(kSm90Threads)
   constexpr int NACC = BLOCK_M / 2;              // fp32 accumulators per consumer thread
   constexpr int CHUNK = L.chunk_tokens;          // tokens per epilogue round
   constexpr int STEP = sm90_mma_width_step(BLOCK_M, L.blocks_per_sm);  // wgmma widths: multiples of it
-  constexpr int ISSUERS = sm90::copy_issuers(L.blocks_per_sm);          // producer warps issuing copies (tensor map)
+  // Activations by tensor map (TMA): only tiles from kSm90TensorMapMinBlockM
+  // rows are compiled for it; the host sets x_map_valid only for them.
+  constexpr bool TMA_TILE = BLOCK_M >= kSm90TensorMapMinBlockM;
   static_assert(BLOCK_M % 8 == 0 && BLOCK_M <= 256 && BLOCK_M % CHUNK == 0 && CHUNK % 8 == 0,
                 "BLOCK_M must be a multiple of 8 up to 256 (wgmma N)");
   static_assert(BLOCK_K % kFragK == 0 && layout::kPadK % BLOCK_K == 0 && layout::kPadN % BLOCK_N == 0,
@@ -203,7 +197,7 @@ __global__ void __launch_bounds__(kSm90Threads)
       // The producer's arrivals: one per issuing warp (each with its own
       // copies' transaction bytes) when a tensor map brings the activations,
       // else one per thread's cp.async.
-      ptx::mbarrier_init(full_bar + 8 * s, p.x_map_valid ? ISSUERS : 128);
+      ptx::mbarrier_init(full_bar + 8 * s, TMA_TILE && p.x_map_valid ? sm90::kCopyIssuers : 128);
       // One arrival per consumer thread: mbarrier.arrive releases the
       // arriving thread's own reads of the stage. With __syncwarp and one
       // arrival per warp, compute-sanitizer's racecheck reported the other
@@ -227,8 +221,8 @@ __global__ void __launch_bounds__(kSm90Threads)
     ptx::setmaxnreg_dec<sm90::producer_regs(L.blocks_per_sm)>();
     const int64_t num_units = static_cast<int64_t>(s_prefix[p.num_experts]) * units_per_mtile;
     const int ptid = tid;
-    if (p.x_map_valid) {
-      // Lane 0 of each issuing warp (sm90::copy_issuers) waits for the free
+    if (TMA_TILE && p.x_map_valid) {
+      // Lane 0 of each issuing warp (sm90::kCopyIssuers) waits for the free
       // stage, issues its share of the stage's copies and arrives with their
       // bytes: the weight and scale blocks (issuer 0) and, per 64-wide K
       // fragment, the unit's activation rows in boxes of STEP rows (rows past
@@ -237,47 +231,70 @@ __global__ void __launch_bounds__(kSm90Threads)
       // instructions per stage, as long as the stage's wgmmas (perf-notes:
       // "The m128 producer").
       const int issuer = ptid / 32;
-      if (ptid % 32 == 0 && issuer < ISSUERS) {
-        constexpr int BOX_ISSUERS = sm90::box_issuers(ISSUERS);
-        const int box_issuer = ISSUERS == 1 ? 0 : issuer - 1;  // -1: issues no box
-        if (box_issuer >= 0) ptx::prefetch_tensormap(&p.x_map);
-        int stage = 0;
-        uint32_t phase = 0;
-        for (int64_t unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
-          const detail::WorkUnit u =
-              detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
-          const size_t tile_frag0 = static_cast<size_t>(
-              layout::fragment_index(u.expert, u.n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
-          const int boxes = sm90::mma_width<BLOCK_M, STEP>(u.rows_valid) / STEP;
-          const int my_boxes = sm90::issuer_share(K_FRAGS * boxes, box_issuer, BOX_ISSUERS);  // none for -1
-          const uint32_t my_bytes =
-              (issuer == 0 ? static_cast<uint32_t>(L.weight_stage_bytes + L.scale_stage_bytes) : 0u) +
-              static_cast<uint32_t>(my_boxes * STEP * 128);
-          for (int it = 0; it < u.num_k_tiles; ++it) {
-            const int kt = u.kt_begin + it;
-            ptx::mbarrier_wait(empty_bar + 8 * stage, phase ^ 1);
-            const uint32_t full = full_bar + 8 * stage;
-            if (my_bytes != 0) ptx::mbarrier_expect_tx(full, my_bytes);
-            if (issuer == 0) {
-              const size_t frag0 = tile_frag0 + static_cast<size_t>(kt) * K_FRAGS * N_GROUPS;
-              ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
-                                 static_cast<uint32_t>(L.weight_stage_bytes), full);
-              ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
-                                 static_cast<uint32_t>(L.scale_stage_bytes), full);
-            }
+      if constexpr (TMA_TILE) {
+        if (ptid % 32 == 0 && issuer < sm90::kCopyIssuers) {
+          const int box_issuer = issuer - 1;  // -1: issues no box
+          if (box_issuer >= 0) ptx::prefetch_tensormap(&p.x_map);
+          // A box issuer's boxes of a unit, numbered kf * boxes + b from
+          // box_issuer in steps of kBoxIssuers, found once per unit (a
+          // division per box in the k loop cost ~35 instructions).
+          constexpr int MAX_MINE = (K_FRAGS * (BLOCK_M / STEP) + sm90::kBoxIssuers - 1) / sm90::kBoxIssuers;
+          uint32_t box_smem[MAX_MINE];  // offset in a stage's activation tile
+          int box_k[MAX_MINE];          // k offset in the stage
+          int box_row[MAX_MINE];        // row offset in the unit
+          int stage = 0;
+          uint32_t phase = 0;
+          for (int64_t unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
+            const detail::WorkUnit u =
+                detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
+            const size_t tile_frag0 = static_cast<size_t>(
+                layout::fragment_index(u.expert, u.n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
+            const int boxes = sm90::mma_width<BLOCK_M, STEP>(u.rows_valid) / STEP;
+            int mine = 0;
             if (box_issuer >= 0) {
-              const uint32_t a_stage = act_ring + stage * L.act_stage_bytes;
-              for (int i = box_issuer; i < K_FRAGS * boxes; i += BOX_ISSUERS) {
-                const int kf = i / boxes;
-                const int b = i % boxes;
-                ptx::tma_load_2d(a_stage + kf * (BLOCK_M * 128) + b * (STEP * 128), &p.x_map,
-                                 kt * BLOCK_K + kf * kFragK, u.row_begin + b * STEP, full);
+              int kf = 0;
+              int b = box_issuer;
+#pragma unroll
+              for (int j = 0; j < MAX_MINE; ++j) {
+                while (b >= boxes) {
+                  b -= boxes;
+                  ++kf;
+                }
+                if (kf < K_FRAGS) {
+                  box_smem[j] = static_cast<uint32_t>(kf * (BLOCK_M * 128) + b * (STEP * 128));
+                  box_k[j] = kf * kFragK;
+                  box_row[j] = b * STEP;
+                  mine = j + 1;
+                }
+                b += sm90::kBoxIssuers;
               }
             }
-            ptx::mbarrier_arrive(full);
-            if (++stage == STAGES) {
-              stage = 0;
-              phase ^= 1;
+            const uint32_t my_bytes =
+                (issuer == 0 ? static_cast<uint32_t>(L.weight_stage_bytes + L.scale_stage_bytes) : 0u) +
+                static_cast<uint32_t>(mine * STEP * 128);
+            for (int it = 0; it < u.num_k_tiles; ++it) {
+              const int kt = u.kt_begin + it;
+              ptx::mbarrier_wait(empty_bar + 8 * stage, phase ^ 1);
+              const uint32_t full = full_bar + 8 * stage;
+              if (my_bytes != 0) ptx::mbarrier_expect_tx(full, my_bytes);
+              if (issuer == 0) {
+                const size_t frag0 = tile_frag0 + static_cast<size_t>(kt) * K_FRAGS * N_GROUPS;
+                ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
+                                   static_cast<uint32_t>(L.weight_stage_bytes), full);
+                ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
+                                   static_cast<uint32_t>(L.scale_stage_bytes), full);
+              }
+              const uint32_t a_stage = act_ring + stage * L.act_stage_bytes;
+#pragma unroll
+              for (int j = 0; j < MAX_MINE; ++j)
+                if (j < mine)
+                  ptx::tma_load_2d(a_stage + box_smem[j], &p.x_map, kt * BLOCK_K + box_k[j], u.row_begin + box_row[j],
+                                   full);
+              ptx::mbarrier_arrive(full);
+              if (++stage == STAGES) {
+                stage = 0;
+                phase ^= 1;
+              }
             }
           }
         }
