@@ -75,6 +75,42 @@ static_assert(kCopyIssuers * 32 <= 128, "the issuers are warps of the producer w
 static_assert(kSm90TwoBlocksMaxBlockM < kSm90TensorMapMinBlockM,
               "tensor-mapped tiles run one block per SM (64 registers per producer thread)");
 
+// A unit's activation boxes, k_frags x boxes of them numbered kf * boxes + b,
+// go to the box issuers in turn: box j of issuer i (0 .. kBoxIssuers - 1) is
+// number i + j * kBoxIssuers. False past the issuer's last box.
+__host__ __device__ constexpr bool issuer_box(int i, int j, int boxes, int k_frags, int& kf, int& b) {
+  const int n = i + j * kBoxIssuers;
+  if (i < 0 || n >= k_frags * boxes) return false;
+  kf = n / boxes;
+  b = n % boxes;
+  return true;
+}
+// The most boxes one issuer copies per stage of a tile with k_frags K
+// fragments and at most max_boxes boxes per fragment.
+__host__ __device__ constexpr int max_issuer_boxes(int k_frags, int max_boxes) {
+  return (k_frags * max_boxes + kBoxIssuers - 1) / kBoxIssuers;
+}
+// Every box of every unit width is copied by exactly one issuer, within
+// max_issuer_boxes of its boxes (asserted by each tensor-mapped kernel).
+constexpr bool issuers_copy_every_box_once(int k_frags, int max_boxes) {
+  for (int boxes = 1; boxes <= max_boxes; ++boxes) {
+    int copies[8][8] = {};
+    if (k_frags > 8 || boxes > 8) return false;
+    for (int i = 0; i < kBoxIssuers; ++i)
+      for (int j = 0; j < max_issuer_boxes(k_frags, max_boxes); ++j) {
+        int kf = 0, b = 0;
+        if (issuer_box(i, j, boxes, k_frags, kf, b)) ++copies[kf][b];
+      }
+    for (int kf = 0; kf < k_frags; ++kf)
+      for (int b = 0; b < boxes; ++b)
+        if (copies[kf][b] != 1) return false;
+  }
+  int kf = 0, b = 0;
+  return !issuer_box(-1, 0, max_boxes, k_frags, kf, b);  // the weight issuer copies no box
+}
+static_assert(issuers_copy_every_box_once(1, 1) && issuers_copy_every_box_once(1, 4) &&
+              issuers_copy_every_box_once(2, 4) && issuers_copy_every_box_once(4, 8));
+
 // Registers per thread after the producer gives its surplus to the consumers
 // (setmaxnreg), for one or two blocks per SM (Sm90SmemLayout::blocks_per_sm).
 // A block owns what it launched with: the kernel is compiled for
@@ -235,10 +271,10 @@ __global__ void __launch_bounds__(kSm90Threads)
         if (ptid % 32 == 0 && issuer < sm90::kCopyIssuers) {
           const int box_issuer = issuer - 1;  // -1: issues no box
           if (box_issuer >= 0) ptx::prefetch_tensormap(&p.x_map);
-          // A box issuer's boxes of a unit, numbered kf * boxes + b from
-          // box_issuer in steps of kBoxIssuers, found once per unit (a
-          // division per box in the k loop cost ~35 instructions).
-          constexpr int MAX_MINE = (K_FRAGS * (BLOCK_M / STEP) + sm90::kBoxIssuers - 1) / sm90::kBoxIssuers;
+          // A box issuer's boxes of a unit (sm90::issuer_box), found once per
+          // unit: a division per box in the k loop cost ~35 instructions.
+          constexpr int MAX_MINE = sm90::max_issuer_boxes(K_FRAGS, BLOCK_M / STEP);
+          static_assert(sm90::issuers_copy_every_box_once(K_FRAGS, BLOCK_M / STEP), "a box copied twice or never");
           uint32_t box_smem[MAX_MINE];  // offset in a stage's activation tile
           int box_k[MAX_MINE];          // k offset in the stage
           int box_row[MAX_MINE];        // row offset in the unit
@@ -251,22 +287,14 @@ __global__ void __launch_bounds__(kSm90Threads)
                 layout::fragment_index(u.expert, u.n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
             const int boxes = sm90::mma_width<BLOCK_M, STEP>(u.rows_valid) / STEP;
             int mine = 0;
-            if (box_issuer >= 0) {
-              int kf = 0;
-              int b = box_issuer;
 #pragma unroll
-              for (int j = 0; j < MAX_MINE; ++j) {
-                while (b >= boxes) {
-                  b -= boxes;
-                  ++kf;
-                }
-                if (kf < K_FRAGS) {
-                  box_smem[j] = static_cast<uint32_t>(kf * (BLOCK_M * 128) + b * (STEP * 128));
-                  box_k[j] = kf * kFragK;
-                  box_row[j] = b * STEP;
-                  mine = j + 1;
-                }
-                b += sm90::kBoxIssuers;
+            for (int j = 0; j < MAX_MINE; ++j) {
+              int kf = 0, b = 0;
+              if (sm90::issuer_box(box_issuer, j, boxes, K_FRAGS, kf, b)) {
+                box_smem[j] = static_cast<uint32_t>(kf * (BLOCK_M * 128) + b * (STEP * 128));
+                box_k[j] = kf * kFragK;
+                box_row[j] = b * STEP;
+                mine = j + 1;
               }
             }
             const uint32_t my_bytes =
