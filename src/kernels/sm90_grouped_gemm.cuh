@@ -152,7 +152,8 @@ __host__ __device__ constexpr int mma_width(int rows_valid) {
 
 static_assert(mma_width<128, 32>(1) == 32 && mma_width<128, 32>(33) == 64 && mma_width<128, 32>(97) == 128 &&
               mma_width<256, 256>(100) == 256 && mma_width<16, 8>(9) == 16 && mma_width<8, 8>(0) == 8 &&
-              mma_width<64, 16>(64) == 64 && mma_width<32, 16>(17) == 32);
+              mma_width<64, 16>(64) == 64 && mma_width<32, 16>(17) == 32 && mma_width<160, 40>(129) == 160 &&
+              mma_width<160, 40>(128) == 160 && mma_width<160, 40>(120) == 120);
 
 // Calls f(std::integral_constant<int, width>{}); width is one of
 // mma_width<BLOCK_M, STEP>'s values.

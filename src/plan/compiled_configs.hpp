@@ -44,7 +44,12 @@
 // for 32-48 rows"): the planner does not take them (nor the one-block m64),
 // the tuner may. sm90n128m128k64s3w12 fits the 101,376-byte budget of
 // SM120/SM86-class parts (fp4moe plan --arch sm120), as do the m48 and
-// two-block m64 tiles.
+// two-block m64 tiles. m160 (widths in steps of 40) holds an expert of
+// 129-160 rows in one unit where m128 adds a second, mostly empty one that
+// reads and dequantises the whole weight tile again (half of DeepSeek-V3's
+// experts at T = 4096 under uniform routing); compiled to be measured
+// against m128, not planned. Steps of 32 (five mainloop copies) and an m192
+// tile spilled.
 #define FP4MOE_SM90_TILES(X, EPI) \
   X(8, 128, 9, EPI)               \
   X(16, 128, 7, EPI)              \
@@ -54,6 +59,7 @@
   X(64, 128, 6, EPI)              \
   X(128, 128, 4, EPI)             \
   X(128, 64, 3, EPI)              \
+  X(160, 128, 4, EPI)             \
   X(256, 64, 4, EPI)
 
 #define FP4MOE_SM90_KERNELS(X)                          \
