@@ -454,16 +454,21 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   // tensor-mapped activation copies beat the 64-row tile's cp.async, until
   // experts get ~3 x 128 rows (one standard deviation from ~384 rows), where
   // it takes the 256-row tile: measured best by `fp4moe tune` over the eight
-  // README shapes (docs/perf-notes.md, the autotuner). Below the 256-row tile
-  // the row classes after this add the 128-row tile for the experts the pick
-  // cannot hold.
+  // README shapes (docs/perf-notes.md, the autotuner). Where two standard
+  // deviations above the mean pass 128 rows, the 160-row tile: an expert of
+  // 129-160 rows is one unit on it and two on m128, the second re-reading
+  // the whole weight tile for a few rows, and above 160 rows it never needs
+  // more units than m128 (docs/perf-notes.md, "m160"). Below the 256-row
+  // tile the row classes after this add the 128-row tile for the experts the
+  // pick cannot hold.
   double target = rows_per_expert;
   if (fitting.front().family == KernelFamily::kSm90) {
     if (rows_per_expert >= 384) {
       target = rows_per_expert + std::sqrt(rows_per_expert);
     } else {
       target = rows_per_expert + 2 * std::sqrt(rows_per_expert);
-      if (target > 32) target = 128;
+      const bool m160 = std::any_of(fitting.begin(), fitting.end(), [](const TileConfig& c) { return c.block_m == 160; });
+      if (target > 32) target = target > 128 && m160 ? 160 : 128;
     }
   }
   const TileConfig* pick = &fitting.back();

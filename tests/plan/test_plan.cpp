@@ -258,15 +258,17 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
   // Below ~384 rows per expert the SM90 row classes: the tile sized for two
   // standard deviations above the mean over the experts of at most its
   // width and the 128-row tile over the rest; the two-block m48 tile under
-  // the 128-row one up to 48 expected rows; from ~384 rows the 256-row tile.
+  // the 128-row one up to 48 expected rows; the 160-row tile once two
+  // standard deviations above the mean pass 128 rows (from 108); from ~384
+  // rows the 256-row tile.
   struct Classes {
     int64_t rows_per_expert;
     int block_m;        // the main config's
     int light_block_m;  // the row class's, 0: none
   };
   for (const Classes& c : std::vector<Classes>{
-           {8, 128, 16}, {16, 128, 32}, {24, 128, 48}, {32, 128, 48}, {64, 128, 0}, {128, 128, 0}, {256, 128, 0},
-           {512, 256, 0}}) {
+           {8, 128, 16}, {16, 128, 32}, {24, 128, 48}, {32, 128, 48}, {64, 128, 0}, {107, 128, 0}, {108, 160, 0},
+           {128, 160, 0}, {256, 160, 0}, {512, 256, 0}}) {
     GemmProblem q = prefill;
     q.expected_active_experts = 256;
     q.num_rows = c.rows_per_expert * 256;
@@ -287,6 +289,15 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
     EXPECT_NE(plan.reason.find(stage.config.to_string()), std::string::npos) << what;
     EXPECT_EQ(describe_row_stages(plan),
               stage.config.to_string() + " (<= " + std::to_string(c.light_block_m) + " rows), then ");
+  }
+  // Where the 160-row tile does not fit the budget, the 128-row one.
+  {
+    GemmProblem q = prefill;
+    q.num_rows = 128 * 256;
+    const TileConfig m160 = TileConfig::parse("sm90n128m160k128s4w12-swiglu");
+    const int64_t budget = sm90_smem_layout(m160).total_bytes - 1;
+    ASSERT_TRUE(check_fit(TileConfig::parse("sm90n128m128k128s4w12-swiglu"), budget).fits);
+    EXPECT_EQ(plan_gemm(q, budget, 132, 90).config.block_m, 128);
   }
   // A stage must cover more rows than the one before it, with the same epilogue.
   {
