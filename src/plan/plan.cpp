@@ -333,6 +333,30 @@ double rows_per_active_expert(const GemmProblem& p) {
   return static_cast<double>(std::max<int64_t>(p.num_rows, 1)) / active_experts(p);
 }
 
+// The m-tiles of block_m rows an expert expects, its rows a Poisson count of
+// mean `rows` (as a normal of the same mean and variance):
+// E[ceil(rows / block_m)] = sum over j >= 0 of P(rows > j * block_m).
+double expected_m_tiles(double rows, int block_m) {
+  const double sd = std::sqrt(rows);
+  double tiles = 0;
+  for (int j = 0; j * block_m < rows + 8 * sd; ++j)
+    tiles += 0.5 * std::erfc((j * block_m - rows) / (sd * std::sqrt(2.0)));
+  return tiles;
+}
+
+// Whether the SM90 160-row tile beats the 128-row one at this many rows per
+// expert: its expected units, each 1.14x the cost of an m128 unit, against
+// m128's. The ratio is measured (H100, GEMM bench, uniform routing; perf-notes
+// "The m128 producer and an m160 tile"): GLM-4.5 at 205 rows, two units on
+// either tile, ran 0.86x on m160. The rule picks m160 at 117-168 and 247-326
+// rows (from 384 the 256-row tile takes over). Of the measured shapes at
+// 85-256 rows it picks the faster tile but for Kimi K2 at 171 rows (m160
+// 1.04x / 1.06x, predicted 0.97x) and ties within 2 %.
+bool sm90_m160_saves_units(double rows) {
+  constexpr double kM160UnitCost = 1.14;  // an m160 unit's time over an m128 unit's
+  return kM160UnitCost * expected_m_tiles(rows, 160) < expected_m_tiles(rows, 128);
+}
+
 }  // namespace
 
 double expected_tiles(const GemmProblem& p, const TileConfig& config) {
@@ -454,13 +478,11 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   // tensor-mapped activation copies beat the 64-row tile's cp.async, until
   // experts get ~3 x 128 rows (one standard deviation from ~384 rows), where
   // it takes the 256-row tile: measured best by `fp4moe tune` over the eight
-  // README shapes (docs/perf-notes.md, the autotuner). Where two standard
-  // deviations above the mean pass 128 rows, the 160-row tile: an expert of
-  // 129-160 rows is one unit on it and two on m128, the second re-reading
-  // the whole weight tile for a few rows, and above 160 rows it never needs
-  // more units than m128 (docs/perf-notes.md, "m160"). Below the 256-row
-  // tile the row classes after this add the 128-row tile for the experts the
-  // pick cannot hold.
+  // README shapes (docs/perf-notes.md, the autotuner). Between, the 160-row
+  // tile where it needs fewer units than m128 by more than its unit costs
+  // over m128's (sm90_m160_saves_units). Below the 256-row tile the row
+  // classes after this add the 128-row tile for the experts the pick cannot
+  // hold.
   double target = rows_per_expert;
   if (fitting.front().family == KernelFamily::kSm90) {
     if (rows_per_expert >= 384) {
@@ -468,7 +490,7 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
     } else {
       target = rows_per_expert + 2 * std::sqrt(rows_per_expert);
       const bool m160 = std::any_of(fitting.begin(), fitting.end(), [](const TileConfig& c) { return c.block_m == 160; });
-      if (target > 32) target = target > 128 && m160 ? 160 : 128;
+      if (target > 32) target = m160 && sm90_m160_saves_units(rows_per_expert) ? 160 : 128;
     }
   }
   const TileConfig* pick = &fitting.back();
