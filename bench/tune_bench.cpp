@@ -112,6 +112,8 @@ void GemmTuneBench::set_tokens(int64_t num_tokens, int num_routings, double rout
   std::mt19937_64 rng(s.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(num_tokens));
   DeviceBuffer<int32_t> ids(rows);
   DeviceBuffer<int32_t> sort_errors(1);
+  DeviceBuffer<int32_t> sort_scratch(
+      static_cast<size_t>(kernels::sort_scratch_ints(static_cast<int64_t>(rows), s.shape.num_experts)));
   sort_errors.fill_bytes(0);
   s.routings.clear();
   for (int i = 0; i < num_routings; ++i) {
@@ -119,7 +121,8 @@ void GemmTuneBench::set_tokens(int64_t num_tokens, int num_routings, double rout
     State::Routing r{DeviceBuffer<int32_t>(static_cast<size_t>(s.shape.num_experts + 1)),
                      DeviceBuffer<int32_t>(rows), DeviceBuffer<int32_t>(rows)};
     kernels::launch_sort_by_expert(ids.get(), num_tokens, s.shape.top_k, s.shape.num_experts, r.offsets.get(),
-                                   r.token_of_row.get(), r.pair_of_row.get(), sort_errors.get(), nullptr);
+                                   r.token_of_row.get(), r.pair_of_row.get(), sort_errors.get(), sort_scratch.get(),
+                                   nullptr);
     s.routings.push_back(std::move(r));
   }
   FP4MOE_CHECK(sort_errors.download()[0] == 0, "GemmTuneBench: the sort kernel reported expert ids out of range");

@@ -32,7 +32,7 @@ constexpr unsigned kFullWarp = 0xFFFFFFFFu;
 // kMaxExperts (plan/smem_model.hpp, the grouped GEMM's bound) also sizes the
 // routing keys and the sort histogram held in shared memory here.
 constexpr int kRouteThreads = 256;                  // routing: one block per token
-constexpr int kSortThreads = 1024;                  // the sort is one block
+constexpr int kSortThreads = 1024;                  // a sort block
 constexpr int64_t kFusedSortMaxPairs = 1024;        // route_and_sort: up to here the routing kernel sorts
 constexpr int kElementwiseThreads = 256;            // gather and finalize
 constexpr int kElementwiseBlocksPerSm = 8;          // 2048 resident threads per SM: enough to saturate HBM
@@ -318,20 +318,20 @@ __global__ void __launch_bounds__(kRouteThreads)
 
 // ------------------------------------------------------------------- sort
 
-// Calls fn(pair, expert_id, in_range, valid) for every pair, in warp-uniform
-// chunks of 32 consecutive pairs so that every lane of a warp reaches the
-// warp intrinsics inside fn together (lanes past the end pass in_range =
-// false). NOTE: the ids are read through L2 (ld.global.cg), not the
-// read-only path: in route_and_sort_kernel other blocks of the same grid
-// wrote them.
+// Calls fn(pair, expert_id, in_range, valid) for every pair of [begin,
+// end), in warp-uniform chunks of 32 consecutive pairs so that every lane of
+// a warp reaches the warp intrinsics inside fn together (lanes past the end
+// pass in_range = false). NOTE: the ids are read through L2 (ld.global.cg),
+// not the read-only path: in route_and_sort_kernel other blocks of the same
+// grid wrote them.
 template <int THREADS, typename Fn>
-__device__ __forceinline__ void for_each_pair(const int32_t* topk_ids, int64_t num_pairs,
+__device__ __forceinline__ void for_each_pair(const int32_t* topk_ids, int64_t begin, int64_t end,
                                               int num_experts, Fn&& fn) {
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  for (int64_t chunk = static_cast<int64_t>(warp) * 32; chunk < num_pairs; chunk += THREADS) {
+  for (int64_t chunk = begin + static_cast<int64_t>(warp) * 32; chunk < end; chunk += THREADS) {
     const int64_t pair = chunk + lane;
-    const bool in_range = pair < num_pairs;
+    const bool in_range = pair < end;
     int32_t id = -1;
     if (in_range) id = __ldcg(topk_ids + pair);
     const bool valid = in_range && static_cast<uint32_t>(id) < static_cast<uint32_t>(num_experts);
@@ -345,54 +345,56 @@ struct SortShared {
   int warp_totals[THREADS / 32];
 };
 
-// Counting sort of all pairs by one block of THREADS threads: a
-// shared-memory histogram, an exclusive scan over experts (each thread owns
-// kPerThread consecutive experts; written to expert_offsets every launch, so
-// nothing needs a memset), then placement. Lanes of a warp with the same
-// expert are grouped with __match_any_sync so each group costs one shared
-// atomic: routing that sends every token to one expert does not serialise
-// 32-fold.
+// The counting sort of pairs by expert, in three steps that one block runs
+// back to back (sort_pairs_in_block) or, for many pairs, two kernels split
+// over blocks of kSortChunkPairs pairs (count_pairs_kernel, then
+// place_pairs_kernel). Lanes of a warp with the same expert are grouped with
+// __match_any_sync so each group costs one shared atomic: routing that sends
+// every token to one expert does not serialise 32-fold.
+
+// Step 1: sh.expert_cursor[e] = the pairs of [begin, end) with expert e.
+// Sets kErrorExpertIdOutOfRange for ids outside [0, num_experts) but
+// kAbsentSlot. Ends with the block synchronised.
 template <int THREADS>
-__device__ void sort_pairs_in_block(SortShared<THREADS>& sh,
-                                    const int32_t* topk_ids,  // [num_pairs]
-                                    int64_t num_pairs, int top_k, int num_experts,
-                                    int32_t* __restrict__ expert_offsets,  // [num_experts + 1]
-                                    int32_t* __restrict__ token_of_row,    // [num_pairs]
-                                    int32_t* __restrict__ pair_of_row,     // [num_pairs]
-                                    int32_t* __restrict__ error_flags) {
+__device__ void count_pairs(SortShared<THREADS>& sh, const int32_t* topk_ids, int64_t begin, int64_t end,
+                            int num_experts, int32_t* __restrict__ error_flags) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % 32;
+  for (int e = tid; e < num_experts; e += THREADS) sh.expert_cursor[e] = 0;
+  __syncthreads();
+  bool saw_invalid = false;
+  for_each_pair<THREADS>(topk_ids, begin, end, num_experts, [&](int64_t, int32_t id, bool in_range, bool valid) {
+    saw_invalid |= in_range && !valid && id != kAbsentSlot;
+    const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
+    if (valid) {
+      const unsigned peers = __match_any_sync(valid_lanes, id);
+      if (lane == __ffs(peers) - 1) atomicAdd(&sh.expert_cursor[id], __popc(peers));
+    }
+  });
+  if (__syncthreads_or(saw_invalid) && tid == 0) atomicOr(error_flags, kErrorExpertIdOutOfRange);
+}
+
+// The experts each thread owns in step 2's scan: kPerThread consecutive ones.
+template <int THREADS>
+inline constexpr int kExpertsPerSortThread = (kMaxExperts + THREADS - 1) / THREADS;
+
+// Step 2: an exclusive scan of counts[i] (expert tid * kPerThread + i; per-
+// thread sums, warp scans of those, then a scan of the warp totals) gives
+// each expert's first row; expert_offsets gets it where non-null (with the
+// total at [num_experts]), and sh.expert_cursor[e] = first row + skip[i],
+// where this block's pairs of e go. Ends with the block synchronised.
+template <int THREADS>
+__device__ void scan_expert_rows(SortShared<THREADS>& sh, const int (&counts)[kExpertsPerSortThread<THREADS>],
+                                 const int (&skip)[kExpertsPerSortThread<THREADS>], int num_experts,
+                                 int32_t* __restrict__ expert_offsets) {
   static_assert(THREADS % 32 == 0 && THREADS / 32 <= 32, "warp totals are scanned by one warp");
-  constexpr int kPerThread = (kMaxExperts + THREADS - 1) / THREADS;  // experts per thread in the scan
+  constexpr int kPerThread = kExpertsPerSortThread<THREADS>;
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const unsigned lanes_below = (1u << lane) - 1u;
-
-  for (int e = tid; e < num_experts; e += THREADS) sh.expert_cursor[e] = 0;
-  __syncthreads();
-
-  bool saw_invalid = false;
-  for_each_pair<THREADS>(
-      topk_ids, num_pairs, num_experts, [&](int64_t, int32_t id, bool in_range, bool valid) {
-        saw_invalid |= in_range && !valid && id != kAbsentSlot;
-        const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
-        if (valid) {
-          const unsigned peers = __match_any_sync(valid_lanes, id);
-          if (lane == __ffs(peers) - 1)
-            atomicAdd(&sh.expert_cursor[id], __popc(peers));
-        }
-      });
-  if (__syncthreads_or(saw_invalid) && tid == 0) atomicOr(error_flags, kErrorExpertIdOutOfRange);
-
-  // Exclusive scan of the counts: per-thread sums, warp scans of those, then
-  // a scan of the warp totals.
-  const int first_expert = tid * kPerThread;
-  int counts[kPerThread];
   int thread_total = 0;
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    counts[i] = first_expert + i < num_experts ? sh.expert_cursor[first_expert + i] : 0;
-    thread_total += counts[i];
-  }
+  for (int i = 0; i < kPerThread; ++i) thread_total += counts[i];
   int inclusive = thread_total;
 #pragma unroll
   for (int d = 1; d < 32; d *= 2) {
@@ -413,32 +415,62 @@ __device__ void sort_pairs_in_block(SortShared<THREADS>& sh,
   }
   __syncthreads();
   int start = sh.warp_totals[warp] + inclusive - thread_total;
+  const int first_expert = tid * kPerThread;
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int e = first_expert + i;
     if (e < num_experts) {
-      expert_offsets[e] = start;
-      sh.expert_cursor[e] = start;
+      if (expert_offsets) expert_offsets[e] = start;
+      sh.expert_cursor[e] = start + skip[i];
     }
     start += counts[i];
   }
-  if (tid == THREADS - 1) expert_offsets[num_experts] = start;  // the total
+  if (expert_offsets && tid == THREADS - 1) expert_offsets[num_experts] = start;  // the total
   __syncthreads();
+}
 
-  for_each_pair<THREADS>(
-      topk_ids, num_pairs, num_experts, [&](int64_t pair, int32_t id, bool, bool valid) {
-        const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
-        if (!valid) return;
-        const unsigned peers = __match_any_sync(valid_lanes, id);
-        const int leader = __ffs(peers) - 1;
-        int first_row = 0;
-        if (lane == leader)
-          first_row = atomicAdd(&sh.expert_cursor[id], __popc(peers));
-        const int row =
-            __shfl_sync(peers, first_row, leader) + __popc(peers & lanes_below);
-        token_of_row[row] = static_cast<int32_t>(pair / top_k);
-        pair_of_row[row] = static_cast<int32_t>(pair);
-      });
+// Step 3: each pair of [begin, end) with a valid id takes the next row of its
+// expert (sh.expert_cursor).
+template <int THREADS>
+__device__ void place_pairs(SortShared<THREADS>& sh, const int32_t* topk_ids, int64_t begin, int64_t end,
+                            int top_k, int num_experts, int32_t* __restrict__ token_of_row,
+                            int32_t* __restrict__ pair_of_row) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const unsigned lanes_below = (1u << lane) - 1u;
+  for_each_pair<THREADS>(topk_ids, begin, end, num_experts, [&](int64_t pair, int32_t id, bool, bool valid) {
+    const unsigned valid_lanes = __ballot_sync(kFullWarp, valid);
+    if (!valid) return;
+    const unsigned peers = __match_any_sync(valid_lanes, id);
+    const int leader = __ffs(peers) - 1;
+    int first_row = 0;
+    if (lane == leader) first_row = atomicAdd(&sh.expert_cursor[id], __popc(peers));
+    const int row = __shfl_sync(peers, first_row, leader) + __popc(peers & lanes_below);
+    token_of_row[row] = static_cast<int32_t>(pair / top_k);
+    pair_of_row[row] = static_cast<int32_t>(pair);
+  });
+}
+
+// All pairs by one block of THREADS threads (expert_offsets is written every
+// launch, so nothing needs a memset).
+template <int THREADS>
+__device__ void sort_pairs_in_block(SortShared<THREADS>& sh,
+                                    const int32_t* topk_ids,  // [num_pairs]
+                                    int64_t num_pairs, int top_k, int num_experts,
+                                    int32_t* __restrict__ expert_offsets,  // [num_experts + 1]
+                                    int32_t* __restrict__ token_of_row,    // [num_pairs]
+                                    int32_t* __restrict__ pair_of_row,     // [num_pairs]
+                                    int32_t* __restrict__ error_flags) {
+  constexpr int kPerThread = kExpertsPerSortThread<THREADS>;
+  count_pairs<THREADS>(sh, topk_ids, 0, num_pairs, num_experts, error_flags);
+  int counts[kPerThread], skip[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = static_cast<int>(threadIdx.x) * kPerThread + i;
+    counts[i] = e < num_experts ? sh.expert_cursor[e] : 0;
+    skip[i] = 0;
+  }
+  scan_expert_rows<THREADS>(sh, counts, skip, num_experts, expert_offsets);
+  place_pairs<THREADS>(sh, topk_ids, 0, num_pairs, top_k, num_experts, token_of_row, pair_of_row);
 }
 
 __global__ void __launch_bounds__(kSortThreads)
@@ -451,6 +483,51 @@ __global__ void __launch_bounds__(kSortThreads)
   ptx::allow_dependent_launch();
   sort_pairs_in_block<kSortThreads>(sh, topk_ids, num_pairs, top_k, num_experts, expert_offsets, token_of_row,
                                     pair_of_row, error_flags);
+}
+
+// Many pairs, first kernel: block b counts its chunk's pairs per expert into
+// block_counts[b][e] (every entry written every launch).
+__global__ void __launch_bounds__(kSortThreads)
+    count_pairs_kernel(const int32_t* __restrict__ topk_ids, int64_t num_pairs, int num_experts,
+                       int32_t* __restrict__ block_counts,  // [gridDim.x][num_experts]
+                       int32_t* __restrict__ error_flags) {
+  __shared__ SortShared<kSortThreads> sh;
+  ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
+  ptx::allow_dependent_launch();
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kSortChunkPairs;
+  count_pairs<kSortThreads>(sh, topk_ids, begin, std::min(begin + kSortChunkPairs, num_pairs), num_experts,
+                            error_flags);
+  for (int e = static_cast<int>(threadIdx.x); e < num_experts; e += kSortThreads)
+    block_counts[static_cast<int64_t>(blockIdx.x) * num_experts + e] = sh.expert_cursor[e];
+}
+
+// Many pairs, second kernel: block b places its chunk's pairs after every
+// earlier block's pairs of the same expert; block 0 writes expert_offsets.
+__global__ void __launch_bounds__(kSortThreads)
+    place_pairs_kernel(const int32_t* __restrict__ topk_ids, int64_t num_pairs, int top_k, int num_experts,
+                       const int32_t* __restrict__ block_counts,  // [gridDim.x][num_experts]
+                       int32_t* __restrict__ expert_offsets, int32_t* __restrict__ token_of_row,
+                       int32_t* __restrict__ pair_of_row) {
+  constexpr int kPerThread = kExpertsPerSortThread<kSortThreads>;
+  __shared__ SortShared<kSortThreads> sh;
+  ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
+  ptx::allow_dependent_launch();
+  int counts[kPerThread], skip[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = static_cast<int>(threadIdx.x) * kPerThread + i;
+    counts[i] = skip[i] = 0;
+    if (e >= num_experts) continue;
+    for (int b = 0; b < static_cast<int>(gridDim.x); ++b) {
+      const int c = block_counts[static_cast<int64_t>(b) * num_experts + e];
+      counts[i] += c;
+      if (b < static_cast<int>(blockIdx.x)) skip[i] += c;
+    }
+  }
+  scan_expert_rows<kSortThreads>(sh, counts, skip, num_experts, blockIdx.x == 0 ? expert_offsets : nullptr);
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kSortChunkPairs;
+  place_pairs<kSortThreads>(sh, topk_ids, begin, std::min(begin + kSortChunkPairs, num_pairs), top_k, num_experts,
+                            token_of_row, pair_of_row);
 }
 
 // The sort of a single token's `rows` slots (chosen: their experts, in
@@ -789,7 +866,8 @@ void launch_route(const float* router_logits, const float* correction_bias, int6
 
 void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_k,
                            int64_t num_experts, int32_t* expert_offsets, int32_t* token_of_row,
-                           int32_t* pair_of_row, int32_t* error_flags, cudaStream_t stream, bool programmatic) {
+                           int32_t* pair_of_row, int32_t* error_flags, int32_t* sort_scratch,
+                           cudaStream_t stream, bool programmatic) {
   FP4MOE_CHECK(num_tokens >= 0, "launch_sort_by_expert: num_tokens = ", num_tokens,
                "; expected >= 0");
   FP4MOE_CHECK(top_k >= 1, "launch_sort_by_expert: top_k = ", top_k, "; expected >= 1");
@@ -800,16 +878,27 @@ void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_
   FP4MOE_CHECK(topk_ids && expert_offsets && token_of_row && pair_of_row && error_flags,
                "launch_sort_by_expert: topk_ids, expert_offsets, token_of_row, pair_of_row and "
                "error_flags must be non-null");
-  launch_kernel(sort_by_expert_kernel, 1, kSortThreads, 0, stream, programmatic, topk_ids,
-                num_tokens * top_k, top_k, static_cast<int>(num_experts), expert_offsets,
-                token_of_row, pair_of_row, error_flags);
+  const int64_t num_pairs = num_tokens * top_k;
+  if (sort_scratch_ints(num_pairs, num_experts) == 0) {
+    launch_kernel(sort_by_expert_kernel, 1, kSortThreads, 0, stream, programmatic, topk_ids, num_pairs, top_k,
+                  static_cast<int>(num_experts), expert_offsets, token_of_row, pair_of_row, error_flags);
+    return;
+  }
+  FP4MOE_CHECK(sort_scratch != nullptr, "launch_sort_by_expert: ", num_pairs, " pairs (more than ",
+               kSortChunkPairs, ") need sort_scratch, int32 [sort_scratch_ints(num_pairs, num_experts)]");
+  const auto blocks = static_cast<unsigned>((num_pairs + kSortChunkPairs - 1) / kSortChunkPairs);
+  launch_kernel(count_pairs_kernel, blocks, kSortThreads, 0, stream, programmatic, topk_ids, num_pairs,
+                static_cast<int>(num_experts), sort_scratch, error_flags);
+  launch_kernel(place_pairs_kernel, blocks, kSortThreads, 0, stream, programmatic, topk_ids, num_pairs, top_k,
+                static_cast<int>(num_experts), static_cast<const int32_t*>(sort_scratch), expert_offsets,
+                token_of_row, pair_of_row);
 }
 
 void launch_route_and_sort(const float* router_logits, const float* correction_bias,
                            int64_t num_tokens, int64_t num_experts, const RoutingParams& params,
                            int32_t* topk_ids, float* topk_weights, int32_t* expert_offsets,
                            int32_t* token_of_row, int32_t* pair_of_row, int32_t* error_flags,
-                           int32_t* arrivals, cudaStream_t stream, bool programmatic,
+                           int32_t* arrivals, int32_t* sort_scratch, cudaStream_t stream, bool programmatic,
                            const SharedSlots& shared) {
   check_routing_params(num_tokens, num_experts, params);
   check_shared_slots("launch_route_and_sort", num_experts, params.top_k, shared);
@@ -818,7 +907,7 @@ void launch_route_and_sort(const float* router_logits, const float* correction_b
     launch_route(router_logits, correction_bias, num_tokens, num_experts, params, topk_ids,
                  topk_weights, stream, programmatic, error_flags, shared);
     launch_sort_by_expert(topk_ids, num_tokens, rows, num_experts + shared.num_shared, expert_offsets,
-                          token_of_row, pair_of_row, error_flags, stream, programmatic);
+                          token_of_row, pair_of_row, error_flags, sort_scratch, stream, programmatic);
     return;
   }
   if (num_tokens == 0) return;

@@ -75,9 +75,22 @@ void launch_route(const float* router_logits, const float* correction_bias, int6
 // expert is unspecified (results computed per row do not depend on it). Ids
 // outside [0, num_experts) are not placed; all but kAbsentSlot set
 // kErrorExpertIdOutOfRange in *error_flags (atomicOr). num_experts <= kMaxExperts.
+// Up to kSortChunkPairs pairs one block sorts; more are counted and placed by
+// a block per kSortChunkPairs (two kernels: one block held a whole 4096-token
+// batch's sort for ~0.1 ms), which keep their per-block counts in
+// sort_scratch, int32 [sort_scratch_ints(num_pairs, num_experts)] (null while
+// that is 0).
 void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_k,
                            int64_t num_experts, int32_t* expert_offsets, int32_t* token_of_row,
-                           int32_t* pair_of_row, int32_t* error_flags, cudaStream_t stream, bool programmatic = false);
+                           int32_t* pair_of_row, int32_t* error_flags, int32_t* sort_scratch,
+                           cudaStream_t stream, bool programmatic = false);
+
+inline constexpr int64_t kSortChunkPairs = 2048;
+// The int32 scratch launch_sort_by_expert needs for num_pairs pairs.
+constexpr int64_t sort_scratch_ints(int64_t num_pairs, int64_t num_experts) {
+  const int64_t blocks = (num_pairs + kSortChunkPairs - 1) / kSortChunkPairs;
+  return blocks > 1 ? blocks * num_experts : 0;
+}
 
 // launch_route then launch_sort_by_expert (their contracts, their checks),
 // in one kernel while num_tokens * top_k <= 1024: the last routing block to
@@ -87,12 +100,12 @@ void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_
 // that may run concurrently need distinct counters. With shared slots (see
 // launch_route), the sort runs over top_k + shared.num_shared slots per token
 // and num_experts + shared.num_shared experts (fused while the slots number
-// at most 1024).
+// at most 1024; past that sort_scratch is launch_sort_by_expert's).
 void launch_route_and_sort(const float* router_logits, const float* correction_bias,
                            int64_t num_tokens, int64_t num_experts, const RoutingParams& params,
                            int32_t* topk_ids, float* topk_weights, int32_t* expert_offsets,
                            int32_t* token_of_row, int32_t* pair_of_row, int32_t* error_flags,
-                           int32_t* arrivals, cudaStream_t stream, bool programmatic = false,
+                           int32_t* arrivals, int32_t* sort_scratch, cudaStream_t stream, bool programmatic = false,
                            const SharedSlots& shared = {});
 
 // Shared experts for caller-given routing (device routing appends the slots

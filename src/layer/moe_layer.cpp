@@ -269,7 +269,7 @@ void check_input_scale(float value, const char* what, int64_t expert_idx) {
 
 // Byte offsets of one forward's scratch, after the header.
 struct ScratchLayout {
-  size_t topk_ids = 0, topk_weights = 0, offsets = 0, token_of_row = 0, pair_of_row = 0;
+  size_t topk_ids = 0, topk_weights = 0, offsets = 0, token_of_row = 0, pair_of_row = 0, sort_scratch = 0;
   size_t x_sorted = 0, activated = 0, finalize = 0, gemm1_ws = 0, gemm2_ws = 0;
   size_t gemm1_ws_bytes = 0, gemm2_ws_bytes = 0;
   size_t end = 0;
@@ -437,6 +437,8 @@ struct MoeLayer::Impl {
     s.offsets = take(static_cast<size_t>(gemm_experts() + 1) * 4);
     s.token_of_row = take(pairs * 4);
     s.pair_of_row = take(pairs * 4);
+    s.sort_scratch = take(static_cast<size_t>(kernels::sort_scratch_ints(static_cast<int64_t>(pairs), gemm_experts())) *
+                          4);
     if (separate_gather) s.x_sorted = take(pairs * hidden * 2);
     s.activated = take(pairs * inter * 2);
     const size_t finalize_rows =
@@ -830,6 +832,7 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
   auto* offsets = reinterpret_cast<int32_t*>(ws + s.offsets);
   auto* token_of_row = reinterpret_cast<int32_t*>(ws + s.token_of_row);
   auto* pair_of_row = reinterpret_cast<int32_t*>(ws + s.pair_of_row);
+  auto* sort_scratch = reinterpret_cast<int32_t*>(ws + s.sort_scratch);
   auto* finalize = reinterpret_cast<float*>(ws + s.finalize);
   // Rows per token: the routed slots, then the shared expert's chunks.
   const int rows = m.rows_per_token();
@@ -854,7 +857,8 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
     // One kernel for small batches, so the stage boundary is not observable.
     kernels::launch_route_and_sort(args.router_logits, args.correction_bias, T, m.num_experts,
                                    m.options.routing, ids, weights, offsets, token_of_row,
-                                   pair_of_row, layer_errors, route_arrivals, stream, pdl, shared_slots);
+                                   pair_of_row, layer_errors, route_arrivals, sort_scratch, stream, pdl,
+                                   shared_slots);
     topk_ids = ids;
     topk_weights = weights;
     record(ev.routed, stream);
@@ -866,11 +870,11 @@ void MoeLayer::run(const MoeForwardArgs& args, void* output, float* pair_rows, v
     topk_weights = weights;
     record(ev.routed, stream);
     kernels::launch_sort_by_expert(topk_ids, T, rows, gemm_experts, offsets, token_of_row, pair_of_row,
-                                   layer_errors, stream, pdl);
+                                   layer_errors, sort_scratch, stream, pdl);
   } else {
     record(ev.routed, stream);
     kernels::launch_sort_by_expert(topk_ids, T, m.top_k, m.num_experts, offsets, token_of_row,
-                                   pair_of_row, layer_errors, stream, pdl);
+                                   pair_of_row, layer_errors, sort_scratch, stream, pdl);
   }
   record(ev.sorted, stream);
   if (m.fp4_activations)

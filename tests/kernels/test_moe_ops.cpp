@@ -399,7 +399,8 @@ TEST(MoeOpsGpu, RouteNonFiniteLogitsMatchTheReference) {
   p.top_k = 2;
   std::vector<float> logits = random_normal(static_cast<size_t>(num_tokens * num_experts), rng);
   DeviceBuffer<int32_t> ids(num_tokens * p.top_k), offsets(num_experts + 1), token_of_row(ids.size()),
-      pair_of_row(ids.size()), flags(2);
+      pair_of_row(ids.size()), flags(2),
+      scratch(static_cast<size_t>(kernels::sort_scratch_ints(num_tokens * p.top_k, num_experts)));
   DeviceBuffer<float> weights(ids.size());
   auto error_word = [&](bool fused) {
     const DeviceBuffer<float> d_logits(logits);
@@ -407,7 +408,7 @@ TEST(MoeOpsGpu, RouteNonFiniteLogitsMatchTheReference) {
     if (fused)
       kernels::launch_route_and_sort(d_logits.get(), nullptr, num_tokens, num_experts, p, ids.get(),
                                      weights.get(), offsets.get(), token_of_row.get(),
-                                     pair_of_row.get(), flags.get(), flags.get() + 1, nullptr);
+                                     pair_of_row.get(), flags.get(), flags.get() + 1, scratch.get(), nullptr);
     else
       kernels::launch_route(d_logits.get(), nullptr, num_tokens, num_experts, p, ids.get(),
                             weights.get(), nullptr, false, flags.get());
@@ -554,11 +555,13 @@ void check_sort(const std::vector<int32_t>& ids, int64_t num_tokens, int top_k,
   DeviceBuffer<int32_t> d_token_of_row(static_cast<size_t>(num_pairs));
   DeviceBuffer<int32_t> d_pair_of_row(static_cast<size_t>(num_pairs));
   DeviceBuffer<int32_t> d_error(std::vector<int32_t>{1});  // a GEMM bit already set stays set
+  DeviceBuffer<int32_t> d_scratch(static_cast<size_t>(kernels::sort_scratch_ints(num_pairs, num_experts)));
   d_offsets.fill_bytes(0xFF);
   d_token_of_row.fill_bytes(0xFF);
   d_pair_of_row.fill_bytes(0xFF);
+  d_scratch.fill_bytes(0xFF);  // every count is written before it is read
   kernels::launch_sort_by_expert(d_ids.get(), num_tokens, top_k, num_experts, d_offsets.get(),
-                                 d_token_of_row.get(), d_pair_of_row.get(), d_error.get(), nullptr);
+                                 d_token_of_row.get(), d_pair_of_row.get(), d_error.get(), d_scratch.get(), nullptr);
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
   verify_sort(ids, num_tokens, top_k, num_experts, d_offsets.download(), d_token_of_row.download(),
               d_pair_of_row.download(), what);
@@ -651,6 +654,7 @@ TEST(MoeOpsGpu, RouteAndSortMatchesRouteThenSort) {
       DeviceBuffer<float> weights(ref_ids.size());
       DeviceBuffer<int32_t> offsets(static_cast<size_t>(c.num_experts + 1));
       DeviceBuffer<int32_t> error_and_arrivals(std::vector<int32_t>{0, 0});
+      DeviceBuffer<int32_t> scratch(static_cast<size_t>(kernels::sort_scratch_ints(num_pairs, c.num_experts)));
       for (int run = 0; run < 2; ++run) {
         ids.fill_bytes(0xFF);
         weights.fill_bytes(0xFF);
@@ -661,7 +665,7 @@ TEST(MoeOpsGpu, RouteAndSortMatchesRouteThenSort) {
                                        c.params, ids.get(), weights.get(), offsets.get(),
                                        token_of_row.get(), pair_of_row.get(),
                                        error_and_arrivals.get(), error_and_arrivals.get() + 1,
-                                       nullptr);
+                                       scratch.get(), nullptr);
         FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
         const std::string run_what = what + " run " + std::to_string(run);
         const std::vector<int32_t> got_ids = ids.download();
@@ -737,6 +741,8 @@ TEST(MoeOpsGpu, RouteAndSortAppendSharedSlots) {
       DeviceBuffer<float> weights(num_pairs);
       DeviceBuffer<int32_t> offsets(static_cast<size_t>(c.num_experts + c.num_shared + 1));
       DeviceBuffer<int32_t> error_and_arrivals(std::vector<int32_t>{0, 0});
+      DeviceBuffer<int32_t> scratch(static_cast<size_t>(
+          kernels::sort_scratch_ints(static_cast<int64_t>(num_pairs), c.num_experts + c.num_shared)));
       for (const bool fused : {true, false}) {
         const std::string run_what = what + (fused ? " route_and_sort" : " route");
         ids.fill_bytes(0xFF);
@@ -747,8 +753,8 @@ TEST(MoeOpsGpu, RouteAndSortAppendSharedSlots) {
         if (fused)
           kernels::launch_route_and_sort(d_logits.get(), d_bias.get(), num_tokens, c.num_experts, c.params, ids.get(),
                                          weights.get(), offsets.get(), token_of_row.get(), pair_of_row.get(),
-                                         error_and_arrivals.get(), error_and_arrivals.get() + 1, nullptr, false,
-                                         shared);
+                                         error_and_arrivals.get(), error_and_arrivals.get() + 1, scratch.get(),
+                                         nullptr, false, shared);
         else
           kernels::launch_route(d_logits.get(), d_bias.get(), num_tokens, c.num_experts, c.params, ids.get(),
                                 weights.get(), nullptr, false, error_and_arrivals.get(), shared);
@@ -787,13 +793,16 @@ TEST(MoeOpsGpu, SortRejectsBadParameters) {
   FP4MOE_REQUIRE_GPU();
   DeviceBuffer<int32_t> buf(1024);
   int32_t* p = buf.get();
-  EXPECT_THROW(kernels::launch_sort_by_expert(p, 1, 0, 8, p, p, p, p, nullptr), Error);
-  EXPECT_THROW(kernels::launch_sort_by_expert(p, 1, 1, 513, p, p, p, p, nullptr), Error);
-  EXPECT_THROW(kernels::launch_sort_by_expert(p, -1, 1, 8, p, p, p, p, nullptr), Error);
-  EXPECT_THROW(kernels::launch_sort_by_expert(p, int64_t{1} << 30, 8, 8, p, p, p, p, nullptr), Error);
-  EXPECT_THROW(kernels::launch_sort_by_expert(p, 1, 1, 8, p, p, p, nullptr, nullptr), Error);
+  EXPECT_THROW(kernels::launch_sort_by_expert(p, 1, 0, 8, p, p, p, p, nullptr, nullptr), Error);
+  EXPECT_THROW(kernels::launch_sort_by_expert(p, 1, 1, 513, p, p, p, p, nullptr, nullptr), Error);
+  EXPECT_THROW(kernels::launch_sort_by_expert(p, -1, 1, 8, p, p, p, p, nullptr, nullptr), Error);
+  EXPECT_THROW(kernels::launch_sort_by_expert(p, int64_t{1} << 30, 8, 8, p, p, p, p, nullptr, nullptr), Error);
+  EXPECT_THROW(kernels::launch_sort_by_expert(p, 1, 1, 8, p, p, p, nullptr, nullptr, nullptr), Error);
+  // More pairs than one block sorts, and no scratch for the blocks' counts.
+  EXPECT_THROW(kernels::launch_sort_by_expert(p, kernels::kSortChunkPairs + 1, 1, 8, p, p, p, p, nullptr, nullptr),
+               Error);
   EXPECT_NO_THROW(kernels::launch_sort_by_expert(nullptr, 0, 8, 8, nullptr, nullptr, nullptr,
-                                                 nullptr, nullptr));
+                                                 nullptr, nullptr, nullptr));
 }
 
 // ------------------------------------------------------------------ gather
@@ -1275,7 +1284,8 @@ TEST(MoeOpsGpu, GraphReplayEqualsEager) {
   const DeviceBuffer<uint16_t> d_x(testing::random_bf16(kTokens * kHidden, rng));
   const DeviceBuffer<float> d_pair_rows(random_normal(num_pairs * kHidden, rng));
   DeviceBuffer<int32_t> d_ids(num_pairs), d_offsets(kExperts + 1), d_token_of_row(num_pairs),
-      d_pair_of_row(num_pairs), d_error(std::vector<int32_t>{0});
+      d_pair_of_row(num_pairs), d_error(std::vector<int32_t>{0}),
+      d_scratch(static_cast<size_t>(kernels::sort_scratch_ints(num_pairs, kExperts)));
   DeviceBuffer<float> d_weights(num_pairs);
   DeviceBuffer<uint16_t> d_sorted(num_pairs * kHidden), d_out(kTokens * kHidden);
 
@@ -1283,7 +1293,7 @@ TEST(MoeOpsGpu, GraphReplayEqualsEager) {
     kernels::launch_route(d_logits.get(), d_bias.get(), kTokens, kExperts, p, d_ids.get(),
                           d_weights.get(), stream);
     kernels::launch_sort_by_expert(d_ids.get(), kTokens, p.top_k, kExperts, d_offsets.get(),
-                                   d_token_of_row.get(), d_pair_of_row.get(), d_error.get(), stream);
+                                   d_token_of_row.get(), d_pair_of_row.get(), d_error.get(), d_scratch.get(), stream);
     kernels::launch_gather_rows(d_x.get(), d_token_of_row.get(), d_offsets.get(), kExperts,
                                 num_pairs, kHidden, d_sorted.get(), stream);
     kernels::launch_finalize_pairs(d_pair_rows.get(), d_ids.get(), kTokens, p.top_k, kExperts,
