@@ -5,15 +5,16 @@
 // Y^T[n, rows] = W_e[n, k] . X^T[k, rows]. A block is one producer
 // warpgroup and kSm90Consumers consumer warpgroups (src/plan/smem_model.hpp):
 //
-//   producer   per k-tile of a unit: waits for a free stage, one thread sets
-//              the stage barrier's transaction count and issues two bulk
-//              copies, the stage's weight fragments and scale codes (each one
-//              contiguous block of the prepared layout). Contiguous
-//              activations (no gather) come the same way, by the same thread:
-//              tensor-map (TMA) copies of the unit's rows into 128-byte-
-//              swizzled atoms, as many rows as the wgmmas' width. Gathered
-//              ones: all 128 threads cp.async the rows (zero past k and past
-//              the expert's rows, none past the width) and arrive on the
+//   producer   per k-tile of a unit: one thread waits until the stage's
+//              weights are free, sets the stage barrier's transaction count
+//              and issues two bulk copies, the stage's weight fragments and
+//              scale codes (each one contiguous block of the prepared
+//              layout). Activations wait until the stage's activations are
+//              free. Contiguous ones (no gather) come as tensor-map (TMA)
+//              copies of the unit's rows into 128-byte-swizzled atoms, as
+//              many rows as the wgmmas' width, issued by three more threads.
+//              Gathered ones: warps 1-3 cp.async the rows (zero past k and
+//              past the expert's rows, none past the width) and arrive on the
 //              barrier when their copies land. It runs ahead across units.
 //   consumers  each owns 64 weight rows (one 16-row fragment group per warp):
 //              per 64-wide K fragment, one 16-byte shared load of fp4 codes per
@@ -22,9 +23,11 @@
 //              activation tile in shared memory (W: the unit's rows rounded
 //              up to a quarter tile, sm90::mma_width). The A registers of one
 //              fragment are consumed while the next is dequantised: at most two
-//              wgmma groups in flight, and a stage is released once the wgmmas
-//              that read it have completed.
-//
+//              wgmma groups in flight. A stage's weights are released once its
+//              last fragment is dequantised, its activations once the wgmmas
+//              that read them have completed: the weight stream, from HBM,
+//              keeps about one stage more in flight than the activations.
+
 // Work units, split-K (deterministic, slice order) and the epilogues (NONE,
 // SWIGLU with the gpt-oss variant and biases, FINALIZE stored or atomic)
 // follow the portable family (portable_grouped_gemm.cuh). The epilogue stages
@@ -74,6 +77,11 @@ inline constexpr int kBoxIssuers = kCopyIssuers - 1;
 static_assert(kCopyIssuers * 32 <= 128, "the issuers are warps of the producer warpgroup");
 static_assert(kSm90TwoBlocksMaxBlockM < kSm90TensorMapMinBlockM,
               "tensor-mapped tiles run one block per SM (64 registers per producer thread)");
+
+// Producer threads that gather activation rows with cp.async when no tensor
+// map brings them: warps 1-3 (warp 0's lane 0 issues the weight and scale
+// copies, waiting on barriers of their own: sm90_grouped_gemm_kernel).
+inline constexpr int kGatherThreads = 96;
 
 // A unit's activation boxes, k_frags x boxes of them numbered kf * boxes + b,
 // go to the box issuers in turn: box j of issuer i (0 .. kBoxIssuers - 1) is
@@ -171,6 +179,25 @@ __device__ __forceinline__ void with_mma_width(int width, F&& f) {
 // not move their definitions below it nor their uses above it. Used before
 // wgmma_fence (every A register is written before the wgmmas start, or ptxas
 // serialises them) and after wgmma_wait (no accumulator is read early).
+// This thread's lane, from %laneid (an expression of its own: ptxas does not
+// equate what is computed from it with what threadIdx.x gave).
+__device__ __forceinline__ int lane_index() {
+  uint32_t l;
+  asm("mov.u32 %0, %%laneid;" : "=r"(l));
+  return static_cast<int>(l);
+}
+// gridDim.x, read where it is used (the compiler neither hoists nor keeps it).
+__device__ __forceinline__ uint32_t grid_blocks() {
+  uint32_t n;
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+  return n;
+}
+// v, which the compiler may no longer treat as known: what is computed
+// from it stays after this point (is not hoisted above it).
+__device__ __forceinline__ int opaque(int v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
 template <int N>
 __device__ __forceinline__ void fence_registers(float (&r)[N]) {
 #pragma unroll
@@ -213,7 +240,9 @@ __global__ void __launch_bounds__(kSm90Threads)
   const uint32_t weight_ring = smem_base + L.weight_offset;  // (STAGES, K_FRAGS, N_GROUPS, 512 B) fp4
   const uint32_t scale_ring = smem_base + L.scale_offset;    // (STAGES, K_FRAGS, N_GROUPS, 64 B) scale codes
   const uint32_t full_bar = smem_base + L.barrier_offset;    // (STAGES) mbarrier: stage loaded
-  const uint32_t empty_bar = full_bar + 8 * STAGES;          // (STAGES) mbarrier: stage consumed
+  const uint32_t empty_bar = full_bar + 8 * STAGES;          // (STAGES) mbarrier: activations consumed
+  const uint32_t wempty_bar = empty_bar + 8 * STAGES;        // (STAGES) mbarrier: weights and scales consumed
+  static_assert(kSm90StageBarriers == 3, "full, empty and wempty");
   const uint8_t* s_weights = smem + L.weight_offset;
   const uint8_t* s_scales = smem + L.scale_offset;
   uint8_t* s_epilogue = smem + L.epilogue_offset;  // (CONSUMERS, CHUNK, epi_row_elems)
@@ -233,13 +262,15 @@ __global__ void __launch_bounds__(kSm90Threads)
     for (int s = 0; s < STAGES; ++s) {
       // The producer's arrivals: one per issuing warp (each with its own
       // copies' transaction bytes) when a tensor map brings the activations,
-      // else one per thread's cp.async.
-      ptx::mbarrier_init(full_bar + 8 * s, TMA_TILE && p.x_map_valid ? sm90::kCopyIssuers : 128);
+      // else the weight issuer's (with the weights' bytes) and one per
+      // gathering thread's cp.async.
+      ptx::mbarrier_init(full_bar + 8 * s, TMA_TILE && p.x_map_valid ? sm90::kCopyIssuers : sm90::kGatherThreads + 1);
       // One arrival per consumer thread: mbarrier.arrive releases the
       // arriving thread's own reads of the stage. With __syncwarp and one
       // arrival per warp, compute-sanitizer's racecheck reported the other
       // lanes' reads racing with the producer's next bulk copy.
       ptx::mbarrier_init(empty_bar + 8 * s, kSm90Consumers * 128);
+      ptx::mbarrier_init(wempty_bar + 8 * s, kSm90Consumers * 128);
     }
     ptx::fence_barrier_init();
   }
@@ -303,7 +334,9 @@ __global__ void __launch_bounds__(kSm90Threads)
                 static_cast<uint32_t>(mine * STEP * 128);
             for (int it = 0; it < u.num_k_tiles; ++it) {
               const int kt = u.kt_begin + it;
-              ptx::mbarrier_wait(empty_bar + 8 * stage, phase ^ 1);
+              // The weight issuer waits for the stage's weights to be read,
+              // the box issuers for its activations (sm90::kGatherThreads).
+              ptx::mbarrier_wait((issuer == 0 ? wempty_bar : empty_bar) + 8 * stage, phase ^ 1);
               const uint32_t full = full_bar + 8 * stage;
               if (my_bytes != 0) ptx::mbarrier_expect_tx(full, my_bytes);
               if (issuer == 0) {
@@ -330,22 +363,68 @@ __global__ void __launch_bounds__(kSm90Threads)
       }
       return;
     }
-    // Activation copies: this thread always moves 16-byte chunk `chunk` of
-    // rows row0, row0 + ROWS_PER_PASS, ...; within the swizzled tile those
-    // land a fixed stride apart (ROWS_PER_PASS is a multiple of the 8-row atom).
-    constexpr int ROWS_PER_PASS = 128 / X_CHUNKS;
-    static_assert(128 % X_CHUNKS == 0 && ROWS_PER_PASS % 8 == 0, "unsupported BLOCK_K");
-    const int chunk = ptid % X_CHUNKS;
-    const int row0 = ptid / X_CHUNKS;
-    const uint32_t chunk_offset = sm90::act_chunk_offset<BLOCK_M>(row0, chunk);
+    if (ptid < 32) {
+      // Warp 0's lane 0: per stage, the weight and scale blocks (each one
+      // contiguous block of the prepared layout, (K_pad/64, N_GROUPS)
+      // fragments per tile) as soon as the consumers hold the previous ones
+      // in registers, which is well before the activations that share the
+      // stage are released: the HBM stream keeps more stages in flight.
+      if (ptid == 0) {
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int64_t unit = blockIdx.x; unit < num_units; unit += sm90::grid_blocks()) {
+        const detail::WorkUnit u = detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
+        const size_t tile_frag0 =
+            static_cast<size_t>(layout::fragment_index(u.expert, u.n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
+#pragma unroll 1
+        for (int it = 0; it < u.num_k_tiles; ++it) {
+          const size_t frag0 = tile_frag0 + static_cast<size_t>(u.kt_begin + it) * K_FRAGS * N_GROUPS;
+          ptx::mbarrier_wait(wempty_bar + 8 * stage, phase ^ 1);
+          const uint32_t full = full_bar + 8 * stage;
+          ptx::mbarrier_expect_tx(full, static_cast<uint32_t>(L.weight_stage_bytes + L.scale_stage_bytes));
+          ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
+                             static_cast<uint32_t>(L.weight_stage_bytes), full);
+          ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
+                             static_cast<uint32_t>(L.scale_stage_bytes), full);
+          ptx::mbarrier_arrive(full);
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+      }
+    } else {
+    // Warps 1-3 gather the activation rows, four threads per row: thread
+    // j copies the row's 16-byte chunks j, j + 4, j + 8, ... (64 B apart in
+    // x). In the swizzled tile (sm90::act_chunk_offset) chunk j + 8q lands at
+    // the same offset in K block q, and chunk j + 4 + 8q at that offset XOR
+    // 64, the same for rows row0, row0 + ROWS_PER_PASS, ... (a multiple of
+    // the 8-row atom): two shared-memory addresses per row, the rest
+    // immediates.
+    constexpr int THREADS_PER_ROW = 4;
+    constexpr int GATHER_CHUNKS = X_CHUNKS / THREADS_PER_ROW;
+    constexpr int ROWS_PER_PASS = sm90::kGatherThreads / THREADS_PER_ROW;
+    static_assert(X_CHUNKS % 8 == 0 && ROWS_PER_PASS % 8 == 0, "unsupported BLOCK_K");
+    const int gtid = ptid - 32;  // 0 .. kGatherThreads - 1
+    const int j = gtid % THREADS_PER_ROW;
+    const int row0 = gtid / THREADS_PER_ROW;
+    const uint32_t row_offset0 = sm90::act_chunk_offset<BLOCK_M>(row0, j);      // chunks j + 8q
+    const uint32_t row_offset1 = sm90::act_chunk_offset<BLOCK_M>(row0, j + 4);  // chunks j + 4 + 8q
     int stage = 0;
     uint32_t phase = 0;
-    for (int64_t unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
+    // NOTE: the grid size is read afresh per unit (here and in the weight
+    // issuer's loop): held in a register across the copy loop, ptxas spilled
+    // it in the two-block tiles (32 registers per producer thread).
+    for (int64_t unit = blockIdx.x; unit < num_units; unit += sm90::grid_blocks()) {
       const detail::WorkUnit u = detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
       // Element offsets in x of the unit's token rows (-1: past the expert's
       // rows, zero-filled).
-      ptx::named_barrier_sync(sm90::kBarProducer, 128);  // the previous unit's copies are issued
-      for (int r = ptid; r < BLOCK_M; r += 128) {
+      ptx::named_barrier_sync(sm90::kBarProducer, sm90::kGatherThreads);  // the previous unit's copies are issued
+      // NOTE: the row is gtid, spelt from %laneid: &s_src_rows[gtid] from
+      // threadIdx.x is an address the schedule computed before the register
+      // reallocation, which ptxas reused across it, spilling it.
+      for (int r = (gtid / 32) * 32 + sm90::lane_index(); r < BLOCK_M; r += sm90::kGatherThreads) {
         int64_t offset = -1;
         if (r < u.rows_valid) {
           int src = u.row_begin + r;
@@ -360,11 +439,7 @@ __global__ void __launch_bounds__(kSm90Threads)
         }
         s_src_rows[r] = offset;
       }
-      ptx::named_barrier_sync(sm90::kBarProducer, 128);
-      // The tile's fragments, (K_pad/64, N_GROUPS) in the prepared layout: a
-      // stage is one contiguous block of weights and one of scales.
-      const size_t tile_frag0 =
-          static_cast<size_t>(layout::fragment_index(u.expert, u.n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
+      ptx::named_barrier_sync(sm90::kBarProducer, sm90::kGatherThreads);
       // Only the rows the consumers' wgmmas read (zeros past the valid ones);
       // the copy loop is compiled per width so that it has no data-dependent
       // branch per copy (one cost 2-4 % on full tiles: perf-notes, SM90 v4).
@@ -372,29 +447,26 @@ __global__ void __launch_bounds__(kSm90Threads)
         constexpr int WIDTH = decltype(width)::value;
         constexpr int PASSES = (WIDTH + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
         for (int it = 0; it < u.num_k_tiles; ++it) {
-          const int kt = u.kt_begin + it;
+          const int kk = (u.kt_begin + it) * BLOCK_K + j * 8;
           ptx::mbarrier_wait(empty_bar + 8 * stage, phase ^ 1);
-          const uint32_t full = full_bar + 8 * stage;
-          if (ptid == 0) {
-            const size_t frag0 = tile_frag0 + static_cast<size_t>(kt) * K_FRAGS * N_GROUPS;
-            ptx::mbarrier_expect_tx(full, static_cast<uint32_t>(L.weight_stage_bytes + L.scale_stage_bytes));
-            ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
-                               static_cast<uint32_t>(L.weight_stage_bytes), full);
-            ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
-                               static_cast<uint32_t>(L.scale_stage_bytes), full);
-          }
-          const int kk = kt * BLOCK_K + chunk * 8;
-          const bool in_k = kk < p.k;
-          const uint32_t a_dst = act_ring + stage * L.act_stage_bytes + chunk_offset;
+          const uint32_t a_stage = act_ring + stage * L.act_stage_bytes;
 #pragma unroll
           for (int pass = 0; pass < PASSES; ++pass) {
             const int r = row0 + pass * ROWS_PER_PASS;
             if (WIDTH % ROWS_PER_PASS != 0 && r >= WIDTH) break;
             const int64_t offset = s_src_rows[r];
-            const bool valid = in_k && offset >= 0;
-            ptx::cp_async_16(a_dst + pass * ROWS_PER_PASS * 128, p.x + (valid ? offset + kk : 0), valid ? 16 : 0);
+            // A chunk past k or of a row past the expert's is zero-filled
+            // (src-size 0: nothing is read from its address).
+            const __nv_bfloat16* src = p.x + (offset >= 0 ? offset + kk : 0);
+            const int k_left = offset >= 0 ? p.k - kk : 0;
+            const uint32_t dst0 = a_stage + row_offset0 + pass * ROWS_PER_PASS * 128;
+            const uint32_t dst1 = a_stage + row_offset1 + pass * ROWS_PER_PASS * 128;
+#pragma unroll
+            for (int m = 0; m < GATHER_CHUNKS; ++m)
+              ptx::cp_async_16((m % 2 ? dst1 : dst0) + (m / 2) * (BLOCK_M * 128), src + 32 * m,
+                               32 * m < k_left ? 16 : 0);
           }
-          ptx::cp_async_arrive_noinc(full);
+          ptx::cp_async_arrive_noinc(full_bar + 8 * stage);
           if (++stage == STAGES) {
             stage = 0;
             phase ^= 1;
@@ -402,7 +474,8 @@ __global__ void __launch_bounds__(kSm90Threads)
         }
       });
     }
-    ptx::cp_async_wait_all();  // leave no copy of this thread in flight
+      ptx::cp_async_wait_all();  // leave no copy of this thread in flight
+    }
   } else {
     // =============================================================== consumers
     ptx::setmaxnreg_inc<sm90::consumer_regs(L.blocks_per_sm)>();
@@ -410,10 +483,7 @@ __global__ void __launch_bounds__(kSm90Threads)
     const int consumer = warpgroup - 1;  // 0 .. kSm90Consumers - 1
     const int ctid = tid - 128;          // 0 .. 128 * kSm90Consumers - 1
     const int wtid = tid % 128;          // thread in the warpgroup
-    const int warp = wtid / 32;          // warp in the warpgroup
-    const int g = lane / 4;
-    const int t = lane % 4;
-    const int group = consumer * 4 + warp;  // this warp's 16-row fragment group in the tile
+    const int group = consumer * 4 + wtid / 32;  // this warp's 16-row fragment group in the tile
     const int n_half = p.n / 2;
     // kFinalize: this warpgroup's table of the unit's output slots and
     // router weights, (BLOCK_M) int32 then (BLOCK_M) fp32; each thread loads
@@ -460,7 +530,7 @@ __global__ void __launch_bounds__(kSm90Threads)
 #pragma unroll
         for (int kf = 0; kf < K_FRAGS; ++kf) {
           stage_codes[kf] = *reinterpret_cast<const uint4*>(w_stage + kf * (N_GROUPS * kFragBytes) + lane * 16);
-          stage_scales[kf] = *reinterpret_cast<const uint2*>(sc_stage + kf * (N_GROUPS * kFragScaleBytes) + g * 8);
+          stage_scales[kf] = *reinterpret_cast<const uint2*>(sc_stage + kf * (N_GROUPS * kFragScaleBytes) + lane / 4 * 8);
         }
 #pragma unroll
         for (int kf = 0; kf < K_FRAGS; ++kf) {
@@ -473,6 +543,9 @@ __global__ void __launch_bounds__(kSm90Threads)
           detail::dequant_a_fragment(codes.w, detail::scale_pair(scales, 3), a[3]);
 #pragma unroll
           for (int ks = 0; ks < 4; ++ks) sm90::fence_registers(a[ks]);
+          // The stage's last codes and scales are dequantised: its weights
+          // may be overwritten (the wgmmas read only the activations).
+          if (kf == K_FRAGS - 1) ptx::mbarrier_arrive(wempty_bar + 8 * stage);
           sm90::fence_registers(acc);
           ptx::wgmma_fence();
 #pragma unroll
@@ -512,6 +585,15 @@ __global__ void __launch_bounds__(kSm90Threads)
       if (prev_stage >= 0) {
         ptx::mbarrier_arrive(empty_bar + 8 * prev_stage);
       }
+
+      // The epilogue's lane roles, derived here rather than once per block:
+      // the compiler hoisted the staging addresses made from them out of the
+      // unit loop, and ~8 registers live across the mainloop made ptxas
+      // spill in the two-block tiles.
+      const int e_wtid = sm90::opaque(wtid);
+      const int warp = e_wtid / 32;  // warp in the warpgroup
+      const int g = e_wtid % 32 / 4;
+      const int t = e_wtid % 4;
 
       // ---- split-K: the last slice to land sums all slices in slice order.
       // Accumulator element 4j + 2h + i sits at tile row row0 + 8h, token 8j + 2t + i.

@@ -204,7 +204,7 @@ SmemLayout sm90_layout(const TileConfig& c) {
        l.weight_offset, l.weight_bytes, false},
       {"scales", dims({stages, bn, "BLOCK_K/16=" + std::to_string(c.block_k / 16)}) + " e4m3",
        l.scale_offset, l.scale_bytes, false},
-      {"barriers", dims({"2", stages}) + " mbarrier full/empty", l.barrier_offset, l.barrier_bytes, false},
+      {"barriers", dims({std::to_string(kSm90StageBarriers), stages}) + " mbarrier full/act/weights free", l.barrier_offset, l.barrier_bytes, false},
       {"alignment", "padding to 128 B", l.barrier_offset + l.barrier_bytes,
        l.ring_end - (l.barrier_offset + l.barrier_bytes), false},
       {"epilogue", dims({"CONSUMERS=" + std::to_string(kSm90Consumers), "CHUNK=" + std::to_string(l.chunk_tokens),

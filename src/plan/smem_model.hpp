@@ -154,6 +154,7 @@ inline constexpr int kSm90WarpgroupRows = 64;  // weight rows per consumer warpg
 inline constexpr int kSm90BlockN = kSm90Consumers * kSm90WarpgroupRows;
 inline constexpr int kSm90Threads = (kSm90Consumers + 1) * 128;
 inline constexpr int kSm90EpilogueChunk = 32;  // tokens staged per epilogue round
+inline constexpr int kSm90StageBarriers = 3;   // mbarriers per pipeline stage (Sm90SmemLayout)
 // wgmma reads the activation tile in 128-byte-swizzled atoms of 8 rows x
 // 128 B, which must start on 1024-byte boundaries.
 inline constexpr int64_t kSm90AtomAlign = 1024;
@@ -188,7 +189,10 @@ struct Sm90SmemLayout {
   int64_t act_offset = 0, act_bytes = 0;
   int64_t weight_offset = 0, weight_bytes = 0;
   int64_t scale_offset = 0, scale_bytes = 0;
-  // (2, STAGES) mbarriers of 8 B: "stage full" then "stage empty".
+  // (3, STAGES) mbarriers of 8 B: "stage full", "activations consumed" and
+  // "weights consumed" (the consumers release a stage's weights and scales
+  // as soon as they hold them in registers, its activations once the wgmmas
+  // that read them are done).
   int64_t barrier_offset = 0, barrier_bytes = 0;
   int64_t ring_end = 0;
 
@@ -240,7 +244,7 @@ constexpr Sm90SmemLayout sm90_smem_layout(int block_m, int block_k, int stages, 
   l.scale_offset = align_up(l.weight_offset + l.weight_bytes, kSmemAlign);
   l.scale_bytes = stages * l.scale_stage_bytes;
   l.barrier_offset = align_up(l.scale_offset + l.scale_bytes, kSmemAlign);
-  l.barrier_bytes = 2 * int64_t{stages} * 8;
+  l.barrier_bytes = kSm90StageBarriers * int64_t{stages} * 8;
   l.ring_end = align_up(l.barrier_offset + l.barrier_bytes, kSmemAlign);
 
   // Tokens per epilogue round: the tile's up to kSm90EpilogueChunk, in whole

@@ -110,7 +110,7 @@ TEST(SmemModel, Sm90RegionsAreDisjointAlignedAndSumToTotal) {
     for (int64_t off : {l.weight_offset, l.scale_offset, l.barrier_offset, l.weight_stage_bytes,
                         l.scale_stage_bytes, l.epilogue_offset})
       EXPECT_EQ(off % 16, 0) << c.to_string();
-    EXPECT_EQ(l.barrier_bytes, 2 * 8 * int64_t{c.stages});
+    EXPECT_EQ(l.barrier_bytes, kSm90StageBarriers * 8 * int64_t{c.stages});
     // The finalize epilogue's per-warpgroup (slot, router weight) table; no other epilogue has one.
     EXPECT_EQ(l.slots_bytes, c.epilogue == Epilogue::kFinalize ? int64_t{kSm90Consumers} * c.block_m * 8 : 0)
         << c.to_string();
