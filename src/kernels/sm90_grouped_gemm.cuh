@@ -543,9 +543,6 @@ __global__ void __launch_bounds__(kSm90Threads)
           detail::dequant_a_fragment(codes.w, detail::scale_pair(scales, 3), a[3]);
 #pragma unroll
           for (int ks = 0; ks < 4; ++ks) sm90::fence_registers(a[ks]);
-          // The stage's last codes and scales are dequantised: its weights
-          // may be overwritten (the wgmmas read only the activations).
-          if (kf == K_FRAGS - 1) ptx::mbarrier_arrive(wempty_bar + 8 * stage);
           sm90::fence_registers(acc);
           ptx::wgmma_fence();
 #pragma unroll
@@ -553,6 +550,15 @@ __global__ void __launch_bounds__(kSm90Threads)
             ptx::Wgmma<WIDTH>::mma(acc, a[ks], ptx::smem_desc_advance(a_stage_desc, kf * (BLOCK_M * 128) + ks * 32));
           ptx::wgmma_commit();
           ptx::wgmma_wait<1>();  // the previous fragment's wgmmas are done
+          // The stage's weights may be overwritten: its last wgmmas have
+          // been issued, so the codes and scales they were made from are in
+          // registers (the wgmmas read only the activations from shared
+          // memory). NOTE: arriving right after the last dequantisation
+          // instead, ptxas placed the arrival before the shared loads had
+          // returned (nothing orders the two), and with one fragment per
+          // stage the next bulk copy now and then overwrote codes not yet
+          // read (test_tune_gpu, m256k64 with split-K).
+          if (kf == K_FRAGS - 1) ptx::mbarrier_arrive(wempty_bar + 8 * stage);
           if (kf == 0 && prev_stage >= 0) {  // ... and with them every read of the previous stage
             ptx::mbarrier_arrive(empty_bar + 8 * prev_stage);
           }
