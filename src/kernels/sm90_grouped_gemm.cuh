@@ -370,110 +370,111 @@ __global__ void __launch_bounds__(kSm90Threads)
       // in registers, which is well before the activations that share the
       // stage are released: the HBM stream keeps more stages in flight.
       if (ptid == 0) {
-      int stage = 0;
-      uint32_t phase = 0;
-      for (int64_t unit = blockIdx.x; unit < num_units; unit += sm90::grid_blocks()) {
-        const detail::WorkUnit u = detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
-        const size_t tile_frag0 =
-            static_cast<size_t>(layout::fragment_index(u.expert, u.n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
+        int stage = 0;
+        uint32_t phase = 0;
+        for (int64_t unit = blockIdx.x; unit < num_units; unit += sm90::grid_blocks()) {
+          const detail::WorkUnit u = detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
+          const size_t tile_frag0 =
+              static_cast<size_t>(layout::fragment_index(u.expert, u.n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
 #pragma unroll 1
-        for (int it = 0; it < u.num_k_tiles; ++it) {
-          const size_t frag0 = tile_frag0 + static_cast<size_t>(u.kt_begin + it) * K_FRAGS * N_GROUPS;
-          ptx::mbarrier_wait(wempty_bar + 8 * stage, phase ^ 1);
-          const uint32_t full = full_bar + 8 * stage;
-          ptx::mbarrier_expect_tx(full, static_cast<uint32_t>(L.weight_stage_bytes + L.scale_stage_bytes));
-          ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
-                             static_cast<uint32_t>(L.weight_stage_bytes), full);
-          ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
-                             static_cast<uint32_t>(L.scale_stage_bytes), full);
-          ptx::mbarrier_arrive(full);
-          if (++stage == STAGES) {
-            stage = 0;
-            phase ^= 1;
-          }
-        }
-      }
-      }
-    } else {
-    // Warps 1-3 gather the activation rows, four threads per row: thread
-    // j copies the row's 16-byte chunks j, j + 4, j + 8, ... (64 B apart in
-    // x). In the swizzled tile (sm90::act_chunk_offset) chunk j + 8q lands at
-    // the same offset in K block q, and chunk j + 4 + 8q at that offset XOR
-    // 64, the same for rows row0, row0 + ROWS_PER_PASS, ... (a multiple of
-    // the 8-row atom): two shared-memory addresses per row, the rest
-    // immediates.
-    constexpr int THREADS_PER_ROW = 4;
-    constexpr int GATHER_CHUNKS = X_CHUNKS / THREADS_PER_ROW;
-    constexpr int ROWS_PER_PASS = sm90::kGatherThreads / THREADS_PER_ROW;
-    static_assert(X_CHUNKS % 8 == 0 && ROWS_PER_PASS % 8 == 0, "unsupported BLOCK_K");
-    const int gtid = ptid - 32;  // 0 .. kGatherThreads - 1
-    const int j = gtid % THREADS_PER_ROW;
-    const int row0 = gtid / THREADS_PER_ROW;
-    const uint32_t row_offset0 = sm90::act_chunk_offset<BLOCK_M>(row0, j);      // chunks j + 8q
-    const uint32_t row_offset1 = sm90::act_chunk_offset<BLOCK_M>(row0, j + 4);  // chunks j + 4 + 8q
-    int stage = 0;
-    uint32_t phase = 0;
-    // NOTE: the grid size is read afresh per unit (here and in the weight
-    // issuer's loop): held in a register across the copy loop, ptxas spilled
-    // it in the two-block tiles (32 registers per producer thread).
-    for (int64_t unit = blockIdx.x; unit < num_units; unit += sm90::grid_blocks()) {
-      const detail::WorkUnit u = detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
-      // Element offsets in x of the unit's token rows (-1: past the expert's
-      // rows, zero-filled).
-      ptx::named_barrier_sync(sm90::kBarProducer, sm90::kGatherThreads);  // the previous unit's copies are issued
-      // NOTE: the row is gtid, spelt from %laneid: &s_src_rows[gtid] from
-      // threadIdx.x is an address the schedule computed before the register
-      // reallocation, which ptxas reused across it, spilling it.
-      for (int r = (gtid / 32) * 32 + sm90::lane_index(); r < BLOCK_M; r += sm90::kGatherThreads) {
-        int64_t offset = -1;
-        if (r < u.rows_valid) {
-          int src = u.row_begin + r;
-          if (p.gather_rows) {
-            src = __ldg(p.gather_rows + src);
-            if (src < 0 || src >= p.x_rows) {
-              atomicOr(p.error_flags, kErrorGatherRowOutOfRange);
-              src = 0;
+          for (int it = 0; it < u.num_k_tiles; ++it) {
+            const size_t frag0 = tile_frag0 + static_cast<size_t>(u.kt_begin + it) * K_FRAGS * N_GROUPS;
+            ptx::mbarrier_wait(wempty_bar + 8 * stage, phase ^ 1);
+            const uint32_t full = full_bar + 8 * stage;
+            ptx::mbarrier_expect_tx(full, static_cast<uint32_t>(L.weight_stage_bytes + L.scale_stage_bytes));
+            ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
+                               static_cast<uint32_t>(L.weight_stage_bytes), full);
+            ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
+                               static_cast<uint32_t>(L.scale_stage_bytes), full);
+            ptx::mbarrier_arrive(full);
+            if (++stage == STAGES) {
+              stage = 0;
+              phase ^= 1;
             }
           }
-          offset = static_cast<int64_t>(src) * p.k;
         }
-        s_src_rows[r] = offset;
       }
-      ptx::named_barrier_sync(sm90::kBarProducer, sm90::kGatherThreads);
-      // Only the rows the consumers' wgmmas read (zeros past the valid ones);
-      // the copy loop is compiled per width so that it has no data-dependent
-      // branch per copy (one cost 2-4 % on full tiles: perf-notes, SM90 v4).
-      sm90::with_mma_width<BLOCK_M, STEP>(sm90::mma_width<BLOCK_M, STEP>(u.rows_valid), [&](auto width) {
-        constexpr int WIDTH = decltype(width)::value;
-        constexpr int PASSES = (WIDTH + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
-        for (int it = 0; it < u.num_k_tiles; ++it) {
-          const int kk = (u.kt_begin + it) * BLOCK_K + j * 8;
-          ptx::mbarrier_wait(empty_bar + 8 * stage, phase ^ 1);
-          const uint32_t a_stage = act_ring + stage * L.act_stage_bytes;
-#pragma unroll
-          for (int pass = 0; pass < PASSES; ++pass) {
-            const int r = row0 + pass * ROWS_PER_PASS;
-            if (WIDTH % ROWS_PER_PASS != 0 && r >= WIDTH) break;
-            const int64_t offset = s_src_rows[r];
-            // A chunk past k or of a row past the expert's is zero-filled
-            // (src-size 0: nothing is read from its address).
-            const __nv_bfloat16* src = p.x + (offset >= 0 ? offset + kk : 0);
-            const int k_left = offset >= 0 ? p.k - kk : 0;
-            const uint32_t dst0 = a_stage + row_offset0 + pass * ROWS_PER_PASS * 128;
-            const uint32_t dst1 = a_stage + row_offset1 + pass * ROWS_PER_PASS * 128;
-#pragma unroll
-            for (int m = 0; m < GATHER_CHUNKS; ++m)
-              ptx::cp_async_16((m % 2 ? dst1 : dst0) + (m / 2) * (BLOCK_M * 128), src + 32 * m,
-                               32 * m < k_left ? 16 : 0);
+    } else {
+      // Warps 1-3 gather the activation rows, four threads per row: thread
+      // j copies the row's 16-byte chunks j, j + 4, j + 8, ... (64 B apart in
+      // x). In the swizzled tile (sm90::act_chunk_offset) chunk j + 8q lands at
+      // the same offset in K block q, and chunk j + 4 + 8q at that offset XOR
+      // 64, the same for rows row0, row0 + ROWS_PER_PASS, ... (a multiple of
+      // the 8-row atom): two shared-memory addresses per row, the rest
+      // immediates.
+      constexpr int THREADS_PER_ROW = 4;
+      constexpr int GATHER_CHUNKS = X_CHUNKS / THREADS_PER_ROW;
+      constexpr int ROWS_PER_PASS = sm90::kGatherThreads / THREADS_PER_ROW;
+      static_assert(X_CHUNKS % 8 == 0 && ROWS_PER_PASS % 8 == 0, "unsupported BLOCK_K");
+      const int gtid = ptid - 32;  // 0 .. kGatherThreads - 1
+      const int j = gtid % THREADS_PER_ROW;
+      const int row0 = gtid / THREADS_PER_ROW;
+      const uint32_t row_offset0 = sm90::act_chunk_offset<BLOCK_M>(row0, j);      // chunks j + 8q
+      const uint32_t row_offset1 = sm90::act_chunk_offset<BLOCK_M>(row0, j + 4);  // chunks j + 4 + 8q
+      int stage = 0;
+      uint32_t phase = 0;
+      // NOTE: the grid size is read afresh per unit (here and in the weight
+      // issuer's loop): held in a register across the copy loop, ptxas spilled
+      // it in the two-block tiles (32 registers per producer thread).
+      for (int64_t unit = blockIdx.x; unit < num_units; unit += sm90::grid_blocks()) {
+        const detail::WorkUnit u = detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
+        // Element offsets in x of the unit's token rows (-1: past the expert's
+        // rows, zero-filled).
+        // The previous unit's copies are issued.
+        ptx::named_barrier_sync(sm90::kBarProducer, sm90::kGatherThreads);
+        // NOTE: the row is gtid, spelt from %laneid: &s_src_rows[gtid] from
+        // threadIdx.x is an address the schedule computed before the register
+        // reallocation, which ptxas reused across it, spilling it.
+        for (int r = (gtid / 32) * 32 + sm90::lane_index(); r < BLOCK_M; r += sm90::kGatherThreads) {
+          int64_t offset = -1;
+          if (r < u.rows_valid) {
+            int src = u.row_begin + r;
+            if (p.gather_rows) {
+              src = __ldg(p.gather_rows + src);
+              if (src < 0 || src >= p.x_rows) {
+                atomicOr(p.error_flags, kErrorGatherRowOutOfRange);
+                src = 0;
+              }
+            }
+            offset = static_cast<int64_t>(src) * p.k;
           }
-          ptx::cp_async_arrive_noinc(full_bar + 8 * stage);
-          if (++stage == STAGES) {
-            stage = 0;
-            phase ^= 1;
-          }
+          s_src_rows[r] = offset;
         }
-      });
-    }
+        ptx::named_barrier_sync(sm90::kBarProducer, sm90::kGatherThreads);
+        // Only the rows the consumers' wgmmas read (zeros past the valid ones);
+        // the copy loop is compiled per width so that it has no data-dependent
+        // branch per copy (one cost 2-4 % on full tiles: perf-notes, SM90 v4).
+        sm90::with_mma_width<BLOCK_M, STEP>(sm90::mma_width<BLOCK_M, STEP>(u.rows_valid), [&](auto width) {
+          constexpr int WIDTH = decltype(width)::value;
+          constexpr int PASSES = (WIDTH + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
+          for (int it = 0; it < u.num_k_tiles; ++it) {
+            const int kk = (u.kt_begin + it) * BLOCK_K + j * 8;
+            ptx::mbarrier_wait(empty_bar + 8 * stage, phase ^ 1);
+            const uint32_t a_stage = act_ring + stage * L.act_stage_bytes;
+#pragma unroll
+            for (int pass = 0; pass < PASSES; ++pass) {
+              const int r = row0 + pass * ROWS_PER_PASS;
+              if (WIDTH % ROWS_PER_PASS != 0 && r >= WIDTH) break;
+              const int64_t offset = s_src_rows[r];
+              // A chunk past k or of a row past the expert's is zero-filled
+              // (src-size 0: nothing is read from its address).
+              const __nv_bfloat16* src = p.x + (offset >= 0 ? offset + kk : 0);
+              const int k_left = offset >= 0 ? p.k - kk : 0;
+              const uint32_t dst0 = a_stage + row_offset0 + pass * ROWS_PER_PASS * 128;
+              const uint32_t dst1 = a_stage + row_offset1 + pass * ROWS_PER_PASS * 128;
+#pragma unroll
+              for (int m = 0; m < GATHER_CHUNKS; ++m)
+                ptx::cp_async_16((m % 2 ? dst1 : dst0) + (m / 2) * (BLOCK_M * 128), src + 32 * m,
+                                 32 * m < k_left ? 16 : 0);
+            }
+            ptx::cp_async_arrive_noinc(full_bar + 8 * stage);
+            if (++stage == STAGES) {
+              stage = 0;
+              phase ^= 1;
+            }
+          }
+        });
+      }
       ptx::cp_async_wait_all();  // leave no copy of this thread in flight
     }
   } else {
@@ -530,7 +531,8 @@ __global__ void __launch_bounds__(kSm90Threads)
 #pragma unroll
         for (int kf = 0; kf < K_FRAGS; ++kf) {
           stage_codes[kf] = *reinterpret_cast<const uint4*>(w_stage + kf * (N_GROUPS * kFragBytes) + lane * 16);
-          stage_scales[kf] = *reinterpret_cast<const uint2*>(sc_stage + kf * (N_GROUPS * kFragScaleBytes) + lane / 4 * 8);
+          stage_scales[kf] =
+              *reinterpret_cast<const uint2*>(sc_stage + kf * (N_GROUPS * kFragScaleBytes) + lane / 4 * 8);
         }
 #pragma unroll
         for (int kf = 0; kf < K_FRAGS; ++kf) {
