@@ -24,7 +24,7 @@
 //              up to a quarter tile, sm90::mma_width). The A registers of one
 //              fragment are consumed while the next is dequantised: at most two
 //              wgmma groups in flight. A stage's weights are released once its
-//              last fragment is dequantised, its activations once the wgmmas
+//              last wgmmas have been issued, its activations once the wgmmas
 //              that read them have completed: the weight stream, from HBM,
 //              keeps about one stage more in flight than the activations.
 
@@ -289,6 +289,18 @@ __global__ void __launch_bounds__(kSm90Threads)
     ptx::setmaxnreg_dec<sm90::producer_regs(L.blocks_per_sm)>();
     const int64_t num_units = static_cast<int64_t>(s_prefix[p.num_experts]) * units_per_mtile;
     const int ptid = tid;
+    // The weight fragments and scale codes of k-tile kt of the tile whose
+    // first fragment is tile_frag0 (each one contiguous block of the
+    // prepared layout, (K_pad/64, N_GROUPS) fragments per tile) into `stage`,
+    // completing on its full barrier.
+    auto copy_weights = [&](int stage, size_t tile_frag0, int kt) {
+      const size_t frag0 = tile_frag0 + static_cast<size_t>(kt) * K_FRAGS * N_GROUPS;
+      const uint32_t full = full_bar + 8 * stage;
+      ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
+                         static_cast<uint32_t>(L.weight_stage_bytes), full);
+      ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
+                         static_cast<uint32_t>(L.scale_stage_bytes), full);
+    };
     if (TMA_TILE && p.x_map_valid) {
       // Lane 0 of each issuing warp (sm90::kCopyIssuers) waits for the free
       // stage, issues its share of the stage's copies and arrives with their
@@ -335,17 +347,11 @@ __global__ void __launch_bounds__(kSm90Threads)
             for (int it = 0; it < u.num_k_tiles; ++it) {
               const int kt = u.kt_begin + it;
               // The weight issuer waits for the stage's weights to be read,
-              // the box issuers for its activations (sm90::kGatherThreads).
+              // the box issuers for its activations.
               ptx::mbarrier_wait((issuer == 0 ? wempty_bar : empty_bar) + 8 * stage, phase ^ 1);
               const uint32_t full = full_bar + 8 * stage;
               if (my_bytes != 0) ptx::mbarrier_expect_tx(full, my_bytes);
-              if (issuer == 0) {
-                const size_t frag0 = tile_frag0 + static_cast<size_t>(kt) * K_FRAGS * N_GROUPS;
-                ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
-                                   static_cast<uint32_t>(L.weight_stage_bytes), full);
-                ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
-                                   static_cast<uint32_t>(L.scale_stage_bytes), full);
-              }
+              if (issuer == 0) copy_weights(stage, tile_frag0, kt);
               const uint32_t a_stage = act_ring + stage * L.act_stage_bytes;
 #pragma unroll
               for (int j = 0; j < MAX_MINE; ++j)
@@ -364,10 +370,9 @@ __global__ void __launch_bounds__(kSm90Threads)
       return;
     }
     if (ptid < 32) {
-      // Warp 0's lane 0: per stage, the weight and scale blocks (each one
-      // contiguous block of the prepared layout, (K_pad/64, N_GROUPS)
-      // fragments per tile) as soon as the consumers hold the previous ones
-      // in registers, which is well before the activations that share the
+      // Warp 0's lane 0: per stage, the weight and scale blocks as soon as
+      // the consumers have issued the last wgmmas made from the previous
+      // ones, a fragment or more before the activations that share the
       // stage are released: the HBM stream keeps more stages in flight.
       if (ptid == 0) {
         int stage = 0;
@@ -378,14 +383,10 @@ __global__ void __launch_bounds__(kSm90Threads)
               static_cast<size_t>(layout::fragment_index(u.expert, u.n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
 #pragma unroll 1
           for (int it = 0; it < u.num_k_tiles; ++it) {
-            const size_t frag0 = tile_frag0 + static_cast<size_t>(u.kt_begin + it) * K_FRAGS * N_GROUPS;
             ptx::mbarrier_wait(wempty_bar + 8 * stage, phase ^ 1);
             const uint32_t full = full_bar + 8 * stage;
             ptx::mbarrier_expect_tx(full, static_cast<uint32_t>(L.weight_stage_bytes + L.scale_stage_bytes));
-            ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
-                               static_cast<uint32_t>(L.weight_stage_bytes), full);
-            ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
-                               static_cast<uint32_t>(L.scale_stage_bytes), full);
+            copy_weights(stage, tile_frag0, u.kt_begin + it);
             ptx::mbarrier_arrive(full);
             if (++stage == STAGES) {
               stage = 0;
