@@ -289,18 +289,6 @@ __global__ void __launch_bounds__(kSm90Threads)
     ptx::setmaxnreg_dec<sm90::producer_regs(L.blocks_per_sm)>();
     const int64_t num_units = static_cast<int64_t>(s_prefix[p.num_experts]) * units_per_mtile;
     const int ptid = tid;
-    // The weight fragments and scale codes of k-tile kt of the tile whose
-    // first fragment is tile_frag0 (each one contiguous block of the
-    // prepared layout, (K_pad/64, N_GROUPS) fragments per tile) into `stage`,
-    // completing on its full barrier.
-    auto copy_weights = [&](int stage, size_t tile_frag0, int kt) {
-      const size_t frag0 = tile_frag0 + static_cast<size_t>(kt) * K_FRAGS * N_GROUPS;
-      const uint32_t full = full_bar + 8 * stage;
-      ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
-                         static_cast<uint32_t>(L.weight_stage_bytes), full);
-      ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
-                         static_cast<uint32_t>(L.scale_stage_bytes), full);
-    };
     if (TMA_TILE && p.x_map_valid) {
       // Lane 0 of each issuing warp (sm90::kCopyIssuers) waits for the free
       // stage, issues its share of the stage's copies and arrives with their
@@ -351,7 +339,13 @@ __global__ void __launch_bounds__(kSm90Threads)
               ptx::mbarrier_wait((issuer == 0 ? wempty_bar : empty_bar) + 8 * stage, phase ^ 1);
               const uint32_t full = full_bar + 8 * stage;
               if (my_bytes != 0) ptx::mbarrier_expect_tx(full, my_bytes);
-              if (issuer == 0) copy_weights(stage, tile_frag0, kt);
+              if (issuer == 0) {
+                const size_t frag0 = tile_frag0 + static_cast<size_t>(kt) * K_FRAGS * N_GROUPS;
+                ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
+                                   static_cast<uint32_t>(L.weight_stage_bytes), full);
+                ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
+                                   static_cast<uint32_t>(L.scale_stage_bytes), full);
+              }
               const uint32_t a_stage = act_ring + stage * L.act_stage_bytes;
 #pragma unroll
               for (int j = 0; j < MAX_MINE; ++j)
@@ -383,10 +377,15 @@ __global__ void __launch_bounds__(kSm90Threads)
               static_cast<size_t>(layout::fragment_index(u.expert, u.n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
 #pragma unroll 1
           for (int it = 0; it < u.num_k_tiles; ++it) {
+            const size_t frag0 = tile_frag0 + static_cast<size_t>(u.kt_begin + it) * K_FRAGS * N_GROUPS;
             ptx::mbarrier_wait(wempty_bar + 8 * stage, phase ^ 1);
             const uint32_t full = full_bar + 8 * stage;
             ptx::mbarrier_expect_tx(full, static_cast<uint32_t>(L.weight_stage_bytes + L.scale_stage_bytes));
-            copy_weights(stage, tile_frag0, u.kt_begin + it);
+            // The same two copies as the tensor-map path's issuer 0.
+            ptx::bulk_copy_g2s(weight_ring + stage * L.weight_stage_bytes, p.weights + frag0 * kFragBytes,
+                               static_cast<uint32_t>(L.weight_stage_bytes), full);
+            ptx::bulk_copy_g2s(scale_ring + stage * L.scale_stage_bytes, p.scales + frag0 * kFragScaleBytes,
+                               static_cast<uint32_t>(L.scale_stage_bytes), full);
             ptx::mbarrier_arrive(full);
             if (++stage == STAGES) {
               stage = 0;
