@@ -290,9 +290,10 @@ __global__ void __launch_bounds__(kSm90Threads)
     const int64_t num_units = static_cast<int64_t>(s_prefix[p.num_experts]) * units_per_mtile;
     const int ptid = tid;
     if (TMA_TILE && p.x_map_valid) {
-      // Lane 0 of each issuing warp (sm90::kCopyIssuers) waits for the free
-      // stage, issues its share of the stage's copies and arrives with their
-      // bytes: the weight and scale blocks (issuer 0) and, per 64-wide K
+      // Lane 0 of each issuing warp (sm90::kCopyIssuers) waits until its part
+      // of the stage is free (weights or activations), issues its share of
+      // the stage's copies and arrives with their bytes: the weight and scale
+      // blocks (issuer 0) and, per 64-wide K
       // fragment, the unit's activation rows in boxes of STEP rows (rows past
       // the expert's land in columns nobody stores; past x and past k they
       // are zeros). One thread issuing all of m128's ten copies spent ~136
@@ -418,11 +419,10 @@ __global__ void __launch_bounds__(kSm90Threads)
       // it in the two-block tiles (32 registers per producer thread).
       for (int64_t unit = blockIdx.x; unit < num_units; unit += sm90::grid_blocks()) {
         const detail::WorkUnit u = detail::decode_unit<BLOCK_M>(p, s_prefix, unit, units_per_mtile, k_tiles_total);
-        // Element offsets in x of the unit's token rows (-1: past the expert's
-        // rows, zero-filled).
         // The previous unit's copies are issued.
         ptx::named_barrier_sync(sm90::kBarProducer, sm90::kGatherThreads);
-        // NOTE: the row is gtid, spelt from %laneid: &s_src_rows[gtid] from
+        // Element offsets in x of the unit's token rows (-1: past the expert's
+        // rows, zero-filled). NOTE: the row is gtid, spelt from %laneid: &s_src_rows[gtid] from
         // threadIdx.x is an address the schedule computed before the register
         // reallocation, which ptxas reused across it, spilling it.
         for (int r = (gtid / 32) * 32 + sm90::lane_index(); r < BLOCK_M; r += sm90::kGatherThreads) {
