@@ -230,24 +230,42 @@ __device__ __forceinline__ __nv_bfloat16 swiglu_output(const GroupedGemmParams& 
   return __float2bfloat16_rn(activate(p.activation, gate, up));
 }
 
-// The kFinalize epilogue of four columns [col, col + 4) of one row of expert
-// e (already scaled by the global scale): + bias, x the slot's router
-// weight, stored to (or, with atomic_out, added into) the slot's or token's
-// output row.
-__device__ __forceinline__ void finalize_store(const GroupedGemmParams& p, int e, int slot, int col, float4 v,
-                                               float router_weight) {
-  if (p.bias) {
-    const float4 b = __ldg(reinterpret_cast<const float4*>(p.bias + static_cast<size_t>(e) * p.n + col));
-    v.x += b.x;
-    v.y += b.y;
-    v.z += b.z;
-    v.w += b.w;
+// The kFinalize output row of `slot` (slot / out_row_divisor), or -1 for a
+// slot out of range, reported in error_flags. Found once per row, where the
+// row's slot is read: a division by the runtime divisor per 16-byte store
+// was half of the SM90 finalize epilogue's instructions.
+__device__ __forceinline__ int finalize_out_row(const GroupedGemmParams& p, int slot) {
+  const int row = slot >= 0 ? slot / p.out_row_divisor : -1;
+  if (row < 0 || row >= p.out_rows) {
+    atomicOr(p.error_flags, kErrorGatherRowOutOfRange);
+    return -1;
+  }
+  return row;
+}
+
+// The kFinalize bias of expert e's columns [col, col + 4) (zeros without one).
+__device__ __forceinline__ float4 finalize_bias(const GroupedGemmParams& p, int e, int col) {
+  if (!p.bias) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  return __ldg(reinterpret_cast<const float4*>(p.bias + static_cast<size_t>(e) * p.n + col));
+}
+
+// The kFinalize epilogue of four columns [col, col + 4) of one row (already
+// scaled by the global scale): + bias (finalize_bias), x the slot's router
+// weight, stored to (or, with atomic_out, added into) output row `out_row`
+// (finalize_out_row: the slot's or the token's).
+__device__ __forceinline__ void finalize_store(const GroupedGemmParams& p, int out_row, int col, float4 v,
+                                               float4 bias, float router_weight) {
+  if (p.bias) {  // (without one, -0 stays -0 as before)
+    v.x += bias.x;
+    v.y += bias.y;
+    v.z += bias.z;
+    v.w += bias.w;
   }
   v.x *= router_weight;
   v.y *= router_weight;
   v.z *= router_weight;
   v.w *= router_weight;
-  float* dst = p.out_f32 + static_cast<size_t>(slot / p.out_row_divisor) * p.n + col;
+  float* dst = p.out_f32 + static_cast<size_t>(out_row) * p.n + col;
   if (p.atomic_out) {
 #if __CUDA_ARCH__ >= 900
     atomicAdd(reinterpret_cast<float4*>(dst), v);

@@ -75,8 +75,8 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
   __nv_bfloat16* s_out = reinterpret_cast<__nv_bfloat16*>(smem + L.epilogue_offset);  // (BLOCK_M, epi_row_elems) bf16
   float* s_out_f32 = reinterpret_cast<float*>(smem + L.epilogue_offset);  // kFinalize: (BLOCK_M, epi_row_elems) fp32
   int32_t* s_gather = reinterpret_cast<int32_t*>(smem + L.rows_offset);  // (BLOCK_M) x row per tile row
-  int32_t* s_scatter = s_gather + BLOCK_M;                                // (BLOCK_M) output slot, -1: none
-  float* s_row_weight = reinterpret_cast<float*>(s_scatter + BLOCK_M);    // (BLOCK_M) router weight
+  int32_t* s_out_row = s_gather + BLOCK_M;                                // (BLOCK_M) kFinalize output row, -1: none
+  float* s_row_weight = reinterpret_cast<float*>(s_out_row + BLOCK_M);    // (BLOCK_M) router weight
   int32_t* s_prefix = reinterpret_cast<int32_t*>(smem + L.schedule_offset);  // (kMaxExperts + 1)
   int32_t* s_warp_sums = s_prefix + kMaxExperts + 1;                           // (32)
   int32_t* s_flag = reinterpret_cast<int32_t*>(smem + L.flag_offset);
@@ -135,13 +135,10 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
       }
       s_gather[tid] = src;
       if constexpr (EPI == Epilogue::kFinalize) {
-        int slot = __ldg(p.scatter_rows + row);
-        if (slot < 0 || slot / p.out_row_divisor >= p.out_rows) {
-          atomicOr(p.error_flags, kErrorGatherRowOutOfRange);
-          slot = -1;
-        }
-        s_scatter[tid] = slot;
-        s_row_weight[tid] = (slot >= 0 && p.row_weights) ? __ldg(p.row_weights + slot) : 1.0f;
+        const int slot = __ldg(p.scatter_rows + row);
+        const int out_row = detail::finalize_out_row(p, slot);
+        s_out_row[tid] = out_row;
+        s_row_weight[tid] = (out_row >= 0 && p.row_weights) ? __ldg(p.row_weights + slot) : 1.0f;
       }
     }
     __syncthreads();
@@ -401,10 +398,10 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
         for (int i = tid; i < rows_valid * OUT_CHUNKS; i += THREADS) {
           const int r = i / OUT_CHUNKS;
           const int col = n0 + (i % OUT_CHUNKS) * 4;
-          const int slot = s_scatter[r];
-          if (col >= p.n || slot < 0) continue;
+          const int out_row = s_out_row[r];
+          if (col >= p.n || out_row < 0) continue;
           const float4 v = *reinterpret_cast<const float4*>(s_out_f32 + r * L.epi_row_elems + col - n0);
-          detail::finalize_store(p, e, slot, col, v, s_row_weight[r]);
+          detail::finalize_store(p, out_row, col, v, detail::finalize_bias(p, e, col), s_row_weight[r]);
         }
       } else {
         // (rows_valid, OUT_N) bf16 -> Y rows, 16-byte stores; the output width

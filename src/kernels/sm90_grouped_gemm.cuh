@@ -486,12 +486,12 @@ __global__ void __launch_bounds__(kSm90Threads)
     const int wtid = tid % 128;          // thread in the warpgroup
     const int group = consumer * 4 + wtid / 32;  // this warp's 16-row fragment group in the tile
     const int n_half = p.n / 2;
-    // kFinalize: this warpgroup's table of the unit's output slots and
-    // router weights, (BLOCK_M) int32 then (BLOCK_M) fp32; each thread loads
-    // the slots of rows wtid, wtid + 128, ...
+    // kFinalize: this warpgroup's table of the unit's output rows
+    // (detail::finalize_out_row) and router weights, (BLOCK_M) int32 then
+    // (BLOCK_M) fp32; each thread loads the slots of rows wtid, wtid + 128, ...
     constexpr int SLOT_LOADS = EPI == Epilogue::kFinalize ? (BLOCK_M + 127) / 128 : 1;
-    int32_t* s_slots = reinterpret_cast<int32_t*>(smem + L.slots_offset) + consumer * 2 * BLOCK_M;
-    float* s_row_weights = reinterpret_cast<float*>(s_slots + BLOCK_M);
+    int32_t* s_out_rows = reinterpret_cast<int32_t*>(smem + L.slots_offset) + consumer * 2 * BLOCK_M;
+    float* s_row_weights = reinterpret_cast<float*>(s_out_rows + BLOCK_M);
     int stage = 0;
     uint32_t phase = 0;
     float acc[NACC];
@@ -648,13 +648,10 @@ __global__ void __launch_bounds__(kSm90Threads)
         for (int j = 0; j < SLOT_LOADS; ++j) {
           const int r = wtid + 128 * j;
           if (r >= u.rows_valid) continue;
-          int slot = row_slots[j];
-          if (slot < 0 || slot / p.out_row_divisor >= p.out_rows) {
-            atomicOr(p.error_flags, kErrorGatherRowOutOfRange);
-            slot = -1;
-          }
-          s_slots[r] = slot;
-          s_row_weights[r] = slot >= 0 && p.row_weights ? __ldg(p.row_weights + slot) : 1.0f;
+          const int slot = row_slots[j];
+          const int out_row = detail::finalize_out_row(p, slot);
+          s_out_rows[r] = out_row;
+          s_row_weights[r] = out_row >= 0 && p.row_weights ? __ldg(p.row_weights + slot) : 1.0f;
         }
       }
       const float out_scale = __ldg(p.global_scales + e) * layout::kEpilogueScale;
@@ -696,15 +693,22 @@ __global__ void __launch_bounds__(kSm90Threads)
           if constexpr (EPI == Epilogue::kFinalize) {
             // (rows, 64) fp32 -> (+ bias) x router weight -> the slot's (or
             // token's) row, 16-byte stores or vector atomics.
+            // A thread stores the same four columns of rows r0, r0 + 8, ...
             constexpr int OUT_CHUNKS = kSm90WarpgroupRows / 4;
+            constexpr int ROWS_PER_PASS = 128 / OUT_CHUNKS;
             const int n0 = u.n_tile * BLOCK_N + consumer * kSm90WarpgroupRows;
-            for (int i = wtid; i < rows * OUT_CHUNKS; i += 128) {
-              const int r = i / OUT_CHUNKS;
-              const int col = n0 + (i % OUT_CHUNKS) * 4;
-              const int slot = s_slots[c * CHUNK + r];
-              if (col >= p.n || slot < 0) continue;
-              const float4 v = *reinterpret_cast<const float4*>(s_out_f32 + r * L.epi_row_elems + col - n0);
-              detail::finalize_store(p, e, slot, col, v, s_row_weights[c * CHUNK + r]);
+            const int col = n0 + (wtid % OUT_CHUNKS) * 4;
+            if (col < p.n) {
+              const float4 bias = detail::finalize_bias(p, e, col);
+#pragma unroll
+              for (int pass = 0; pass < CHUNK / ROWS_PER_PASS; ++pass) {
+                const int r = wtid / OUT_CHUNKS + pass * ROWS_PER_PASS;
+                if (r >= rows) break;
+                const int out_row = s_out_rows[c * CHUNK + r];
+                if (out_row < 0) continue;
+                const float4 v = *reinterpret_cast<const float4*>(s_out_f32 + r * L.epi_row_elems + col - n0);
+                detail::finalize_store(p, out_row, col, v, bias, s_row_weights[c * CHUNK + r]);
+              }
             }
           } else {
             // (rows, OUT_N) bf16 -> Y rows, 16-byte stores; the output width
@@ -720,13 +724,18 @@ __global__ void __launch_bounds__(kSm90Threads)
             // multiples of 16: both chunks of a block are stored or skipped).
             const bool quantise = EPI == Epilogue::kSwiglu && p.act_quant_scales;
             const float input_scale = quantise ? __ldg(p.act_quant_scales + e) : 0.0f;
-            for (int i = wtid; i < rows * OUT_CHUNKS; i += 128) {
-              const int r = i / OUT_CHUNKS;
-              const int cc = i % OUT_CHUNKS;
-              if (n0 + cc * 8 >= y_cols) continue;
-              uint4 v = *reinterpret_cast<const uint4*>(s_out + r * L.epi_row_elems + cc * 8);
-              if (quantise) detail::fp4_quantize_bf16_half_block(v, input_scale);
-              *reinterpret_cast<uint4*>(p.y + static_cast<size_t>(row_first + r) * y_cols + n0 + cc * 8) = v;
+            // A thread stores the same eight columns of rows r0, r0 + 128 / OUT_CHUNKS, ...
+            constexpr int ROWS_PER_PASS = 128 / OUT_CHUNKS;
+            const int cc = wtid % OUT_CHUNKS;
+            if (n0 + cc * 8 < y_cols) {
+#pragma unroll
+              for (int pass = 0; pass < (CHUNK + ROWS_PER_PASS - 1) / ROWS_PER_PASS; ++pass) {
+                const int r = wtid / OUT_CHUNKS + pass * ROWS_PER_PASS;
+                if (r >= rows) break;
+                uint4 v = *reinterpret_cast<const uint4*>(s_out + r * L.epi_row_elems + cc * 8);
+                if (quantise) detail::fp4_quantize_bf16_half_block(v, input_scale);
+                *reinterpret_cast<uint4*>(p.y + static_cast<size_t>(row_first + r) * y_cols + n0 + cc * 8) = v;
+              }
             }
           }
           ptx::named_barrier_sync(sm90::kBarWarpgroup0 + consumer, 128);  // staging free again
