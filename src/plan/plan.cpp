@@ -532,21 +532,28 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   // layer 1.12x at T = 256 on an H200, the GEMM bench unchanged): a picked
   // 16- or 32-row tile over the experts of at most its width and the 128-row
   // tile over the rest; at the 128-row tile with at most 48 expected rows,
-  // the two-block m48 tile under it. The m8 tile (a batch-invariant layer's
-  // decode) runs alone: a second launch would add its latency to every
-  // decode step.
-  if (pick->family == KernelFamily::kSm90 && pick->block_m >= 16 && pick->block_m <= 128) {
+  // and under every 160-row pick, the two-block m48 tile under it. The
+  // 160-row tile is picked at 117+ expected rows, where a uniformly routed
+  // batch leaves no expert with 48 rows or fewer (the m48 launch finds no
+  // unit: 0.3 % of the GEMM), while skewed routing leaves many (the layer
+  // bench at T = 4096: half of the active experts) that m160 runs one block
+  // per SM at a narrow width: the layer 1.02-1.08x ("The epilogue at large
+  // token counts"). Not under a 128-row pick above 48 expected rows: a second
+  // launch for the few small experts there cost Qwen3-30B's short GEMMs 10 %.
+  // The m8 tile (a batch-invariant layer's decode) runs alone: a second
+  // launch would add its latency to every decode step.
+  if (pick->family == KernelFamily::kSm90 && pick->block_m >= 16 && pick->block_m <= 160) {
     const auto find = [&](int block_m, int blocks) {
       return std::find_if(fitting.begin(), fitting.end(), [&](const TileConfig& c) {
         return c.block_m == block_m && (blocks == 0 || sm90_smem_layout(c).blocks_per_sm == blocks);
       });
     };
-    const auto heavy = find(128, 0);
+    const auto heavy = pick->block_m >= 128 ? fitting.begin() + (pick - fitting.data()) : find(128, 0);
     if (heavy != fitting.end()) {
       if (pick->block_m < 128)
         return with_row_stage(plan_gemm_with(p, *heavy, num_sms, blocks_per_sm), p, *pick, pick->block_m);
       const auto light = find(kSm90LightMaxRows, 2);
-      if (rows_per_expert <= kSm90LightMaxRows && light != fitting.end())
+      if ((rows_per_expert <= kSm90LightMaxRows || pick->block_m == 160) && light != fitting.end())
         return with_row_stage(plan_gemm_with(p, *heavy, num_sms, blocks_per_sm), p, *light, kSm90LightMaxRows);
     }
   }

@@ -258,7 +258,8 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
   // Below ~384 rows per expert the SM90 row classes: the tile sized for two
   // standard deviations above the mean over the experts of at most its
   // width and the 128-row tile over the rest; the two-block m48 tile under
-  // the 128-row one up to 48 expected rows; the 160-row tile where it
+  // the 128-row one up to 48 expected rows and under every 160-row pick (for
+  // skewed routing's small experts); the 160-row tile where it
   // expects fewer units by more than its 1.14x cost per unit (117-168 and
   // 247-326 rows; GLM-4.5's 205, two units either way, stays on m128); from
   // ~384 rows the 256-row tile.
@@ -268,8 +269,8 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
     int light_block_m;  // the row class's, 0: none
   };
   for (const Classes& c : std::vector<Classes>{
-           {8, 128, 16}, {16, 128, 32}, {24, 128, 48}, {32, 128, 48}, {64, 128, 0}, {116, 128, 0}, {117, 160, 0},
-           {128, 160, 0}, {168, 160, 0}, {169, 128, 0}, {205, 128, 0}, {256, 160, 0}, {512, 256, 0}}) {
+           {8, 128, 16}, {16, 128, 32}, {24, 128, 48}, {32, 128, 48}, {64, 128, 0}, {116, 128, 0}, {117, 160, 48},
+           {128, 160, 48}, {168, 160, 48}, {169, 128, 0}, {205, 128, 0}, {256, 160, 48}, {512, 256, 0}}) {
     GemmProblem q = prefill;
     q.expected_active_experts = 256;
     q.num_rows = c.rows_per_expert * 256;
