@@ -187,12 +187,20 @@ LayerTimer::~LayerTimer() {
   }
 }
 
-int64_t LayerTimer::active_experts(int64_t tokens) const {
+LayerTimer::ExpertLoad LayerTimer::expert_load(int64_t tokens) const {
   const Routing routing =
       route(host_logits_.data(), tokens, layer_.num_experts(), host_bias_.data(), layer_.options().routing);
-  std::vector<char> used(static_cast<size_t>(layer_.num_experts()), 0);
-  for (int32_t e : routing.topk_ids) used[static_cast<size_t>(e)] = 1;
-  return std::count(used.begin(), used.end(), 1);
+  std::vector<int64_t> rows(static_cast<size_t>(layer_.num_experts()), 0);
+  for (int32_t e : routing.topk_ids) ++rows[static_cast<size_t>(e)];
+  std::erase(rows, 0);
+  std::sort(rows.begin(), rows.end());
+  ExpertLoad load;
+  load.active = static_cast<int64_t>(rows.size());
+  if (!rows.empty()) {
+    load.max_rows = rows.back();
+    load.median_rows = rows[rows.size() / 2];
+  }
+  return load;
 }
 
 MoeForwardArgs LayerTimer::args(int64_t tokens) const {
@@ -339,8 +347,8 @@ LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t
                                bool with_graph, const Ceilings& ceilings, const L2Flusher& flusher) {
   LayerMeasurement m;
   m.tokens = tokens;
-  m.roofline = layer_roofline(layer.hidden(), layer.inter(), tokens * layer.top_k(), timer.active_experts(tokens),
-                              ceilings);
+  m.expert_load = timer.expert_load(tokens);
+  m.roofline = layer_roofline(layer.hidden(), layer.inter(), tokens * layer.top_k(), m.expert_load.active, ceilings);
   m.time_us = timer.time_forward_us(tokens, iterations, flusher);
   m.stages = timer.time_stages(tokens, iterations, flusher);
   if (with_graph) {
@@ -459,6 +467,8 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"tokens", tokens},
                            {"rows", m.roofline.rows},
                            {"active_experts", m.roofline.active_experts},
+                           {"expert_rows_max", m.expert_load.max_rows},
+                           {"expert_rows_median", m.expert_load.median_rows},
                            {"variant", variant_name(options, variant.gather)},
                            {"finalize", to_string(options.finalize)},
                            {"gather", to_string(variant.gather)},

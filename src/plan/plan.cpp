@@ -536,7 +536,7 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   // 160-row tile is picked at 117+ expected rows, where a uniformly routed
   // batch leaves no expert with 48 rows or fewer (the m48 launch finds no
   // unit: 0.3 % of the GEMM), while skewed routing leaves many (the layer
-  // bench at T = 4096: half of the active experts) that m160 runs one block
+  // bench at T = 4096: 75 of its 205 active experts) that m160 runs one block
   // per SM at a narrow width: the layer 1.02-1.08x ("The epilogue at large
   // token counts"). Not under a 128-row pick above 48 expected rows: a second
   // launch for the few small experts there cost Qwen3-30B's short GEMMs 10 %.
