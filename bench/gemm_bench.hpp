@@ -7,7 +7,9 @@
 //   t_roof = max(bytes / BW, flops / P), efficiency = t_roof / t_measured,
 // with BW a device-to-device copy rate and P a cuBLAS bf16 8192^3 GEMM rate
 // measured at start-up. L2 is flushed before every timed launch; times are
-// medians of CUDA-event-timed launches. One JSON line per case.
+// medians of CUDA-event-timed launches. One JSON line per case. Peers timed
+// the same way: cuBLAS, the other kernel family's own choice and, at
+// memory-bound points, a streaming read of the same bytes.
 // Run through `fp4moe bench`.
 //
 // The measurement pieces (ceilings, roofline, L2 flush, event timing, device
