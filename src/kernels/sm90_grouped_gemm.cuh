@@ -149,29 +149,37 @@ __device__ __forceinline__ uint32_t act_chunk_offset(int r, int c) {
 // then costs the tensor cores what its rows need, not BLOCK_M columns, and
 // the producer copies only those rows. Both the producer's copy loop and the
 // consumers' mainloop are compiled once per width (with_mma_width).
+// EXTRA (sm90_mma_extra_width), when not 0, is one more width between the
+// last two steps.
 // NOTE: m256 has one width: with 128 accumulators per thread a second
 // mainloop copy made ptxas spill in the SwiGLU kernel, and three or four
 // serialised its wgmmas for lack of registers (C7512).
-template <int BLOCK_M, int STEP>
+template <int BLOCK_M, int STEP, int EXTRA = 0>
 __host__ __device__ constexpr int mma_width(int rows_valid) {
   const int steps = rows_valid <= STEP ? 1 : (rows_valid + STEP - 1) / STEP;
-  return steps * STEP < BLOCK_M ? steps * STEP : BLOCK_M;
+  const int width = steps * STEP < BLOCK_M ? steps * STEP : BLOCK_M;
+  return EXTRA != 0 && rows_valid <= EXTRA && width > EXTRA ? EXTRA : width;
 }
 
 static_assert(mma_width<128, 32>(1) == 32 && mma_width<128, 32>(33) == 64 && mma_width<128, 32>(97) == 128 &&
               mma_width<256, 256>(100) == 256 && mma_width<16, 8>(9) == 16 && mma_width<8, 8>(0) == 8 &&
               mma_width<64, 16>(64) == 64 && mma_width<32, 16>(17) == 32 && mma_width<160, 40>(129) == 160 &&
-              mma_width<160, 40>(128) == 160 && mma_width<160, 40>(120) == 120);
+              mma_width<160, 40>(128) == 160 && mma_width<160, 40>(120) == 120 &&
+              mma_width<160, 40, 144>(121) == 144 && mma_width<160, 40, 144>(144) == 144 &&
+              mma_width<160, 40, 144>(145) == 160 && mma_width<160, 40, 144>(120) == 120);
 
 // Calls f(std::integral_constant<int, width>{}); width is one of
-// mma_width<BLOCK_M, STEP>'s values.
-template <int BLOCK_M, int STEP, int W = STEP, class F>
+// mma_width<BLOCK_M, STEP, EXTRA>'s values.
+template <int BLOCK_M, int STEP, int EXTRA = 0, int W = STEP, class F>
 __device__ __forceinline__ void with_mma_width(int width, F&& f) {
-  if constexpr (W >= BLOCK_M) {
+  if constexpr (EXTRA != 0) {
+    if (width == EXTRA) return f(std::integral_constant<int, EXTRA>{});
+    with_mma_width<BLOCK_M, STEP>(width, static_cast<F&&>(f));
+  } else if constexpr (W >= BLOCK_M) {
     f(std::integral_constant<int, BLOCK_M>{});
   } else {
     if (width == W) return f(std::integral_constant<int, W>{});
-    with_mma_width<BLOCK_M, STEP, W + STEP>(width, static_cast<F&&>(f));
+    with_mma_width<BLOCK_M, STEP, 0, W + STEP>(width, static_cast<F&&>(f));
   }
 }
 
@@ -225,6 +233,7 @@ __global__ void __launch_bounds__(kSm90Threads)
   constexpr int NACC = BLOCK_M / 2;              // fp32 accumulators per consumer thread
   constexpr int CHUNK = L.chunk_tokens;          // tokens per epilogue round
   constexpr int STEP = sm90_mma_width_step(BLOCK_M, L.blocks_per_sm);  // wgmma widths: multiples of it
+  constexpr int EXTRA = sm90_mma_extra_width(BLOCK_M, L.blocks_per_sm);  // and this one (0: none)
   // Activations by tensor map (TMA): only tiles from kSm90TensorMapMinBlockM
   // rows are compiled for it; the host sets x_map_valid only for them.
   constexpr bool TMA_TILE = BLOCK_M >= kSm90TensorMapMinBlockM;
@@ -577,7 +586,8 @@ __global__ void __launch_bounds__(kSm90Threads)
       // group per iteration the next one would overwrite the A operand of the
       // group still in flight (seen as wrong results with BLOCK_K = 64).
       constexpr int STAGES_PER_ITER = K_FRAGS % 2 == 0 ? 1 : 2;
-      sm90::with_mma_width<BLOCK_M, STEP>(sm90::mma_width<BLOCK_M, STEP>(u.rows_valid), [&](auto width) {
+      // The producer copied mma_width<BLOCK_M, STEP> rows, at least as many.
+      sm90::with_mma_width<BLOCK_M, STEP, EXTRA>(sm90::mma_width<BLOCK_M, STEP, EXTRA>(u.rows_valid), [&](auto width) {
         int it = 0;
         for (; it + STAGES_PER_ITER <= u.num_k_tiles; it += STAGES_PER_ITER) {
 #pragma unroll

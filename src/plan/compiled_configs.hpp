@@ -44,7 +44,7 @@
 // for 32-48 rows"): the planner does not take them (nor the one-block m64),
 // the tuner may. sm90n128m128k64s3w12 fits the 101,376-byte budget of
 // SM120/SM86-class parts (fp4moe plan --arch sm120), as do the m48 and
-// two-block m64 tiles. m160 (widths in steps of 40) holds an expert of
+// two-block m64 tiles. m160 (widths 40, 80, 120, 144, 160) holds an expert of
 // 129-160 rows in one unit where m128 adds a second, mostly empty one that
 // reads and dequantises the whole weight tile again (half of DeepSeek-V3's
 // experts at T = 4096 under uniform routing); the planner takes it from

@@ -173,6 +173,16 @@ constexpr int sm90_mma_width_step(int block_m, int blocks_per_sm) {
   return block_m == 256 ? 256 : block_m >= 32 ? block_m / 4 : 8;
 }
 
+// One more wgmma width between the tile's last two steps, or 0: 144 for the
+// one-block m160, whose units at T = 4096 hold experts of 128 +- 11 rows under
+// uniform routing (121-144 rows ran at 160 columns; with 144 the units'
+// columns hold 0.92 rather than 0.85 rows). The producer still copies whole
+// steps (160 rows for such a unit). A sixth mainloop copy (steps of 16 from
+// 80) made ptxas serialise the wgmmas (C7512), as did ten.
+constexpr int sm90_mma_extra_width(int block_m, int blocks_per_sm) {
+  return blocks_per_sm == 1 && block_m == 160 ? 144 : 0;
+}
+
 // Token tiles from which the producer copies contiguous activations with
 // tensor maps (TMA) rather than cp.async: measured 1.06-1.48x as fast for
 // m128 and m256 tiles, 0.82-1.04x for m8 ... m64, whose boxes of 8 or 16

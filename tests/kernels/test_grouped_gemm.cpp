@@ -1,6 +1,6 @@
 // GPU tests of the portable grouped GEMM against a double-precision CPU
 // reference: enumerated expert counts, rows per expert (0, 1, 7, 8, 9, 31, 64,
-// 100), N and K at alignment edges, every compiled config forced, split-K,
+// 100, 120, 130, 150), N and K at alignment edges, every compiled config forced, split-K,
 // every fp4 code x every block scale, the W4A4 SwiGLU epilogue against the
 // CPU activation quantiser, graph capture, device-side offset checks, and the
 // shared-memory model against the compiled kernels.
@@ -185,6 +185,7 @@ const std::vector<GemmCase>& enumerated_cases() {
       {48, 1072, {2, 65, 1}},              // k = 4 * 256 + 48
       {1040, 64, {33, 1, 17, 0, 0, 40}},   // n = 8 * 128 + 16
       {384, 2048, {1, 1, 1, 1, 1, 1, 1, 1}},
+      {256, 512, {120, 130, 0, 150}},      // m160: 121-144 rows at 144 columns, 160 rows copied
   };
   return cases;
 }
