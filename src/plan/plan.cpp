@@ -353,9 +353,22 @@ double expected_m_tiles(double rows, int block_m) {
 // rows (from 384 the 256-row tile takes over). On the measured shapes of
 // 85-256 rows its pick is the faster tile or within 4 % of it, but for Kimi
 // K2 at 171 rows (m160 1.04x / 1.06x faster, predicted 0.97x).
+constexpr double kM160UnitCost = 1.14;  // an m160 unit's time over an m128 unit's
 bool sm90_m160_saves_units(double rows) {
-  constexpr double kM160UnitCost = 1.14;  // an m160 unit's time over an m128 unit's
   return kM160UnitCost * expected_m_tiles(rows, 160) < expected_m_tiles(rows, 128);
+}
+
+// Whether the 160-row tile beats the 256-row one from ~384 rows per expert:
+// its expected units cost 5 % less, an m256 unit taking 1.6x an m160 unit's
+// time (H100, both tiles forced at T = 16384 on GLM-4.5, Qwen3-235B,
+// Qwen3-30B and gpt-oss: 1.50-1.71x, docs/perf-notes.md "The large tiles
+// forced"). m256 has one wgmma width, so an expert's last, partly filled
+// unit costs a whole one: GLM-4.5 at 819 rows runs 4 units of m256 (the
+// last at 51 rows) or 6 of m160 (the last at 19, 40 columns wide). Where
+// the rows nearly fill 256-row units (512 and 1024 rows) m256 stays.
+bool sm90_m160_beats_m256(double rows) {
+  constexpr double kM256UnitCost = 1.6 * kM160UnitCost;
+  return kM160UnitCost * expected_m_tiles(rows, 160) < 0.95 * kM256UnitCost * expected_m_tiles(rows, 256);
 }
 
 }  // namespace
@@ -481,16 +494,17 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   // it takes the 256-row tile: measured best by `fp4moe tune` over the eight
   // README shapes (docs/perf-notes.md, the autotuner). Between, the 160-row
   // tile where it needs fewer units than m128 by more than its unit costs
-  // over m128's (sm90_m160_saves_units). Below the 256-row tile the row
+  // over m128's (sm90_m160_saves_units), and above it where its units cost
+  // less than m256's (sm90_m160_beats_m256). Below the 256-row tile the row
   // classes after this add the 128-row tile for the experts the pick cannot
   // hold.
   double target = rows_per_expert;
   if (fitting.front().family == KernelFamily::kSm90) {
+    const bool m160 = std::any_of(fitting.begin(), fitting.end(), [](const TileConfig& c) { return c.block_m == 160; });
     if (rows_per_expert >= 384) {
-      target = rows_per_expert + std::sqrt(rows_per_expert);
+      target = m160 && sm90_m160_beats_m256(rows_per_expert) ? 160 : rows_per_expert + std::sqrt(rows_per_expert);
     } else {
       target = rows_per_expert + 2 * std::sqrt(rows_per_expert);
-      const bool m160 = std::any_of(fitting.begin(), fitting.end(), [](const TileConfig& c) { return c.block_m == 160; });
       if (target > 32) target = m160 && sm90_m160_saves_units(rows_per_expert) ? 160 : 128;
     }
   }

@@ -262,7 +262,9 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
   // skewed routing's small experts); the 160-row tile where it
   // expects fewer units by more than its 1.14x cost per unit (117-168 and
   // 247-326 rows; GLM-4.5's 205, two units either way, stays on m128); from
-  // ~384 rows the 256-row tile.
+  // ~384 rows the 256-row tile, but the 160-row one where m256's last,
+  // partly filled unit makes its units cost more (GLM-4.5 at 410 and 819
+  // rows; not at 512 or 1024, which fill 256-row units).
   struct Classes {
     int64_t rows_per_expert;
     int block_m;        // the main config's
@@ -270,7 +272,8 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
   };
   for (const Classes& c : std::vector<Classes>{
            {8, 128, 16}, {16, 128, 32}, {24, 128, 48}, {32, 128, 48}, {64, 128, 0}, {116, 128, 0}, {117, 160, 48},
-           {128, 160, 48}, {168, 160, 48}, {169, 128, 0}, {205, 128, 0}, {256, 160, 48}, {512, 256, 0}}) {
+           {128, 160, 48}, {168, 160, 48}, {169, 128, 0}, {205, 128, 0}, {256, 160, 48}, {410, 160, 48}, {512, 256, 0},
+           {819, 160, 48}, {1024, 256, 0}, {4096, 256, 0}}) {
     GemmProblem q = prefill;
     q.expected_active_experts = 256;
     q.num_rows = c.rows_per_expert * 256;
