@@ -423,9 +423,13 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
         // Peer at memory-bound points: a plain streaming read of the same bytes
         // from DRAM (stream_read), timed the same way. At a few megabytes even
         // that read stays below the roofline (launch and ramp-up do not shrink
-        // with the bytes).
+        // with the bytes). Left out (0) where its buffer would not leave 1 GiB
+        // of the device free.
         double read_us = 0;
-        if (cost.bytes / ceil.copy_bytes_per_s >= cost.flops / ceil.bf16_flops_per_s) {
+        size_t free_bytes = 0, total_bytes = 0;
+        FP4MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+        if (cost.bytes / ceil.copy_bytes_per_s >= cost.flops / ceil.bf16_flops_per_s &&
+            bytes + static_cast<double>(size_t{1} << 30) < static_cast<double>(free_bytes)) {
           DeviceBuffer<uint8_t> src(static_cast<size_t>(bytes) / 16 * 16);
           src.fill_bytes(0);
           read_us = time_median_us(
