@@ -431,9 +431,10 @@ __global__ void __launch_bounds__(kSm90Threads)
         // The previous unit's copies are issued.
         ptx::named_barrier_sync(sm90::kBarProducer, sm90::kGatherThreads);
         // Element offsets in x of the unit's token rows (-1: past the expert's
-        // rows, zero-filled). NOTE: the row is gtid, spelt from %laneid: &s_src_rows[gtid] from
-        // threadIdx.x is an address the schedule computed before the register
-        // reallocation, which ptxas reused across it, spilling it.
+        // rows, zero-filled). NOTE: the row is gtid, spelt from %laneid:
+        // &s_src_rows[gtid] from threadIdx.x is an address the schedule
+        // computed before the register reallocation, which ptxas reused
+        // across it, spilling it.
         for (int r = (gtid / 32) * 32 + sm90::lane_index(); r < BLOCK_M; r += sm90::kGatherThreads) {
           int64_t offset = -1;
           if (r < u.rows_valid) {

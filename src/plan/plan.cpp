@@ -351,8 +351,9 @@ double expected_m_tiles(double rows, int block_m) {
 // "The m128 producer and an m160 tile"): GLM-4.5 at 205 rows, two units on
 // either tile, ran 0.86x on m160. The rule picks m160 at 117-168 and 247-326
 // rows (from 384 the 256-row tile, or m160 by sm90_m160_beats_m256). On the
-// measured shapes of 85-256 rows its pick is the faster tile or within 4 % of it, but for Kimi
-// K2 at 171 rows (m160 1.04x / 1.06x faster, predicted 0.97x).
+// measured shapes of 85-256 rows its pick is the faster tile or within 4 % of
+// it, but for Kimi K2 at 171 rows (m160 1.04x / 1.06x faster, predicted
+// 0.97x).
 constexpr double kM160UnitCost = 1.14;  // an m160 unit's time over an m128 unit's
 bool sm90_m160_saves_units(double rows) {
   return kM160UnitCost * expected_m_tiles(rows, 160) < expected_m_tiles(rows, 128);
