@@ -23,8 +23,8 @@
 // Limits, refused with fp4moe::Error before anything is allocated or
 // launched: hidden <= 2^31 - 256, inter <= 2^30 - 128 and 2 inter hidden <
 // 2^40 (the grouped GEMM's 32-bit indexing); num_tokens * top_k < 2^31
-// (plan, workspace_bytes, forward); a forward of more tokens than its
-// workspace was sized for. Plans are cached per token count, at most
+// (plan, workspace_bytes, forward); a forward whose token count needs more
+// workspace than it is given (see workspace_bytes). Plans are cached per token count, at most
 // plan_cache_capacity() of them (least recently used dropped first). Each
 // GEMM's plan is a forced config, else the tune cache's choice for this GPU
 // (`fp4moe tune`; MoeLayerOptions::use_tune_cache), else the planner's
@@ -236,6 +236,17 @@ class MoeLayer {
 
   // Workspace for any forward of up to max_tokens tokens. Allocate it once,
   // zero it once (cudaMemset); forwards leave it ready for the next one.
+  //
+  // The contract: a workspace of workspace_bytes(N) bytes serves every
+  // forward of 1 .. N tokens. Each forward computes the bytes its own token
+  // count needs (its plan's scratch) and is refused with fp4moe::Error,
+  // naming both figures, before anything is launched when the workspace is
+  // smaller; no forward touches memory past the bytes it is given. A count
+  // above N may still fit (the split-K partials of small counts can make
+  // workspace_bytes(N) larger than a larger count needs) and then runs
+  // correctly: the byte count is what is checked, not N, which the layer
+  // cannot know. Callers that must refuse every count above their maximum
+  // (the Python MoeLayer's max_tokens) check it themselves.
   size_t workspace_bytes(int64_t max_tokens) const;
 
   // output: bf16 [num_tokens, hidden], 16-byte aligned. Validates every

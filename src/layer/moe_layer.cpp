@@ -423,6 +423,13 @@ struct MoeLayer::Impl {
            workspace_bytes >= scratch(num_tokens, p, true).end;
   }
 
+  // The fewest workspace bytes a forward of num_tokens with plan `p` runs
+  // in: kAuto's separate gather is left out where it is optional.
+  size_t min_forward_bytes(int64_t num_tokens, const MoeLayerPlan& p) const {
+    const bool required = wants_separate_gather(p) && (fp4_activations || gather == GatherMode::kSeparate);
+    return scratch(num_tokens, p, required).end;
+  }
+
   ScratchLayout scratch(int64_t num_tokens, const MoeLayerPlan& p, bool separate_gather) const {
     const size_t pairs = static_cast<size_t>(num_tokens * rows_per_token());
     ScratchLayout s;
@@ -494,6 +501,11 @@ bool auto_gather_is_separate(const TileConfig& gemm1) {
 bool MoeLayerInternals::separate_gather(const MoeLayer& layer, int64_t num_tokens, size_t workspace_bytes) {
   const MoeLayer::Impl& m = *layer.impl_;
   return m.separate_gather(num_tokens, *m.plan(num_tokens), workspace_bytes);
+}
+
+size_t MoeLayerInternals::min_forward_bytes(const MoeLayer& layer, int64_t num_tokens) {
+  const MoeLayer::Impl& m = *layer.impl_;
+  return m.min_forward_bytes(num_tokens, *m.plan(num_tokens));
 }
 
 MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOptions& options,

@@ -38,6 +38,9 @@ class MoeLayerInternals {
   // Whether a forward of num_tokens with a workspace of workspace_bytes runs
   // the separate gather pass.
   static bool separate_gather(const MoeLayer& layer, int64_t num_tokens, size_t workspace_bytes);
+  // The fewest workspace bytes a forward of num_tokens runs in: a forward
+  // is refused exactly when it is given fewer.
+  static size_t min_forward_bytes(const MoeLayer& layer, int64_t num_tokens);
 };
 
 }  // namespace fp4moe

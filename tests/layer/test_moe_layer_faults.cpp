@@ -4,8 +4,8 @@
 //     reference does, and device_errors() reports them (docs/design.md §3);
 //   - non-finite hidden states reach only their own token's output;
 //   - token counts at and past 2^31 / top_k refused by plan, workspace_bytes
-//     and forward before anything is allocated or launched, and a forward of
-//     more tokens than the workspace was sized for;
+//     and forward before anything is allocated or launched; the workspace
+//     contract (every count whose needs fit runs, one byte short is refused);
 //   - the bounded plan cache;
 //   - the device prepare() ran on is recorded, and a forward on another
 //     device is refused (needs two GPUs; skipped, visibly, with one);
@@ -28,6 +28,7 @@
 #include "fp4moe/error.hpp"
 #include "fp4moe/moe_layer.hpp"
 #include "gpu_test_util.hpp"
+#include "layer/moe_layer_internals.hpp"
 #include "util/parallel.hpp"
 
 namespace fp4moe {
@@ -237,37 +238,91 @@ TEST(MoeLayerLimits, TokenCountsPast2To31AreRefusedBeforeAllocating) {
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
-TEST(MoeLayerLimits, MoreTokensThanTheWorkspaceWasSizedFor) {
+// The workspace contract (include/fp4moe/moe_layer.hpp, workspace_bytes): a
+// workspace of workspace_bytes(N) serves every count up to N; any forward
+// runs exactly when the bytes its own count needs fit, and is refused before
+// anything is launched otherwise. Fails if the layer starts refusing counts
+// that fit (a contract of "at most N tokens" would need a different test and
+// different documentation) or runs a count that does not fit.
+TEST(MoeLayerLimits, AWorkspaceServesExactlyTheCountsWhoseNeedsFit) {
   FP4MOE_REQUIRE_GPU();
   const Shape s;
   const MoeLayer layer = MoeLayer::prepare(make_weights(s, 6), softmax_options(s.top_k));
   const int64_t max_tokens = 64;
   DeviceBuffer<uint8_t> ws = make_workspace(layer, max_tokens);
+  for (int64_t t = 1; t <= max_tokens; ++t)
+    ASSERT_LE(MoeLayerInternals::min_forward_bytes(layer, t), ws.bytes()) << t << " tokens";
+
+  const int64_t largest = 4096;
   std::mt19937 rng(7);
-  const int64_t T = 4 * max_tokens;
-  const DeviceBuffer<uint16_t> hidden(testing::random_bf16(static_cast<size_t>(T * s.hidden), rng));
-  std::vector<float> logits(static_cast<size_t>(T * s.num_experts));
+  const DeviceBuffer<uint16_t> hidden(testing::random_bf16(static_cast<size_t>(largest * s.hidden), rng));
+  std::vector<float> logits(static_cast<size_t>(largest * s.num_experts));
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (float& v : logits) v = normal(rng);
   const DeviceBuffer<float> d_logits(logits);
-  DeviceBuffer<uint16_t> out(static_cast<size_t>(T * s.hidden));
-  out.fill_bytes(0xFF);
-  FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
   MoeForwardArgs a;
   a.hidden_states = hidden.get();
   a.router_logits = d_logits.get();
-  for (const int64_t too_many : {max_tokens + 1, T}) {
-    a.num_tokens = too_many;
-    EXPECT_THAT(error_of([&] { layer.forward(a, out.get(), ws.get(), ws.bytes(), nullptr); }),
-                AllOf(HasSubstr("workspace of"), HasSubstr("allocate workspace_bytes(max_tokens)")));
+  // One forward into a poisoned output: whether it was refused, and whether
+  // every output element was written.
+  struct Outcome {
+    bool refused;
+    bool all_written;
+    bool none_written;
+    std::string error;
+  };
+  const auto forward = [&](int64_t T, const DeviceBuffer<uint8_t>& w, size_t given_bytes) {
+    DeviceBuffer<uint16_t> out(static_cast<size_t>(T * s.hidden));
+    out.fill_bytes(0xFF);
+    FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    a.num_tokens = T;
+    Outcome o{};
+    try {
+      layer.forward(a, out.get(), w.get(), given_bytes, nullptr);
+    } catch (const Error& e) {
+      o.refused = true;
+      o.error = e.message();
+    }
+    FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> bits = out.download();
+    o.all_written = std::none_of(bits.begin(), bits.end(), [](uint16_t v) { return v == kPoisonBf16; });
+    o.none_written = std::all_of(bits.begin(), bits.end(), [](uint16_t v) { return v == kPoisonBf16; });
+    return o;
+  };
+
+  for (const int64_t T : {int64_t{1}, int64_t{37}, max_tokens, max_tokens + 1, int64_t{256}, largest}) {
+    SCOPED_TRACE(std::to_string(T) + " tokens into workspace_bytes(" + std::to_string(max_tokens) + ")");
+    const bool fits = MoeLayerInternals::min_forward_bytes(layer, T) <= ws.bytes();
+    if (T <= max_tokens) EXPECT_TRUE(fits);
+    if (T == largest) ASSERT_FALSE(fits) << "the test needs a count that does not fit";
+    const Outcome o = forward(T, ws, ws.bytes());
+    EXPECT_EQ(o.refused, !fits) << o.error;
+    if (fits) {
+      EXPECT_TRUE(o.all_written);
+    } else {
+      EXPECT_THAT(o.error, AllOf(HasSubstr("workspace of " + std::to_string(ws.bytes()) + " B"),
+                                 HasSubstr(std::to_string(T) + " tokens need"),
+                                 HasSubstr("allocate workspace_bytes(max_tokens)")));
+      EXPECT_TRUE(o.none_written) << "a refused forward launched something";
+    }
   }
-  // Nothing was launched: the output is still poisoned; then the maximum works.
-  const std::vector<uint16_t> untouched = out.download();
-  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](uint16_t v) { return v == kPoisonBf16; }));
-  a.num_tokens = max_tokens;
-  const std::vector<uint16_t> bits = run_forward(layer, a, ws);
-  EXPECT_TRUE(std::none_of(bits.begin(), bits.end(), [](uint16_t v) { return v == kPoisonBf16; }));
   EXPECT_EQ(layer.device_errors(ws.get(), nullptr), "");
+
+  // A workspace one byte short of what 256 tokens need is refused before any
+  // launch; the exact size runs. The buffer is the exact size, so a forward
+  // that wrote past what it was given would also show under memcheck.
+  const size_t need = MoeLayerInternals::min_forward_bytes(layer, 256);
+  DeviceBuffer<uint8_t> exact(need);
+  exact.fill_bytes(0);
+  const Outcome short_one = forward(256, exact, need - 1);
+  EXPECT_TRUE(short_one.refused);
+  EXPECT_THAT(short_one.error, AllOf(HasSubstr("workspace of " + std::to_string(need - 1) + " B"),
+                                     HasSubstr("256 tokens need " + std::to_string(need) + " B")));
+  EXPECT_TRUE(short_one.none_written) << "a refused forward launched something";
+  const Outcome enough = forward(256, exact, need);
+  EXPECT_FALSE(enough.refused) << enough.error;
+  EXPECT_TRUE(enough.all_written);
+  EXPECT_EQ(layer.device_errors(exact.get(), nullptr), "");
 }
 
 // Every token count planned once: the cache stays within its bound, and
