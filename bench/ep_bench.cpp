@@ -99,13 +99,13 @@ void run_ep_bench(const EpBenchOptions& opt, std::ostream& table, std::ostream* 
   const int64_t max_tokens = *std::max_element(opt.tokens.begin(), opt.tokens.end());
   char line[640];
   std::snprintf(line, sizeof line,
-                "# %s x %d, %s: copy %.2f TB/s, cuBLAS bf16 %.0f TFLOP/s (GPU 0); NCCL all-to-all %.1f GB/s "
+                "# %s x %d, %s: %s (GPU 0); NCCL all-to-all %.1f GB/s "
                 "sent per rank (64 MiB per peer)\n"
                 "# expert parallel layer, experts placed contiguously, tokens split in order, routing on each "
                 "rank's device; L2 flushed before each forward; medians of %d per rank, the slowest rank shown; "
                 "ms; roof/P = the one-GPU layer roofline spread over P GPUs; 1gpu = the single-GPU layer, same "
                 "tokens\n",
-                gpu.c_str(), P, date.c_str(), ceil.copy_bytes_per_s / 1e12, ceil.bf16_flops_per_s / 1e12, a2a_gbps,
+                gpu.c_str(), P, date.c_str(), ceil.describe().c_str(), a2a_gbps,
                 opt.iterations);
   table << line
         << "model          P      T   total   route dispatch experts  return combine  a2a%  MB/rank  a2a GB/s  "
@@ -114,6 +114,8 @@ void run_ep_bench(const EpBenchOptions& opt, std::ostream& table, std::ostream* 
   if (json) {
     const nlohmann::json j{{"kind", "ceilings"}, {"gpu", gpu}, {"date", date}, {"num_ranks", P},
                            {"copy_tbps", ceil.copy_bytes_per_s / 1e12},
+                           {"read_tbps", ceil.read_bytes_per_s / 1e12},
+                           {"memory_tbps", ceil.memory_bytes_per_s() / 1e12},
                            {"bf16_tflops", ceil.bf16_flops_per_s / 1e12}, {"all_to_all_gbps", a2a_gbps}};
     *json << j.dump() << std::endl;
   }
@@ -207,7 +209,7 @@ void run_ep_bench(const EpBenchOptions& opt, std::ostream& table, std::ostream* 
         bytes = std::max(bytes, bytes_moved(rr.stats, shape.hidden, k));
         nonfinite += rr.nonfinite_outputs;
       }
-      const LayerRoofline roof = layer_roofline(shape.hidden, shape.inter, t * k, active[t], ceil);
+      const LayerRoofline roof = layer_roofline(shape.hidden, shape.inter, t, t * k, active[t], ceil);
       const double roof_per_rank_ms = roof.roof_us / 1e3 / P;
       std::snprintf(line, sizeof line,
                     "%-13s %2d %6lld %7.3f %7.3f %8.3f %7.3f %7.3f %7.3f %4.0f%% %8.2f %9.1f %7.3f %5.2f %7.3f\n",

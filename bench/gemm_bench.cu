@@ -245,6 +245,17 @@ Ceilings measure_ceilings(const L2Flusher& flusher) {
       [&] { FP4MOE_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), copy_bytes, cudaMemcpyDeviceToDevice)); }, 10,
       flusher);
   c.copy_bytes_per_s = 2.0 * copy_bytes / (copy_us * 1e-6);  // read + write
+  int device = 0, num_sms = 0;
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
+  FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  const double read_us = time_median_us(
+      [&] {
+        stream_read<<<8 * num_sms, 256>>>(reinterpret_cast<const uint4*>(a.get()), copy_bytes / 16,
+                                          reinterpret_cast<uint32_t*>(b.get()));
+        FP4MOE_CHECK_LAUNCH();
+      },
+      10, flusher);
+  c.read_bytes_per_s = copy_bytes / (read_us * 1e-6);
 
   cublasHandle_t cublas;
   BENCH_CUBLAS_CHECK(cublasCreate(&cublas));
@@ -280,7 +291,15 @@ GemmCost grouped_gemm_cost(int64_t active_experts, int64_t rows, int64_t n, int6
 }
 
 double roofline_us(const GemmCost& cost, const Ceilings& ceilings) {
-  return std::max(cost.bytes / ceilings.copy_bytes_per_s, cost.flops / ceilings.bf16_flops_per_s) * 1e6;
+  return std::max(cost.bytes / ceilings.memory_bytes_per_s(), cost.flops / ceilings.bf16_flops_per_s) * 1e6;
+}
+
+std::string Ceilings::describe() const {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "memory %.2f TB/s (copy %.2f, read %.2f), cuBLAS bf16 %.0f TFLOP/s (8192^3)",
+                memory_bytes_per_s() / 1e12, copy_bytes_per_s / 1e12, read_bytes_per_s / 1e12,
+                bf16_flops_per_s / 1e12);
+  return buf;
 }
 
 void fill_random_bytes(uint8_t* dst, size_t count, uint64_t seed, cudaStream_t stream) {
@@ -321,9 +340,7 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
   const Ceilings ceil = measure_ceilings(flusher);
   const std::string gpu = gpu_name();
   const std::string date = today();
-  table << "# " << gpu << ", " << date << ": copy " << std::fixed << std::setprecision(2)
-        << ceil.copy_bytes_per_s / 1e12 << " TB/s, cuBLAS bf16 " << std::setprecision(0)
-        << ceil.bf16_flops_per_s / 1e12 << " TFLOP/s (8192^3)\n";
+  table << "# " << gpu << ", " << date << ": " << ceil.describe() << "\n";
   table << "model         gemm      T    rows act     N     K config                   sk   time_us   TB/s  TFLOP/s  eff   "
            "cublas_us cub_eff  speedup rel_err  other family              other_us other_eff  read_us read_eff\n";
   int num_sms = 0, device = 0;
@@ -335,7 +352,8 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
   const int compute_capability = cc_major * 10 + cc_minor;
   if (json) {
     nlohmann::json j{{"kind", "ceilings"}, {"gpu", gpu}, {"date", date},
-                     {"copy_tbps", ceil.copy_bytes_per_s / 1e12}, {"bf16_tflops", ceil.bf16_flops_per_s / 1e12}};
+                     {"copy_tbps", ceil.copy_bytes_per_s / 1e12}, {"read_tbps", ceil.read_bytes_per_s / 1e12},
+                     {"memory_tbps", ceil.memory_bytes_per_s() / 1e12}, {"bf16_tflops", ceil.bf16_flops_per_s / 1e12}};
     *json << j.dump() << std::endl;
   }
   std::mt19937_64 rng(opt.seed);
@@ -428,7 +446,7 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
         double read_us = 0;
         size_t free_bytes = 0, total_bytes = 0;
         FP4MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-        if (cost.bytes / ceil.copy_bytes_per_s >= cost.flops / ceil.bf16_flops_per_s &&
+        if (cost.bytes / ceil.memory_bytes_per_s() >= cost.flops / ceil.bf16_flops_per_s &&
             bytes + static_cast<double>(size_t{1} << 30) < static_cast<double>(free_bytes)) {
           DeviceBuffer<uint8_t> src(static_cast<size_t>(bytes) / 16 * 16);
           src.fill_bytes(0);
@@ -444,6 +462,7 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
         double cublas_us = 0, rel_err = -1;
         if (opt.with_cublas) {
           DeviceBuffer<__nv_bfloat16> y_ref(static_cast<size_t>(rows * n));
+          y_ref.fill_bytes(0xFF);  // NaN: an element cuBLAS never wrote fails the cross-check
           std::vector<cublasOperation_t> ta, tb;
           std::vector<int> m_arr, n_arr, k_arr, lda, ldb, ldc, group_size;
           std::vector<float> alpha, beta;
@@ -480,12 +499,22 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
           // Cross-check: both compute X . W^T from the same weights.
           const std::vector<__nv_bfloat16> ours = y.download(), theirs = y_ref.download();
           double num = 0, den = 0;
+          int64_t nonfinite = 0;
           for (size_t i = 0; i < ours.size(); ++i) {
             const double a = __bfloat162float(ours[i]), b = __bfloat162float(theirs[i]);
+            if (!std::isfinite(a) || !std::isfinite(b)) {
+              ++nonfinite;
+              continue;
+            }
             num += (a - b) * (a - b);
             den += b * b;
           }
-          rel_err = den > 0 ? std::sqrt(num / den) : 0.0;
+          // Random inputs never give an all-zero product: a zero norm means
+          // an output nobody wrote, and 0 would read as a perfect match.
+          FP4MOE_CHECK(nonfinite == 0 && den > 0, "cross-check against cuBLAS (", model.name, " GEMM", gemm,
+                       ", T = ", tokens, "): ", nonfinite, " non-finite or unwritten elements, cuBLAS output norm ",
+                       std::sqrt(den));
+          rel_err = std::sqrt(num / den);
         }
         const double eff = roof_us / t_us;
         char line[704];
@@ -521,6 +550,7 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
                            {"roof_us", roof_us},
                            {"efficiency", eff},
                            {"copy_tbps", ceil.copy_bytes_per_s / 1e12},
+                           {"memory_tbps", ceil.memory_bytes_per_s() / 1e12},
                            {"bf16_tflops", ceil.bf16_flops_per_s / 1e12},
                            {"cublas_us", cublas_us},
                            {"cublas_efficiency", cublas_us > 0 ? roof_us / cublas_us : 0.0},

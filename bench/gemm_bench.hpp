@@ -28,6 +28,9 @@
 #include <string>
 #include <vector>
 
+#include <algorithm>
+#include <string>
+
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/plan.hpp"
 #include "util/device_buffer.hpp"
@@ -37,11 +40,18 @@ namespace fp4moe::bench {
 // ------------------------------------------------------ shared measurement
 
 // The two ceilings of the roofline (docs/design.md §6), measured on the current
-// device: a device-to-device copy rate (read + write bytes per second) and
-// the cuBLAS dense bf16 GEMM rate at 8192^3.
+// device. Memory: the larger of a device-to-device copy rate (read + write
+// bytes per second) and a streaming read of a 2 GiB buffer (stream_read),
+// since a plain read beats the copy by a few percent on an H100 and a
+// ceiling that a kernel can beat overstates its efficiency. Arithmetic: the
+// cuBLAS dense bf16 GEMM rate at 8192^3.
 struct Ceilings {
   double copy_bytes_per_s = 0;
+  double read_bytes_per_s = 0;
   double bf16_flops_per_s = 0;
+  double memory_bytes_per_s() const { return std::max(copy_bytes_per_s, read_bytes_per_s); }
+  // "memory 3.12 TB/s (copy 3.05, read 3.12), cuBLAS bf16 794 TFLOP/s (8192^3)"
+  std::string describe() const;
 };
 
 // Reads a buffer larger than 3x the L2 before each timed launch, so that the

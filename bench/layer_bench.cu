@@ -123,16 +123,20 @@ MoeWeights random_moe_weights(const LayerShape& shape, uint64_t seed) {
 
 // --------------------------------------------------------------- roofline
 
-LayerRoofline layer_roofline(int64_t hidden, int64_t inter, int64_t rows, int64_t active_experts,
-                             const Ceilings& ceilings) {
+LayerRoofline layer_roofline(int64_t hidden, int64_t inter, int64_t num_tokens, int64_t rows,
+                             int64_t active_experts, const Ceilings& ceilings) {
   LayerRoofline roof;
   roof.rows = rows;
   roof.active_experts = active_experts;
+  const double row_bytes = static_cast<double>(rows) * 2;  // one bf16 element per routed row
   roof.gemm1 = grouped_gemm_cost(active_experts, rows, 2 * inter, hidden);
+  roof.gemm1.bytes -= row_bytes * static_cast<double>(inter);  // SwiGLU writes inter columns, not 2 inter
   roof.gemm2 = grouped_gemm_cost(active_experts, rows, hidden, inter);
+  roof.combine.bytes = (row_bytes + static_cast<double>(num_tokens) * 2) * static_cast<double>(hidden);
   roof.gemm1_roof_us = roofline_us(roof.gemm1, ceilings);
   roof.gemm2_roof_us = roofline_us(roof.gemm2, ceilings);
-  roof.roof_us = roof.gemm1_roof_us + roof.gemm2_roof_us;
+  roof.combine_roof_us = roofline_us(roof.combine, ceilings);
+  roof.roof_us = roof.gemm1_roof_us + roof.gemm2_roof_us + roof.combine_roof_us;
   return roof;
 }
 
@@ -348,7 +352,8 @@ LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t
   LayerMeasurement m;
   m.tokens = tokens;
   m.expert_load = timer.expert_load(tokens);
-  m.roofline = layer_roofline(layer.hidden(), layer.inter(), tokens * layer.top_k(), m.expert_load.active, ceilings);
+  m.roofline = layer_roofline(layer.hidden(), layer.inter(), tokens, tokens * layer.top_k(), m.expert_load.active,
+                              ceilings);
   m.time_us = timer.time_forward_us(tokens, iterations, flusher);
   m.stages = timer.time_stages(tokens, iterations, flusher);
   if (with_graph) {
@@ -379,16 +384,15 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
   const Ceilings ceil = measure_ceilings(flusher);
   const std::string gpu = gpu_name();
   const std::string date = today();
-  table << "# " << gpu << ", " << date << ": copy " << std::fixed << std::setprecision(2)
-        << ceil.copy_bytes_per_s / 1e12 << " TB/s, cuBLAS bf16 " << std::setprecision(0)
-        << ceil.bf16_flops_per_s / 1e12 << " TFLOP/s (8192^3)\n"
+  table << "# " << gpu << ", " << date << ": " << ceil.describe() << "\n"
         << "# whole MoE layer (routing on the device), L2 flushed before each forward, medians of "
-        << opt.iterations << "; roof = GEMM1 + GEMM2 rooflines; stages in us; out% = time outside the GEMMs\n";
+        << opt.iterations << "; roof = GEMM1 + GEMM2 + combine rooflines; stages in us; out% = time outside the GEMMs\n";
   table << "model         variant                    T act   time_us  graph_us   roof_us   eff | route+sort "
            "gather    gemm1    gemm2  final |  out%\n";
   if (json) {
     nlohmann::json j{{"kind", "ceilings"}, {"gpu", gpu}, {"date", date},
-                     {"copy_tbps", ceil.copy_bytes_per_s / 1e12}, {"bf16_tflops", ceil.bf16_flops_per_s / 1e12}};
+                     {"copy_tbps", ceil.copy_bytes_per_s / 1e12}, {"read_tbps", ceil.read_bytes_per_s / 1e12},
+                     {"memory_tbps", ceil.memory_bytes_per_s() / 1e12}, {"bf16_tflops", ceil.bf16_flops_per_s / 1e12}};
     *json << j.dump() << std::endl;
   }
 
@@ -490,6 +494,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"roof_us", m.roofline.roof_us},
                            {"gemm1_roof_us", m.roofline.gemm1_roof_us},
                            {"gemm2_roof_us", m.roofline.gemm2_roof_us},
+                           {"combine_roof_us", m.roofline.combine_roof_us},
                            {"efficiency", m.efficiency},
                            {"stage_us",
                             {{"route_sort", s.route_sort_us},
@@ -501,6 +506,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"outside_gemm_share", s.outside_gemm_share()},
                            {"nonfinite_outputs", m.nonfinite_outputs},
                            {"copy_tbps", ceil.copy_bytes_per_s / 1e12},
+                           {"memory_tbps", ceil.memory_bytes_per_s() / 1e12},
                            {"bf16_tflops", ceil.bf16_flops_per_s / 1e12},
                            {"iterations", opt.iterations}};
           *json << j.dump() << std::endl;

@@ -237,16 +237,18 @@ double estimate_launch_us(const GemmProblem& problem, double flush_us) {
 double estimate_bucket_us(const GemmProblem& problem, int num_candidates, const TuneSettings& settings,
                           double flush_us) {
   // Pass 1: every candidate but the first probed with 2 launches, then timed
-  // (pruned ones are not: this is the most it takes); pass 2.
+  // (pruned ones are not: this is the most it takes); pass 2; pass 3.
   const double launches = num_candidates * (settings.iterations + 3.0) - 2.0 +
-                          (std::min(settings.finalists, num_candidates) + 1.0) * (2.0 * settings.iterations + 1.0);
+                          (std::min(settings.finalists, num_candidates) + 1.0) * (2.0 * settings.iterations + 1.0) +
+                          2.0 * settings.confirm_rounds * (settings.iterations + 1.0);
   return launches * estimate_launch_us(problem, flush_us);
 }
 
 BucketResult tune_bucket(GemmTuneBench& bench, int64_t num_tokens, const TuneSettings& settings,
                          const L2Flusher& flusher, const std::function<void(int64_t launches)>& progress) {
-  FP4MOE_CHECK(settings.iterations >= 1 && settings.routings >= 1 && settings.finalists >= 1,
-               "tune_bucket: iterations, routings and finalists must be >= 1");
+  FP4MOE_CHECK(settings.iterations >= 1 && settings.routings >= 1 && settings.finalists >= 1 &&
+                   settings.confirm_rounds >= 1,
+               "tune_bucket: iterations, routings, finalists and confirm_rounds must be >= 1");
   bench.set_tokens(num_tokens, settings.routings, settings.routing_skew);
   BucketResult result;
   result.problem = bench.problem(settings.batch_invariant);
@@ -321,6 +323,22 @@ BucketResult tune_bucket(GemmTuneBench& bench, int64_t num_tokens, const TuneSet
   result.tuned = best->candidate;
   result.tuned_us = best->time_us;
   result.heuristic_us = heuristic->time_us;
+
+  // Pass 3: the winner against the heuristic's choice, interleaved, on times
+  // the selection did not see.
+  Timed winner = *best, baseline = *heuristic;
+  std::vector<double> winner_us, baseline_us;
+  for (int round = 0; round < settings.confirm_rounds; ++round) {
+    for (Timed* t : {&baseline, &winner}) time_one(*t, settings.iterations);
+    winner_us.push_back(winner.time_us);
+    baseline_us.push_back(baseline.time_us);
+  }
+  const auto median_of = [](std::vector<double> v) {
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+    return v[v.size() / 2];
+  };
+  result.confirmed_tuned_us = median_of(winner_us);
+  result.confirmed_heuristic_us = median_of(baseline_us);
   const std::string errors = bench.device_errors();
   FP4MOE_CHECK(errors.empty(), "tuning ", num_tokens, " tokens: the device reported ", errors);
   return result;

@@ -13,7 +13,13 @@
 // further); pass 2 times the `finalists` fastest and the heuristic's choice
 // again with twice the launches, and the fastest of those wins, unless the
 // heuristic's choice is within `keep_heuristic_within` of it (noise: the
-// heuristic then stays, and the cache records it as tuned).
+// heuristic then stays, and the cache records it as tuned). Pass 3 times the
+// winner and the heuristic's choice again, `confirm_rounds` rounds of
+// `iterations` launches each, alternating: the speedup reported and cached
+// comes from this pass alone, since the times that picked the winner carry
+// the winner's curse (the fastest of several noisy medians is low by
+// construction) and would make any choice look at least as fast as the
+// heuristic's.
 //
 // The GPU test tests/tune/test_tune_gpu.cpp launches every candidate through
 // GemmTuneBench and checks each output against a CPU reference.
@@ -110,6 +116,7 @@ struct TuneSettings {
   int finalists = 3;     // pass 2: re-timed with the heuristic's choice, 2x the launches
   double keep_heuristic_within = 0.01;  // the heuristic's choice stays unless beaten by more
   double prune_slower_than = 2.0;       // pass 1: stop timing a candidate this much slower than the best (0: never)
+  int confirm_rounds = 3;               // pass 3: alternating rounds of the winner and the heuristic's choice
   tune::DeviceLimits limits;            // the candidates' budget and compute capability
   bool batch_invariant = false;         // tune a batch-invariant layer's choices
 };
@@ -118,9 +125,13 @@ struct BucketResult {
   GemmProblem problem;
   int num_candidates = 0;
   tune::Candidate tuned;
-  double tuned_us = 0;
+  double tuned_us = 0;        // pass 2: the selection's time
   tune::Candidate heuristic;  // what MoeLayer plans without a tuned choice
-  double heuristic_us = 0;
+  double heuristic_us = 0;    // pass 2
+  // Pass 3, separate from the selection: the median over confirm_rounds of
+  // each round's median (the same plan twice where tuned == heuristic).
+  double confirmed_tuned_us = 0, confirmed_heuristic_us = 0;
+  double speedup() const { return confirmed_heuristic_us / confirmed_tuned_us; }
   bool heuristic_is_candidate = true;  // false when --smem-budget excludes it
   int pruned = 0;                      // candidates timed once only (prune_slower_than)
   int64_t timed_launches = 0;

@@ -13,17 +13,23 @@
 // Loading must either throw fp4moe::Error or return weights that keep the
 // promises of fp4moe/modelopt.hpp: every matrix has the bytes its shape
 // needs, gate and up share their global scale, biases are all there or all
-// absent. Accepted weights are written back with add_moe_weights and must
-// load again unchanged. Anything else (another exception, a sanitizer
+// absent; checkpoint_tensor_names lists each tensor once and, where the
+// loader accepted, names a tensor of every expert it returned. Accepted
+// weights are written back with add_moe_weights and must load again
+// unchanged. Anything else (another exception, a sanitizer
 // report, a leak, a hang) is a finding.
 //
 // Seeds: fuzz/corpus/modelopt (fuzz/make-seeds); dictionary:
 // fuzz/modelopt.dict. Run with scripts/fuzz modelopt.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <optional>
+#include <set>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "format/checkpoint.hpp"
 #include "fp4moe/error.hpp"
@@ -115,10 +121,15 @@ void run(const uint8_t* data, size_t size) {
   const std::string path = ((flags & kLoadFile) ? dir / "a.safetensors" : dir).string();
   const std::string prefix = (flags & kEmptyPrefix) ? "" : "mlp.";
 
+  std::optional<std::vector<std::string>> names;
   try {
-    (void)checkpoint_tensor_names(path);
+    names = checkpoint_tensor_names(path);
   } catch (const Error& e) {
     note_refusal(e);
+  }
+  if (names) {
+    std::set<std::string> unique(names->begin(), names->end());
+    FP4MOE_FUZZ_ASSERT(unique.size() == names->size(), "checkpoint_tensor_names lists a name twice");
   }
   MoeWeights weights;
   try {
@@ -126,6 +137,14 @@ void run(const uint8_t* data, size_t size) {
   } catch (const Error& e) {
     note_refusal(e);  // a clear refusal
     return;
+  }
+  // Both read the same tensors: what the loader found, the listing names.
+  FP4MOE_FUZZ_ASSERT(names.has_value(), "load_moe_weights accepted a checkpoint that checkpoint_tensor_names refused");
+  for (int64_t e = 0; e < weights.num_experts; ++e) {
+    const std::string expert = prefix + "experts." + std::to_string(e) + ".";
+    FP4MOE_FUZZ_ASSERT(std::any_of(names->begin(), names->end(),
+                                   [&](const std::string& n) { return n.rfind(expert, 0) == 0; }),
+                       "an expert the loader returned has no tensor in checkpoint_tensor_names");
   }
   check_weights(weights);
   try {

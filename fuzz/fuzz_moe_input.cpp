@@ -18,12 +18,15 @@
 // Reading must either throw fp4moe::Error or return an input that the layer
 // can run: routing that validate_routing accepts and hidden states of
 // [T, H]. The CPU reference then runs the layer on it (small inputs only) and
-// must not fail. Anything else (another exception, a sanitizer report, a
+// must not fail, must write every output element, and must give a finite
+// output to every token whose inputs and router weights are finite and
+// moderate. Anything else (another exception, a sanitizer report, a
 // leak, a hang) is a finding.
 //
 // Seeds: fuzz/corpus/moe_input (fuzz/make-seeds); dictionary:
 // fuzz/moe_input.dict. Run with scripts/fuzz moe_input.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -136,13 +139,34 @@ void run(const uint8_t* data, size_t size) {
   if (input.num_tokens * input.routing.top_k > kMaxReferenceSlots) return;
 
   const MoeWeights& weights = layer(hidden, num_experts, with_bias);
-  std::vector<float> output(input.hidden_states.size());
+  // Poisoned with a NaN payload no arithmetic produces, so an element the
+  // reference never wrote is told apart from a computed NaN.
+  constexpr uint32_t kPoison = 0x7FA5A5A5u;
+  std::vector<float> output(input.hidden_states.size(), std::bit_cast<float>(kPoison));
   try {
     moe_reference(weights, input.hidden_states.data(), input.routing, activation, output.data(),
                   /*num_threads=*/1);
   } catch (const Error& e) {
     std::fprintf(stderr, "the reference refused accepted input: %s\n", e.what());
     std::abort();
+  }
+  const int slots = input.routing.top_k;
+  for (int64_t t = 0; t < input.num_tokens; ++t) {
+    const float* x = input.hidden_states.data() + t * hidden;
+    const float* out = output.data() + t * hidden;
+    for (int64_t n = 0; n < hidden; ++n)
+      FP4MOE_FUZZ_ASSERT(std::bit_cast<uint32_t>(out[n]) != kPoison, "the reference left an output element unwritten");
+    // A token with moderate finite inputs and router weights has a finite
+    // output: the layer's dequantised weights are at most 1 in magnitude, so
+    // nothing here can overflow (bounds: |x| <= 1e3, |w| <= 1e6).
+    bool moderate = std::all_of(x, x + hidden, [](float v) { return std::isfinite(v) && std::fabs(v) <= 1e3f; });
+    for (int j = 0; j < slots; ++j) {
+      const float w = input.routing.topk_weights[static_cast<size_t>(t * slots + j)];
+      moderate = moderate && std::isfinite(w) && std::fabs(w) <= 1e6f;
+    }
+    if (moderate)
+      FP4MOE_FUZZ_ASSERT(std::all_of(out, out + hidden, [](float v) { return std::isfinite(v); }),
+                         "a token with moderate finite inputs got a non-finite output");
   }
 }
 

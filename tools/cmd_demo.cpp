@@ -11,7 +11,8 @@
 //   3. run the layer on the best available backend (on a GPU: print the
 //      layer plan, then run fp4moe::MoeLayer);
 //   4. check sampled tokens (fails the command when the relative error
-//      exceeds the bf16-output contract, 1e-2): the CPU backend against an
+//      exceeds 1e-5 on the CPU, the bf16-output contract 1e-2 on the GPU):
+//      the CPU backend against an
 //      independent dequantise-and-loop evaluation, the GPU against the CPU
 //      reference (moe_reference) on just those tokens' routing;
 //   5. report what ran and how fast: ms, tokens/s, effective GB/s of weights;
@@ -68,9 +69,14 @@ struct DemoOptions {
 constexpr int kDefaultCheckTokensCpu = 2;
 constexpr int kDefaultCheckTokensGpu = 8;
 
-// Relative-error bound of the check: the contract for bf16 outputs
-// (‖out − ref‖/‖ref‖). The CPU backend lands near 1e-7, the GPU near 3e-3.
-constexpr double kCheckTolerance = 1e-2;
+// Relative-error bounds of the check (‖out − ref‖/‖ref‖), each near what its
+// path really reaches so that a real fault cannot hide under it: the GPU's
+// is the contract for bf16 outputs (it lands near 3e-3); the CPU backend
+// accumulates in double and writes fp32, and lands near 1e-7 against the
+// independent evaluation (fp32 rounding of the output and of intermediate
+// values summed in another order).
+constexpr double kCheckToleranceGpu = 1e-2;
+constexpr double kCheckToleranceCpu = 1e-5;
 
 // Block scales are drawn uniformly from the e4m3 codes 0x68..0x77, values
 // 64..240: ModelOpt's scale is 448 · block_amax / tensor_amax, which for
@@ -310,10 +316,10 @@ void print_timing_table(const ModelShape& model, const DemoOptions& opts) {
   }();
   const bench::L2Flusher flusher;
   const bench::Ceilings ceilings = bench::measure_ceilings(flusher);
-  std::printf("  weights drawn and uploaded in %.1f s; measured: copy %.2f TB/s, cuBLAS bf16 %.0f TFLOP/s\n",
-              build_timer.elapsed_ms() / 1e3, ceilings.copy_bytes_per_s / 1e12, ceilings.bf16_flops_per_s / 1e12);
-  std::printf("  layer us: median of %d forwards, L2 flushed (512 MB read) before each; roofline = GEMM1 + GEMM2 "
-              "(docs/design.md §6);\n  outside GEMMs: share of the forward spent in routing, sort, gather "
+  std::printf("  weights drawn and uploaded in %.1f s; measured: %s\n", build_timer.elapsed_ms() / 1e3,
+              ceilings.describe().c_str());
+  std::printf("  layer us: median of %d forwards, L2 flushed (512 MB read) before each; roofline = GEMM1 + GEMM2 + combine "
+              "(bench/layer_bench.hpp);\n  outside GEMMs: share of the forward spent in routing, sort, gather "
               "and finalize (stage events)\n",
               opts.timing_iterations);
   std::printf("  %6s %7s %10s %11s %6s %14s\n", "T", "experts", "layer_us", "roofline_us", "eff", "outside_GEMMs");
@@ -448,15 +454,16 @@ void run_demo(const DemoOptions& opts) {
   } else {
     std::string tokens_list;
     for (int64_t t : checked_tokens) tokens_list += (tokens_list.empty() ? "" : ", ") + std::to_string(t);
-    const bool ok = check->rel_err <= kCheckTolerance && check->num_nonfinite == 0;
+    const double tolerance = on_gpu ? kCheckToleranceGpu : kCheckToleranceCpu;
+    const bool ok = check->rel_err <= tolerance && check->num_nonfinite == 0;
     std::printf("check: tokens {%s} against %s: rel err %.2e (limit %.0e)%s %s\n", tokens_list.c_str(),
-                check->against.c_str(), check->rel_err, kCheckTolerance,
+                check->against.c_str(), check->rel_err, tolerance,
                 check->num_nonfinite > 0 ? (", " + std::to_string(check->num_nonfinite) + " non-finite").c_str()
                                          : "",
                 ok ? "PASS" : "FAIL");
     std::fflush(stdout);
     FP4MOE_CHECK(ok, "demo check failed: the ", stats.backend, " backend's output differs from ", check->against,
-                 " by rel err ", check->rel_err, " (limit ", kCheckTolerance, ")",
+                 " by rel err ", check->rel_err, " (limit ", tolerance, ")",
                  check->num_nonfinite > 0 ? " and has non-finite elements" : "");
   }
 

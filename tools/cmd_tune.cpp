@@ -8,7 +8,9 @@
 // shape. A table on stdout, one JSON line per (GEMM, bucket) plus a summary
 // line per shape and one for the run (--json: a "tune" line is the cache
 // entry, whose config, split_k and time_us are the tuned choice's, plus
-// "speedup" = heuristic_us / time_us and how it was measured), a progress
+// "speedup" = heuristic_us / time_us and how it was measured; both times
+// come from a pass separate from the one that picked the winner, see
+// bench/tune_bench.hpp), a progress
 // bar with ETA on stderr. --estimate prints what a run would time and its
 // estimated GPU time, and stops.
 //
@@ -236,7 +238,8 @@ void run_tune(const TuneOptions& o, const CLI::App& cmd) {
             });
         done_us = case_start_us + c.estimate_us;
         show(detail);
-        const double speedup = r.heuristic_us / r.tuned_us;
+        // From the separate interleaved pass, not the selection's times.
+        const double speedup = r.speedup();
         speedups.push_back(speedup);
         if (!(r.tuned == r.heuristic)) ++differ;
         tune::CacheEntry e;
@@ -245,16 +248,16 @@ void run_tune(const TuneOptions& o, const CLI::App& cmd) {
         e.bucket = c.tokens;
         e.config = r.tuned.config.to_string();
         e.split_k = r.tuned.split_k;
-        e.time_us = r.tuned_us;
+        e.time_us = r.confirmed_tuned_us;
         e.heuristic_config = r.heuristic.config.to_string();
         e.heuristic_split_k = r.heuristic.split_k;
-        e.heuristic_us = r.heuristic_us;
+        e.heuristic_us = r.confirmed_heuristic_us;
         e.date = date;
         entries.push_back(e);
         std::snprintf(line, sizeof line, "%-24s gemm%d %6lld %4d  %-36s %9.1f  %-36s %9.1f %7.3fx\n",
                       shape.name.c_str(), gemm, static_cast<long long>(c.tokens), r.num_candidates,
-                      choice_name(r.tuned).c_str(), r.tuned_us, choice_name(r.heuristic).c_str(), r.heuristic_us,
-                      speedup);
+                      choice_name(r.tuned).c_str(), r.confirmed_tuned_us, choice_name(r.heuristic).c_str(),
+                      r.confirmed_heuristic_us, speedup);
         progress.clear();
         std::cout << line << std::flush;
         if (json.is_open()) {
@@ -268,6 +271,9 @@ void run_tune(const TuneOptions& o, const CLI::App& cmd) {
           j["candidates"] = r.num_candidates;
           j["heuristic_is_candidate"] = r.heuristic_is_candidate;
           j["speedup"] = speedup;
+          j["confirm_rounds"] = settings.confirm_rounds;
+          j["selection_time_us"] = r.tuned_us;  // biased low: the fastest of several medians
+          j["selection_heuristic_us"] = r.heuristic_us;
           j["pruned"] = r.pruned;
           j["timed_launches"] = r.timed_launches;
           j["iterations"] = o.iterations;

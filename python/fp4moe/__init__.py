@@ -14,6 +14,7 @@ optional: it is imported only to register the torch.library op
 from ._fp4moe import (  # noqa: F401
     Error,
     cuda_device_count,
+    cuda_unavailable_reason,
     load_stacked,
     pack_host,
     pack_stacked,
@@ -31,6 +32,7 @@ __all__ = [
     "LayerConfig",
     "MoeLayer",
     "cuda_device_count",
+    "cuda_unavailable_reason",
     "dequantize",
     "find_moe_prefixes",
     "layer_config_from_hf",

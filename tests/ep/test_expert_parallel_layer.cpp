@@ -140,12 +140,18 @@ std::vector<uint16_t> single_gpu_output(const MoeWeights& weights, const MoeLaye
   const MoeLayer layer = MoeLayer::prepare(weights, o);
   const DeviceBatch d(s, b, caller, 0, b.num_tokens);
   DeviceBuffer<uint16_t> out(static_cast<size_t>(b.num_tokens * weights.hidden));
+  out.fill_bytes(0xFF);
   DeviceBuffer<uint8_t> ws(layer.workspace_bytes(b.num_tokens));
   ws.fill_bytes(0);
   layer.forward(d.args(), out.get(), ws.get(), ws.bytes(), nullptr);
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(layer.device_errors(ws.get(), nullptr), expected_device_errors);
-  return out.download();
+  std::vector<uint16_t> bits = out.download();
+  // The reference must be whole: an EP output compared with it then fails
+  // wherever the EP layer left its (poisoned) output unwritten.
+  EXPECT_TRUE(std::none_of(bits.begin(), bits.end(), [](uint16_t v) { return v == 0xFFFF; }))
+      << "the single-GPU layer left output elements unwritten";
+  return bits;
 }
 
 int64_t first_difference(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
@@ -238,6 +244,7 @@ void nonfinite_logits_are_excluded_and_reported(ncclComm_t comm) {
       "non-finite router logits (their experts were excluded, docs/design.md §3); ");
   const DeviceBatch d(s, b, nullptr, 0, b.num_tokens);
   DeviceBuffer<uint16_t> out(static_cast<size_t>(b.num_tokens * s.hidden));
+  out.fill_bytes(0xFF);
   const ExpertParallelStats stats = ep.forward(d.args(), out.get(), nullptr);
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_TRUE(stats.nonfinite_router_logits);
@@ -296,6 +303,7 @@ TEST(ExpertParallelLayer, RanksOnSeveralGpusEqualTheSingleGpuLayer) {
           const int64_t count = first[static_cast<size_t>(r) + 1] - first[static_cast<size_t>(r)];
           const DeviceBatch d(s, b, &caller, first[static_cast<size_t>(r)], count);
           DeviceBuffer<uint16_t> out(static_cast<size_t>(std::max<int64_t>(count, 1) * s.hidden));
+          out.fill_bytes(0xFF);
           cudaStream_t stream = nullptr;
           FP4MOE_CUDA_CHECK(cudaStreamCreate(&stream));
           ExpertParallelTimes times;

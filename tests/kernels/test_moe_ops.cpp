@@ -1011,6 +1011,7 @@ TEST(MoeOpsGpu, GatherRowsFp4EveryBf16ValueMatchesTheCpuQuantiser) {
   const DeviceBuffer<int32_t> d_token_of_row(token_of_row), d_offsets(offsets);
   const DeviceBuffer<float> d_scales(input_scales);
   DeviceBuffer<uint16_t> d_sorted(x.size());
+  d_sorted.fill_bytes(0xFF);  // a NaN that no expected value equals: an unwritten element fails
   kernels::launch_gather_rows_fp4(d_x.get(), d_token_of_row.get(), d_offsets.get(), num_experts, num_rows, kHidden,
                                   d_scales.get(), d_sorted.get(), nullptr);
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());

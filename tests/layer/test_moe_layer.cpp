@@ -1599,6 +1599,9 @@ double expect_matches_w4a4_reference(const std::vector<uint16_t>& out, const std
   EXPECT_LE(c.num_bad, allowed) << "elements outside the per-element tolerance of the W4A4 reference (more than "
                                    "rare bf16-rounding flips of GEMM2's input explain)\n" << c.first_bad;
   EXPECT_EQ(c.num_unwritten, 0) << c.first_bad;
+  std::printf("  W4A4 vs reference: rel err %.2e, %lld bad elements in %lld of %lld rows, worst row %.2e\n",
+              c.rel_err, static_cast<long long>(c.num_bad), static_cast<long long>(c.num_bad_rows),
+              static_cast<long long>(out.size()) / static_cast<long long>(hidden), c.worst_row_rel_err);
   const testing::Comparison vs_bf16 =
       testing::compare(got, std::vector<double>(bf16_ref.begin(), bf16_ref.end()), hidden);
   EXPECT_GT(vs_bf16.rel_err, 1.5e-2) << "the output is as close to the bf16 (W4A16) reference as to the W4A4 one: "

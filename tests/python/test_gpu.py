@@ -14,8 +14,12 @@ from conftest import checkpoint_tensors, gpu, random_routing, random_stacked, re
 
 pytestmark = gpu
 
-if fp4moe.cuda_device_count() > 0:
+# Without torch every test here skips (or fails under FP4MOE_EXPECT_GPU) with
+# the reason, through the gpu marker; the name is only used inside them.
+try:
     import torch
+except ImportError:
+    torch = None
 
 
 def to_cuda(w: dict) -> dict:

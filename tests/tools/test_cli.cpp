@@ -45,10 +45,13 @@ namespace {
 using namespace cli_test;  // NOLINT: the shared fixture, constants and file helpers
 
 // Tolerances (relative L2 error over the whole output):
-// - against the dequantised checkpoint evaluated in double: only the bf16
-//   rounding of the output (2^-9 relative per element) and float vs double
-//   sums separate them; 1e-2 is the project's bf16-output contract.
-constexpr double kQuantizedTolerance = 1e-2;
+// - against the dequantised checkpoint evaluated in double: on the CPU
+//   backend only the bf16 rounding of the output (at most 2^-9 relative per
+//   element, ~1e-3 over a row) and float vs double sums separate them, so
+//   4e-3; the GPU computes in bf16 with fp32 accumulation and is held to the
+//   project's bf16-output contract, 1e-2.
+constexpr double kQuantizedToleranceCpu = 4e-3;
+constexpr double kQuantizedToleranceGpu = 1e-2;
 // - against the original float weights: e2m1 keeps 3 bits of magnitude, so
 //   each quantised matmul carries ~10% relative RMS error on Gaussian weights
 //   (Δ²/12 over the e2m1 grid with the block maximum at 6); gate/up and down
@@ -319,7 +322,8 @@ class MoeTest : public CliTest {
                                                     routing.ids, routing.weights, routing.top_k, gptoss_activation);
     const double err_quantized = relative_error(out, ref_quantized);
     const double err_float = relative_error(out, ref_float);
-    EXPECT_LT(err_quantized, kQuantizedTolerance);
+    const bool on_cpu = device == "cpu" || !testing::has_cuda_device();
+    EXPECT_LT(err_quantized, on_cpu ? kQuantizedToleranceCpu : kQuantizedToleranceGpu);
     EXPECT_LT(err_float, kFloatTolerance);
     EXPECT_GT(err_float, kMinQuantizationError) << "the weights do not look quantised";
     std::printf("  %s%s (%s): rel err vs dequantised %.2e, vs float weights %.3f\n", prefix.c_str(), args.c_str(),
@@ -918,6 +922,13 @@ TEST_F(CliTest, DemoRunsAndChecksItself) {
     EXPECT_EQ(r.exit_code, 0) << args << "\n" << r.out << r.err;
     EXPECT_NE(r.out.find("tokens/s"), std::string::npos) << r.out;
     EXPECT_NE(r.out.find(") PASS"), std::string::npos) << "the self-check must pass:\n" << r.out;
+    // The CPU backend's own figure, read back: its limit is 1e-5, and it
+    // lands near 1e-7 (a fault of the limit's size would show here too).
+    const size_t at = r.out.find("rel err ");
+    ASSERT_NE(at, std::string::npos) << r.out;
+    const double rel_err = std::stod(r.out.substr(at + 8));
+    EXPECT_LT(rel_err, 1e-6) << r.out;
+    EXPECT_NE(r.out.find("(limit 1e-05)"), std::string::npos) << r.out;
   }
   const CliResult unknown = run("demo --model gpt-5");
   EXPECT_EQ(unknown.exit_code, 1);

@@ -40,7 +40,7 @@ class CliGpuTest : public CliTest {
  protected:
   void SetUp() override {
     CliTest::SetUp();
-    if (!::fp4moe::testing::has_cuda_device()) GTEST_SKIP() << "no CUDA device on this machine: GPU test skipped";
+    FP4MOE_REQUIRE_GPU();
   }
 
   // Runs `moe` with `args` into `output`; returns the output as float.

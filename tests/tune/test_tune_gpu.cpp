@@ -172,16 +172,24 @@ TEST(TuneCandidatesGpu, TuneBucketPicksACandidateNoSlowerThanTheHeuristic) {
   EXPECT_NE(std::find(candidates.begin(), candidates.end(), r.tuned), candidates.end()) << r.tuned.to_string();
   EXPECT_TRUE(r.heuristic_is_candidate);
   EXPECT_GT(r.tuned_us, 0.0);
-  EXPECT_LE(r.tuned_us, r.heuristic_us);
+  EXPECT_LE(r.tuned_us, r.heuristic_us);  // the selection step kept the faster of its own times
+  // The separate interleaved pass: the choice is not slower than the
+  // heuristic's on times the selection never saw (beyond noise: a few us
+  // launches on a shared GPU move by several percent).
+  EXPECT_GT(r.confirmed_tuned_us, 0.0);
+  EXPECT_LE(r.confirmed_tuned_us, r.confirmed_heuristic_us * 1.10)
+      << "tuned " << r.tuned.to_string() << " is slower than the heuristic's " << r.heuristic.to_string();
   EXPECT_EQ(progress_launches, r.timed_launches);
   // Every candidate launched at least twice (warm-up and one timed launch);
   // the unpruned ones iterations + 1 times, the finalists 2 iterations + 1 more.
   const int64_t unpruned = static_cast<int64_t>(candidates.size()) - r.pruned;
   EXPECT_GE(r.timed_launches, unpruned * (settings.iterations + 1) + 2 * r.pruned +
-                                  int64_t{settings.finalists} * (2 * settings.iterations + 1));
+                                  int64_t{settings.finalists} * (2 * settings.iterations + 1) +
+                                  2 * int64_t{settings.confirm_rounds} * (settings.iterations + 1));
   EXPECT_LT(r.pruned, r.num_candidates);
-  std::printf("  tuned %s %.1f us, heuristic %s %.1f us, %d of %d candidates pruned\n", r.tuned.to_string().c_str(),
-              r.tuned_us, r.heuristic.to_string().c_str(), r.heuristic_us, r.pruned, r.num_candidates);
+  std::printf("  tuned %s %.1f us, heuristic %s %.1f us (selection: %.1f / %.1f us), %d of %d candidates pruned\n",
+              r.tuned.to_string().c_str(), r.confirmed_tuned_us, r.heuristic.to_string().c_str(),
+              r.confirmed_heuristic_us, r.tuned_us, r.heuristic_us, r.pruned, r.num_candidates);
 }
 
 // ------------------------------------------------------- MoeLayer and the cache
