@@ -225,7 +225,7 @@ std::vector<float> GemmTuneBench::output() const {
 
 double estimate_launch_us(const GemmProblem& problem, double flush_us) {
   constexpr double kEfficiency = 0.4;
-  const Ceilings nominal{4.0e12, 7.0e14};
+  const Ceilings nominal{.copy_bytes_per_s = 4.0e12, .read_bytes_per_s = 4.0e12, .bf16_flops_per_s = 7.0e14};
   const int64_t active =
       std::max<int64_t>(1, problem.expected_active_experts > 0 ? problem.expected_active_experts
                                                                : std::min(problem.num_experts, problem.num_rows));

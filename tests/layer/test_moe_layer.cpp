@@ -1584,9 +1584,13 @@ std::vector<float> w4a4_reference(const MoeWeights& weights, const TokenBatch& b
 // rounded to bf16, the reference's from the double one: where those round to
 // different bf16 values across an fp4 rounding boundary (rare), that element
 // moves by a whole fp4 step and its token's output row by a few percent.
-// Hence the relative error as for bf16 and at most 0.1 % of the elements
-// (or a quarter row) outside compare()'s per-element tolerance; a wrong
-// scale, block or expert fails far more.
+// Measured on an H100 over every case of this file (some 300 layers, T = 1
+// to 1000, its fixed seeds): no such flip, no element outside compare()'s
+// per-element tolerance, relative error 1.6-1.9e-3, no row worse than
+// 2.4e-3. The limits are set there: the relative error as for bf16, every
+// token's row within 5e-3 (twice the worst seen), and no element outside
+// the per-element tolerance. Data that does hit a flip fails on that row and
+// names it; a wrong scale, block or expert fails far more.
 double expect_matches_w4a4_reference(const std::vector<uint16_t>& out, const std::vector<float>& w4a4_ref,
                                      const std::vector<float>& bf16_ref, int64_t hidden) {
   EXPECT_EQ(out.size(), w4a4_ref.size());
@@ -1594,14 +1598,10 @@ double expect_matches_w4a4_reference(const std::vector<uint16_t>& out, const std
   const std::vector<float> got = bf16_to_floats(out);
   const testing::Comparison c =
       testing::compare(got, std::vector<double>(w4a4_ref.begin(), w4a4_ref.end()), hidden);
-  const int64_t allowed = std::max<int64_t>(hidden / 4, static_cast<int64_t>(out.size()) / 1000);
   EXPECT_LT(c.rel_err, 1e-2) << "relative error against the W4A4 reference\n" << c.first_bad;
-  EXPECT_LE(c.num_bad, allowed) << "elements outside the per-element tolerance of the W4A4 reference (more than "
-                                   "rare bf16-rounding flips of GEMM2's input explain)\n" << c.first_bad;
+  EXPECT_LT(c.worst_row_rel_err, 5e-3) << "a token's row against the W4A4 reference\n" << c.first_bad;
+  EXPECT_EQ(c.num_bad, 0) << "elements outside the per-element tolerance of the W4A4 reference\n" << c.first_bad;
   EXPECT_EQ(c.num_unwritten, 0) << c.first_bad;
-  std::printf("  W4A4 vs reference: rel err %.2e, %lld bad elements in %lld of %lld rows, worst row %.2e\n",
-              c.rel_err, static_cast<long long>(c.num_bad), static_cast<long long>(c.num_bad_rows),
-              static_cast<long long>(out.size()) / static_cast<long long>(hidden), c.worst_row_rel_err);
   const testing::Comparison vs_bf16 =
       testing::compare(got, std::vector<double>(bf16_ref.begin(), bf16_ref.end()), hidden);
   EXPECT_GT(vs_bf16.rel_err, 1.5e-2) << "the output is as close to the bf16 (W4A16) reference as to the W4A4 one: "

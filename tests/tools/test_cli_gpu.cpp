@@ -290,7 +290,16 @@ TEST_F(CliGpuTest, TuneWritesTheCacheThatPlanAndMoeUse) {
     EXPECT_GT(j.at("time_us").get<double>(), 0.0) << line;
     EXPECT_GT(j.at("heuristic_us").get<double>(), 0.0) << line;
     EXPECT_TRUE(j.at("heuristic_is_candidate").get<bool>()) << line;
-    EXPECT_GE(j.at("speedup").get<double>(), 1.0) << "the heuristic's choice is among the finalists: " << line;
+    // The speedup comes from a pass separate from the selection (bench/
+    // tune_bench.hpp), so it is not >= 1 by construction: a choice no faster
+    // than the heuristic's shows as ~1, give or take the noise of launches
+    // of a few us (seen 0.97-1.01 on an H100). Far below would mean the
+    // tuner picked a slower config.
+    EXPECT_NEAR(j.at("speedup").get<double>(), j.at("heuristic_us").get<double>() / j.at("time_us").get<double>(),
+                1e-9) << line;
+    EXPECT_GE(j.at("speedup").get<double>(), 0.9) << "the tuned choice is slower than the heuristic's: " << line;
+    EXPECT_GT(j.at("selection_time_us").get<double>(), 0.0) << line;
+    EXPECT_EQ(j.at("confirm_rounds").get<int>(), 3) << line;
     EXPECT_TRUE(is_compiled(TileConfig::parse(j.at("config").get<std::string>()))) << line;
     tuned[std::make_pair(gemm, j.at("bucket").get<int64_t>())] = j.at("config").get<std::string>();
   }
