@@ -557,8 +557,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="scripts/modelopt-compat", description=__doc__.split("\n\n")[0])
     parser.add_argument("--fp4moe", help="the fp4moe binary (default: $FP4MOE, build-sm90/ or build/)")
     date = datetime.date.today().isoformat()
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "current"),
-                        help="folder for <date>-modelopt-compat.{txt,jsonl} (default bench/results/current)")
+    parser.add_argument("--out", default=os.path.join(REPO, ".out"),
+                        help="folder for <date>-modelopt-compat.{txt,jsonl} (default .out/)")
     parser.add_argument("--keep", action="store_true", help="keep the models, exports and logs (path printed)")
     parser.add_argument("--work", help="work folder to use and keep; models and exports already in it are reused "
                         "(to re-check another fp4moe binary quickly)")

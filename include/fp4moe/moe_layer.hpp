@@ -53,8 +53,8 @@ class MoeLayerInternals;
 
 // How GEMM2's per-(token, slot) rows are combined into a token's output row.
 // Deterministic is the default; atomic measured 2-6 us faster at one token
-// (GLM-5, H200) and slower from 1024 tokens on (docs/perf-notes.md), at the
-// price of output bits that vary from run to run.
+// (GLM-5, H200) and slower from 1024 tokens on (docs/performance.md §5.20),
+// at the price of output bits that vary from run to run.
 enum class FinalizeMode {
   kDeterministic,  // fp32 row per (token, slot), summed in slot order: bit-identical runs
   kAtomic,         // fp32 atomic adds into the token's row: order varies run to run

@@ -151,7 +151,7 @@ struct GemmPlan {
 // over the experts of at most 48 rows. Routed experts are far from equally
 // loaded (the layer bench's T = 256: 12 rows on average, the largest 68),
 // and a tile sized for the mean reads and dequantises a heavy expert's
-// weights once per m-tile (docs/perf-notes.md, "Row classes").
+// weights once per m-tile (docs/performance.md §5.11, "Row classes").
 inline constexpr int kSm90LightMaxRows = 48;
 
 // `plan` with one more row class: `config` (same epilogue) over the experts
@@ -168,7 +168,7 @@ std::string describe_row_stages(const GemmPlan& plan);
 bool family_runs_on(KernelFamily family, int compute_capability);
 // Where the SM90 family takes over from the portable one: above
 // kSm90MinRowsPerExpert rows per active expert, at every K
-// (docs/perf-notes.md, "Two blocks per SM"). With its m8 ... m32 tiles at two
+// (docs/performance.md §5.3). With its m8 ... m32 tiles at two
 // blocks per SM it beats the portable tiles from 8 rows per expert on the
 // GEMM2s of K = 1536-2880 too (T = 256), and its m128 tile beat the portable
 // m64 one on Qwen3-30B's GEMM2 (K = 768) at 64 and 256 rows per expert

@@ -5,7 +5,8 @@
 // Layer.forward, called per forward, reads arrays whose type publishes
 // DLPack's C exchange API (torch >= 2.10) through it instead: a borrowed
 // view and the current stream in tens of nanoseconds, where __dlpack__()
-// costs microseconds per array (bench/python_bench.py, docs/perf-notes.md).
+// costs microseconds per array (bench/python_bench.py;
+// docs/performance.md §5.22).
 //
 //   Layer        a MoeLayer plus its workspace (sized for max_tokens at
 //                construction); forward() validates every array (dtype,

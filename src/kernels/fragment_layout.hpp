@@ -30,8 +30,8 @@
 // (two shifts, a mask, a masked or). No arrangement of the 32 bits gives
 // three of the four registers with one shift each (an exhaustive search), and
 // three of the four shifts are left shifts, which ptxas issues as IMAD.SHL on
-// the FMA pipe beside the logic ops' integer pipe (docs/perf-notes.md, "The
-// fragment word's bit layout").
+// the FMA pipe beside the logic ops' integer pipe (docs/performance.md §5.2,
+// "Scale pairs and the fragment word's bit layout").
 //
 // A lane reads its eight scale codes with one 8-byte load; per k-step the
 // codes of its two rows sit side by side, so one byte permute and one

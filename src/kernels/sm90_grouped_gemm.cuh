@@ -306,8 +306,8 @@ __global__ void __launch_bounds__(kSm90Threads)
       // fragment, the unit's activation rows in boxes of STEP rows (rows past
       // the expert's land in columns nobody stores; past x and past k they
       // are zeros). One thread issuing all of m128's ten copies spent ~136
-      // instructions per stage, as long as the stage's wgmmas (perf-notes:
-      // "The m128 producer").
+      // instructions per stage, as long as the stage's wgmmas
+      // (docs/performance.md §5.14).
       const int issuer = ptid / 32;
       if constexpr (TMA_TILE) {
         if (ptid % 32 == 0 && issuer < sm90::kCopyIssuers) {
@@ -453,7 +453,8 @@ __global__ void __launch_bounds__(kSm90Threads)
         ptx::named_barrier_sync(sm90::kBarProducer, sm90::kGatherThreads);
         // Only the rows the consumers' wgmmas read (zeros past the valid ones);
         // the copy loop is compiled per width so that it has no data-dependent
-        // branch per copy (one cost 2-4 % on full tiles: perf-notes, SM90 v4).
+        // branch per copy (one cost 2-4 % on full tiles,
+        // docs/performance.md §5.4).
         sm90::with_mma_width<BLOCK_M, STEP>(sm90::mma_width<BLOCK_M, STEP>(u.rows_valid), [&](auto width) {
           constexpr int WIDTH = decltype(width)::value;
           constexpr int PASSES = (WIDTH + ROWS_PER_PASS - 1) / ROWS_PER_PASS;

@@ -404,7 +404,7 @@ struct MoeLayer::Impl {
   // Whether a forward with plan `p` copies the activation rows into expert
   // order first (GatherMode::kAuto: where GEMM1's tile then reads them by
   // tensor map, which measured faster than the gather fused into its
-  // cp.async copies; docs/perf-notes.md, SM90 v5). Either way GEMM1 computes
+  // cp.async copies; docs/performance.md §5.19). Either way GEMM1 computes
   // the same bits.
   bool wants_separate_gather(const MoeLayerPlan& p) const {
     if (fp4_activations) return true;  // the gather quantises GEMM1's input

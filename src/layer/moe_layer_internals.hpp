@@ -1,9 +1,9 @@
 // Layer variants kept for measurement, outside the public API: how GEMM1
 // reads the activation rows. Users get kAuto: the separate gather pass where
 // GEMM1's tile then copies its activations by tensor map (SM90, m128 and
-// m256 tiles: faster than gathering through cp.async, docs/perf-notes.md
-// SM90 v5), the gather fused into GEMM1's loads elsewhere (where the separate
-// pass measured never faster, "The whole MoE layer"). The layer benchmark and
+// m256 tiles: faster than gathering through cp.async), the gather fused into
+// GEMM1's loads elsewhere (where the separate pass measured never faster;
+// both in docs/performance.md §5.19). The layer benchmark and
 // the tests run the forced modes too.
 #pragma once
 

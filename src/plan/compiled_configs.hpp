@@ -11,7 +11,7 @@
 //   EPILOGUE fp4moe::Epilogue: every tile shape is compiled with each epilogue
 //
 // Only configurations that earned their place in the sweeps of
-// docs/perf-notes.md (bench/results/archive/2026-12/*sweep*): one per token-tile size,
+// docs/performance.md §5.1 and §5.7: one per token-tile size,
 // and the m8 tile at two pipeline depths (4 stages: two blocks per SM on
 // SM90, more bytes in flight per block; 3 stages: three blocks per SM; the
 // planner picks by waves of units, plan_gemm), each <= 99 KB so the same
@@ -38,10 +38,10 @@
 //   STAGES   depth of the mbarrier ring
 // The m8 ... m64 tiles are shallow enough for two blocks per SM
 // (Sm90SmemLayout::blocks_per_sm), which beat one block with a deeper ring at
-// 93 of 96 points for m8 ... m32 (docs/perf-notes.md, "Two blocks per SM").
+// 93 of 96 points for m8 ... m32 (docs/performance.md §5.6).
 // m48 and the two-block m64 beat m128 by 1.07-1.20x on uniformly routed
-// experts of 32-51 rows but lost to it in the layer's skewed routing ("Tiles
-// for 32-48 rows"): the planner does not take them (nor the one-block m64),
+// experts of 32-51 rows but lost to it in the layer's skewed routing
+// (docs/performance.md §5.10): the planner skips them (and the one-block m64),
 // the tuner may. sm90n128m128k64s3w12 fits the 101,376-byte budget of
 // SM120/SM86-class parts (fp4moe plan --arch sm120), as do the m48 and
 // two-block m64 tiles. m160 (widths 40, 80, 120, 144, 160) holds an expert of

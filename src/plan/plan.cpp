@@ -347,8 +347,8 @@ double expected_m_tiles(double rows, int block_m) {
 
 // Whether the SM90 160-row tile beats the 128-row one at this many rows per
 // expert: its expected units, each 1.14x the cost of an m128 unit, against
-// m128's. The ratio is measured (H100, GEMM bench, uniform routing; perf-notes
-// "The m128 producer and an m160 tile"): GLM-4.5 at 205 rows, two units on
+// m128's. The ratio is measured (H100, GEMM bench, uniform routing;
+// docs/performance.md §5.12): GLM-4.5 at 205 rows, two units on
 // either tile, ran 0.86x on m160. The rule picks m160 at 117-168 and 247-326
 // rows (from 384 the 256-row tile, or m160 by sm90_m160_beats_m256). On the
 // measured shapes of 85-256 rows its pick is the faster tile or within 4 % of
@@ -362,8 +362,8 @@ bool sm90_m160_saves_units(double rows) {
 // Whether the 160-row tile beats the 256-row one from ~384 rows per expert:
 // its expected units cost 5 % less, an m256 unit taking 1.6x an m160 unit's
 // time (H100, both tiles forced at T = 16384 on GLM-4.5, Qwen3-235B,
-// Qwen3-30B and gpt-oss: 1.50-1.71x, docs/perf-notes.md "The large tiles
-// forced"). m256 has one wgmma width, so an expert's last, partly filled
+// Qwen3-30B and gpt-oss: 1.50-1.71x, docs/performance.md §5.12).
+// m256 has one wgmma width, so an expert's last, partly filled
 // unit costs a whole one: GLM-4.5 at 819 rows runs 4 units of m256 (the
 // last at 51 rows) or 6 of m160 (the last at 19, 40 columns wide). Where
 // the rows nearly fill 256-row units (512 and 1024 rows) m256 stays.
@@ -416,7 +416,7 @@ GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_
   // small and bound by DRAM and the dequantisation, not by waves of tiles:
   // the units on an SM share its bandwidth and issue slots, so a split that
   // makes more waves only adds a pipeline fill and a fix-up per slice
-  // (measured against every split by `fp4moe tune`: docs/perf-notes.md).
+  // (measured against every split by `fp4moe tune`: docs/performance.md §5.8).
   for (int split = 2; split_k == 0 && split <= kMaxSplitK; ++split) {
     if (!split_k_allowed(p, config, split) || p.k / split < kMinSplitKSliceK || tiles * split > slots) break;
     plan.split_k = split;
@@ -493,7 +493,7 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   // tensor-mapped activation copies beat the 64-row tile's cp.async, until
   // experts get ~3 x 128 rows (one standard deviation from ~384 rows), where
   // it takes the 256-row tile: measured best by `fp4moe tune` over the eight
-  // README shapes (docs/perf-notes.md, the autotuner). Between, the 160-row
+  // README shapes (docs/performance.md §5.9). Between, the 160-row
   // tile where it needs fewer units than m128 by more than its unit costs
   // over m128's (sm90_m160_saves_units), and above it where its units cost
   // less than m256's (sm90_m160_beats_m256). Below the 256-row tile the row
@@ -524,8 +524,8 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   // the issue-bound mainloop (~1.05x at T = 4-64, 1.26x on GLM-5's GEMM2 at
   // T = 1) — except where its units would spill a few into a second wave
   // that two waves of the deeper one absorb (DeepSeek-V3's GEMM2 at T = 1,
-  // 448 units: the layer 1.08x slower). docs/perf-notes.md, "Three blocks
-  // per SM". Where both fit as many blocks (SM120, SM86: one), the deeper.
+  // 448 units: the layer 1.08x slower). docs/performance.md §5.7. Where
+  // both fit as many blocks (SM120, SM86: one), the deeper.
   const auto& archs = arch_table();
   const auto arch = std::find_if(archs.begin(), archs.end(),
                                  [&](const ArchLimits& a) { return a.compute_capability == compute_capability; });
@@ -543,7 +543,7 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
       if (units > slots && !(units > shallower_slots && units <= 2 * slots)) pick = &*shallower;
     }
   }
-  // SM90 row classes, the `pick` rule (docs/perf-notes.md, "Row classes": the
+  // SM90 row classes, the `pick` rule (docs/performance.md §5.11: the
   // layer 1.12x at T = 256 on an H200, the GEMM bench unchanged): a picked
   // 16- or 32-row tile over the experts of at most its width and the 128-row
   // tile over the rest; at the 128-row tile with at most 48 expected rows,
@@ -552,8 +552,8 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   // batch leaves no expert with 48 rows or fewer (the m48 launch finds no
   // unit: 0.3 % of the GEMM), while skewed routing leaves many (the layer
   // bench at T = 4096: 75 of its 205 active experts) that m160 runs one block
-  // per SM at a narrow width: the layer 1.02-1.08x ("The epilogue at large
-  // token counts"). Not under a 128-row pick above 48 expected rows: a second
+  // per SM at a narrow width: the layer 1.02-1.08x (docs/performance.md §5.13).
+  // Not under a 128-row pick above 48 expected rows: a second
   // launch for the few small experts there cost Qwen3-30B's short GEMMs 10 %.
   // The m8 tile (a batch-invariant layer's decode) runs alone: a second
   // launch would add its latency to every decode step.

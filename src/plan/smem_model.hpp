@@ -186,7 +186,7 @@ constexpr int sm90_mma_extra_width(int block_m, int blocks_per_sm) {
 // Token tiles from which the producer copies contiguous activations with
 // tensor maps (TMA) rather than cp.async: measured 1.06-1.48x as fast for
 // m128 and m256 tiles, 0.82-1.04x for m8 ... m64, whose boxes of 8 or 16
-// rows are small transfers (docs/perf-notes.md, SM90 v5).
+// rows are small transfers (docs/performance.md §5.5).
 inline constexpr int kSm90TensorMapMinBlockM = 128;
 
 struct Sm90SmemLayout {
