@@ -19,6 +19,12 @@ Reads, per GPU folder under bench/results/ (h100/, h200/, ...), the JSON lines
   GPU layer     the whole layer's efficiency per model and token count
                 (default variant)
   GPU stages    the layer's time, roofline and stage split per model and T
+  GPU yardstick for a run measured with the memory ceiling max(copy, read)
+                and the layer roofline of each stage's real bytes: each
+                point's efficiency again under the earlier yardstick (copy
+                bandwidth; the layer as GEMM1 + GEMM2 with GEMM1 writing
+                2 moe_inter columns), from the same times, and the points
+                that moved across 0.8
 
 A document marks where each goes with a pair of HTML comments,
 
@@ -96,7 +102,9 @@ def run_line(gemm, layer):
         if data is None:
             continue
         ceil, cases = data
-        text = (f"{what}: {ceil.get('gpu', '?')}, {ceil.get('date', '?')}, copy {ceil['copy_tbps']:.2f} TB/s, "
+        memory = (f"memory {ceil['memory_tbps']:.2f} TB/s (copy {ceil['copy_tbps']:.2f}, read "
+                  f"{ceil['read_tbps']:.2f})" if "memory_tbps" in ceil else f"copy {ceil['copy_tbps']:.2f} TB/s")
+        text = (f"{what}: {ceil.get('gpu', '?')}, {ceil.get('date', '?')}, {memory}, "
                 f"cuBLAS bf16 {ceil['bf16_tflops']:.0f} TFLOP/s")
         if what == "GEMM":
             good = sum(c["efficiency"] >= TARGET for c in cases)
@@ -176,6 +184,44 @@ def stages_table(cases):
     return markdown(header, rows)
 
 
+def gemm_bytes_flops(active, rows, n, k):
+    """docs/design.md §6 for one grouped GEMM."""
+    return active * n * k * (0.5 + 1 / 16) + rows * k * 2 + rows * n * 2, 2.0 * rows * n * k
+
+
+def copy_roof_us(nbytes, flops, ceil):
+    """The earlier yardstick: the copy rate alone as the memory ceiling."""
+    return max(nbytes / (ceil["copy_tbps"] * 1e12), flops / (ceil["bf16_tflops"] * 1e12)) * 1e6
+
+
+def yardstick_table(gemm, layer):
+    """Efficiencies of one run under the earlier and the current yardstick."""
+    rows = []
+    if gemm is not None:
+        ceil, cases = gemm
+        old = {}
+        for c in cases:
+            b, f = gemm_bytes_flops(c["active_experts"], c["rows"], c["n"], c["k"])
+            old[id(c)] = copy_roof_us(b, f, ceil) / c["time_us"]
+        before = sum(v >= TARGET for v in old.values())
+        after = sum(c["efficiency"] >= TARGET for c in cases)
+        fell = sorted(f"{c['model']} GEMM{c['gemm']} T={c['tokens']} ({old[id(c)]:.2f} → {c['efficiency']:.2f})"
+                      for c in cases if old[id(c)] >= TARGET > c["efficiency"])
+        shift = [c["efficiency"] / old[id(c)] for c in cases]
+        rows.append(["GEMM points ≥ 0.8", f"{before} of {len(cases)}", f"{after} of {len(cases)}",
+                     (f"new / old {min(shift):.3f}–{max(shift):.3f}; below 0.8 now: " + (", ".join(fell) or "none"))])
+    if layer is not None:
+        ceil, cases = layer
+        for c in sorted(default_layer_cases(cases), key=lambda c: (model_key(c["model"], [c["model"]]),
+                                                                      c["model"], int(c["tokens"]))):
+            rows_, t, h, i, a = c["rows"], int(c["tokens"]), c["hidden"], c["inter"], c["active_experts"]
+            old_roof = sum(copy_roof_us(*gemm_bytes_flops(a, rows_, n, k), ceil) for n, k in ((2 * i, h), (h, i)))
+            old_eff = old_roof / c["time_us"]
+            rows.append([f"layer {c['model']} T={t}", f2(old_eff), f2(c["efficiency"]),
+                         "crossed 0.8" if (old_eff >= TARGET) != (c["efficiency"] >= TARGET) else ""])
+    return markdown(["", "earlier yardstick", "current yardstick", ""], rows)
+
+
 def gpu_folders(results):
     return sorted(d for d in os.listdir(results)
                   if os.path.isdir(os.path.join(results, d)) and not d.startswith("."))
@@ -200,6 +246,10 @@ def all_tables(results):
         if layer is not None:
             tables[(gpu, "layer")] = layer_table(layer[1])
             tables[(gpu, "stages")] = stages_table(layer[1])
+        current = [d for d in (gemm, layer) if d is not None and "memory_tbps" in d[0]]
+        if current:
+            tables[(gpu, "yardstick")] = yardstick_table(*(d if d is not None and "memory_tbps" in d[0] else None
+                                                           for d in (gemm, layer)))
     return tables
 
 
