@@ -118,9 +118,14 @@ struct PlanOrigin {
   };
   Kind kind = Kind::kHeuristic;
   std::string cache_path;  // kTuned: the cache file
-  int64_t bucket = 0;      // kTuned: the token count the choice was measured at
-  std::string note;        // kHeuristic: why a tuned entry for this token count was not used, if there was one
-  // "heuristic", "forced", "tuned (bucket 64 of PATH)", "heuristic (tuned entry not used: ...)"
+  // kTuned: the token count the choice was measured at; kHeuristic: that of
+  // the tuned entry not used, if there was one
+  int64_t bucket = 0;
+  std::string unused_tuned_entry;  // kHeuristic: why the tuned entry for this token count was not used
+  // kHeuristic: "the tuned entry for bucket 64 is not used: ..." where there
+  // was one, else empty (formatted when asked: planning formats no text).
+  std::string note() const;
+  // "heuristic", "forced", "tuned (bucket 64 of PATH)", "heuristic; the tuned entry for bucket 64 is not used: ..."
   std::string describe() const;
 };
 

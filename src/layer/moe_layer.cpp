@@ -72,17 +72,23 @@ std::string PlanOrigin::describe() const {
     case Kind::kTuned: return "tuned (bucket " + std::to_string(bucket) + " of " + cache_path + ")";
     case Kind::kHeuristic: break;
   }
-  return note.empty() ? "heuristic" : "heuristic; " + note;
+  const std::string why = note();
+  return why.empty() ? "heuristic" : "heuristic; " + why;
+}
+
+std::string PlanOrigin::note() const {
+  if (kind != Kind::kHeuristic || unused_tuned_entry.empty()) return "";
+  return "the tuned entry for bucket " + std::to_string(bucket) + " is not used: " + unused_tuned_entry;
 }
 
 std::string MoeLayerPlan::describe() const {
   std::ostringstream os;
   os << num_tokens << " tokens -> " << num_rows << " routed rows\n"
      << "  GEMM1 + SwiGLU  " << describe_row_stages(gemm1) << gemm1.config.to_string() << " split_k "
-     << gemm1.split_k << " [" << gemm1_origin.describe() << "]: " << gemm1.reason << "\n"
+     << gemm1.split_k << " [" << gemm1_origin.describe() << "]: " << gemm1.reason() << "\n"
      << "  GEMM2 + finalize " << describe_row_stages(gemm2) << gemm2.config.to_string() << " split_k "
      << gemm2.split_k << " ["
-     << gemm2_origin.describe() << "]: " << gemm2.reason << "\n";
+     << gemm2_origin.describe() << "]: " << gemm2.reason() << "\n";
   return os.str();
 }
 
@@ -376,8 +382,8 @@ struct MoeLayer::Impl {
             plan_grouped_gemm(p, tuned_choice->choice.config, tuned_choice->choice.split_k),
             options.batch_invariant);
       }
-      origin->note = "the tuned entry for bucket " + std::to_string(tuned_choice->bucket) +
-                     " is not used: " + tuned_choice->rejected;
+      origin->bucket = tuned_choice->bucket;  // note() says so, when asked
+      origin->unused_tuned_entry = tuned_choice->rejected;
     }
     return limit_split_k(plan_grouped_gemm(p), options.batch_invariant);
   }
