@@ -161,9 +161,15 @@ struct MoeDeviceWeights {
   const float* w13_bias = nullptr;     // fp32 [E, 2 I]: gate biases, then up biases
   const float* w2_bias = nullptr;      // fp32 [E, H]
   // Optional activation scales (W4A4), both or neither: GEMM1's input
-  // (gate/up's input_scale) and GEMM2's (down_proj's).
-  const float* w13_input_scale = nullptr;  // fp32 [E]
-  const float* w2_input_scale = nullptr;   // fp32 [E]
+  // (gate/up's input_scale) and GEMM2's (down_proj's), as the engines hold
+  // them (fp4moe::InputScaleExtent): [E] each by default, w13's [E, 2] =
+  // {gate, up} as loaded (GEMM1's input is then quantised with the larger,
+  // gemm1_input_scale), or one value for every expert. Checked as the
+  // checkpoint loader checks input_scale tensors (valid_input_scale).
+  const float* w13_input_scale = nullptr;  // fp32 [E], [E, 2] or [1]
+  const float* w2_input_scale = nullptr;   // fp32 [E] or [1]
+  InputScaleExtent w13_input_scale_extent = InputScaleExtent::kPerExpert;
+  InputScaleExtent w2_input_scale_extent = InputScaleExtent::kPerExpert;
 };
 
 // One forward's inputs (device pointers).

@@ -13,6 +13,7 @@ optional: it is imported only to register the torch.library op
 """
 from ._fp4moe import (  # noqa: F401
     Error,
+    checkpoint_reference_forward,
     cuda_device_count,
     load_stacked,
     pack_host,
@@ -30,6 +31,7 @@ __all__ = [
     "Error",
     "LayerConfig",
     "MoeLayer",
+    "checkpoint_reference_forward",
     "cuda_device_count",
     "dequantize",
     "find_moe_prefixes",
