@@ -12,11 +12,12 @@
 //                device, shape, strides) and launches on the caller's stream:
 //                no allocation, no host synchronisation.
 //   load_stacked, reference_forward, checkpoint_reference_forward,
-//   pack_stacked, pack_host
+//   describe_plan, pack_stacked, pack_host
 //                CPU functions: the checkpoint loader, the CPU reference (of
-//                stacked arrays, or of a checkpoint layer) and the two weight
-//                packers (the device packer's index mapping evaluated on the
-//                CPU, and the host packer) for the tests.
+//                stacked arrays, or of a checkpoint layer), the planner for
+//                a given architecture, and the two weight packers (the
+//                device packer's index mapping evaluated on the CPU, and the
+//                host packer) for the tests.
 //
 // W4A4 (fp4 activations) from the engines' layout: w13_input_scale and
 // w2_input_scale as vLLM and SGLang hold them ([E], w13's [E, 2], or one
@@ -826,6 +827,29 @@ double time_host_prepare(const Array& w13, const Array& w13_scale, const Array& 
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// What the planner picks for a layer of this shape on `arch` ("sm90", ...;
+// no GPU needed), described as MoeLayer.plan describes a layer's plan: the
+// heuristic's, with `num_sms` multiprocessors and two blocks per SM for the
+// split-K choice (a GPU layer sizes that by its kernels' occupancy, and a
+// tune cache may override either GEMM).
+std::string describe_plan(int64_t num_experts, int top_k, int64_t hidden, int64_t inter, int64_t num_tokens,
+                          const std::string& arch, int num_sms, bool batch_invariant) {
+  const ArchLimits limits = arch_limits(arch);
+  FP4MOE_CHECK(num_sms >= 1, "fp4moe.describe_plan: num_sms = ", num_sms, "; expected >= 1");
+  FP4MOE_CHECK(top_k >= 1 && num_tokens >= 1, "fp4moe.describe_plan: top_k = ", top_k, ", num_tokens = ",
+               num_tokens, "; expected >= 1 each");
+  MoeLayerPlan p;
+  p.num_tokens = num_tokens;
+  p.num_rows = num_tokens * top_k;
+  GemmPlan* plans[2] = {&p.gemm1, &p.gemm2};
+  for (int gemm : {1, 2}) {
+    const GemmProblem problem = moe_gemm_problem(gemm, num_experts, top_k, hidden, inter, num_tokens, batch_invariant);
+    *plans[gemm - 1] = limit_split_k(
+        plan_gemm(problem, limits.smem_per_block, num_sms, limits.compute_capability), batch_invariant);
+  }
+  return p.describe();
+}
+
 int cuda_device_count() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
@@ -943,6 +967,11 @@ NB_MODULE(_fp4moe, m) {
   m.def("time_host_prepare", &time_host_prepare, nb::arg("w13"), nb::arg("w13_scale"), nb::arg("w13_scale_2"),
         nb::arg("w2"), nb::arg("w2_scale"), nb::arg("w2_scale_2"), nb::arg("top_k"),
         "Seconds MoeLayer::prepare (host packer + upload) takes for stacked host arrays (benchmarks).");
+  m.def("describe_plan", &describe_plan, nb::arg("num_experts"), nb::arg("top_k"), nb::arg("hidden"),
+        nb::arg("inter"), nb::arg("num_tokens"), nb::kw_only(), nb::arg("arch") = "sm90", nb::arg("num_sms") = 132,
+        nb::arg("batch_invariant") = false,
+        "What the planner picks for a layer of this shape on an architecture (sm80, sm86, sm89, sm90, sm100, "
+        "sm120), as MoeLayer.plan describes it; no GPU needed (the heuristic's choice: a tune cache may differ).");
   m.def("cuda_device_count", &cuda_device_count, "CUDA devices usable by the library (0 without a driver).");
   m.def(
       "set_current_stream_fallback", [](nb::object fn) { current_stream_fallback() = std::move(fn); },

@@ -21,8 +21,8 @@ from conftest import (checkpoint_tensors, random_routing, random_stacked, rel_er
 def test_import_exposes_the_api():
     assert issubclass(fp4moe.Error, ValueError)
     for name in ("MoeLayer", "reference_forward", "checkpoint_reference_forward", "pack_stacked", "pack_host",
-                 "quantize", "dequantize", "load_stacked", "layer_config_from_hf", "find_moe_prefixes",
-                 "cuda_device_count"):
+                 "quantize", "dequantize", "load_stacked", "describe_plan", "layer_config_from_hf",
+                 "find_moe_prefixes", "cuda_device_count"):
         assert hasattr(fp4moe, name), name
     assert re.fullmatch(r"\d+\.\d+\.\d+", fp4moe.__version__)
     assert fp4moe.cuda_device_count() >= 0
@@ -236,6 +236,24 @@ def test_w4a4_refusals(what, s13, s2, activations, message):
                                  w2_input_scale=forms[s2], activations=activations)
     assert str(info.value).startswith(message), str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_describe_plan_without_a_gpu():
+    """The planner for a shape and an architecture, described as
+    MoeLayer.plan describes a layer's plan (no GPU needed)."""
+    text = fp4moe.describe_plan(8, 2, 4096, 14336, 1)  # Mixtral at T = 1 on an H100's 132 SMs
+    lines = text.splitlines()
+    assert lines[0] == "1 tokens -> 2 routed rows"
+    assert lines[1].startswith("  GEMM1 + SwiGLU  ") and lines[2].startswith("  GEMM2 + finalize ")
+    assert "GEMM2 + finalize n128m8k256s4w4-finalize split_k 4 [heuristic]: block_m 8 for ~1 rows per active " \
+           "expert (2 of 8 experts); ~64 tiles x split_k 4 over 264 block slots, 56 k-tiles each" in text
+    invariant = fp4moe.describe_plan(8, 2, 4096, 14336, 1, batch_invariant=True)
+    assert re.findall(r"split_k (\d+) \[", invariant) == ["1", "1"]
+    assert invariant.endswith("; split-K off (batch invariant)\n")
+    with pytest.raises(fp4moe.Error, match="unknown architecture 'sm75'"):
+        fp4moe.describe_plan(8, 2, 4096, 14336, 1, arch="sm75")
+    with pytest.raises(fp4moe.Error, match=r"^num_experts = 0: expected 1\.\.512$"):
+        fp4moe.describe_plan(0, 2, 4096, 14336, 1)
 
 
 def test_quantize_then_dequantize_is_close():
