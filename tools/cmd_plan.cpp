@@ -155,7 +155,7 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
       return describe_row_stages(p) + p.config.to_string() + " sk" + std::to_string(p.split_k);
     };
     auto plan_json = [](const GemmPlan& p, const std::string& source) {
-      nlohmann::json out{{"config", p.config.to_string()}, {"split_k", p.split_k}, {"reason", p.reason},
+      nlohmann::json out{{"config", p.config.to_string()}, {"split_k", p.split_k}, {"reason", p.reason()},
                          {"source", source}};
       for (const GemmPlan::RowStage& s : p.row_stages)
         out["row_stages"].push_back({{"config", s.config.to_string()}, {"max_rows", s.max_rows}});
@@ -167,7 +167,7 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
     if (!out)
       std::printf("  %7lld %8lld  %-33s %-35s %-20s %s\n", static_cast<long long>(t),
                   static_cast<long long>(g1.num_rows), name(plans[0]).c_str(), name(plans[1]).c_str(),
-                  (sources[0] + ", " + sources[1]).c_str(), plans[0].reason.c_str());
+                  (sources[0] + ", " + sources[1]).c_str(), plans[0].reason().c_str());
   }
   if (out) out->push_back(j);
   else std::cout << "\n";

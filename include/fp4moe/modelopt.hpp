@@ -38,6 +38,28 @@ struct Nvfp4Matrix {
   std::vector<float> dequantize() const;
 };
 
+// Rows [begin, begin + count) of an NVFP4 matrix; its global and input
+// scales are the matrix's.
+Nvfp4Matrix row_slice(const Nvfp4Matrix& m, int64_t begin, int64_t count);
+// Columns [begin, begin + count) (begin and count multiples of 16, so that
+// block scales split with them); its global and input scales are the
+// matrix's.
+Nvfp4Matrix column_slice(const Nvfp4Matrix& m, int64_t begin, int64_t count);
+
+// The input_scale values W4A4 accepts, wherever they come from (checkpoint
+// tensors, an engine's stacked tensors): finite and in [kMinInputScale,
+// kMaxInputScale]. ModelOpt exports amax / 2688 of the calibrated
+// activations, which its export asserts positive; the bounds keep the W4A4
+// arithmetic in normal fp32 (6 * s, e4m3 * s with e4m3 down to 2^-9, the
+// epilogue's weight_scale_2 * s) and span activation maxima from 2.7e-12 to
+// 2.7e18.
+inline constexpr float kMinInputScale = 1e-15f;
+inline constexpr float kMaxInputScale = 1e15f;
+bool valid_input_scale(float value);
+// The rule's wording for refusals: "a finite input_scale in [1e-15, 1e+15]
+// (the calibrated activation amax / 2688)".
+std::string input_scale_rule();
+
 // Absolute maximum of a float array (NaN ignored).
 float abs_max(const float* data, size_t count);
 

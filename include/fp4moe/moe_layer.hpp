@@ -118,9 +118,14 @@ struct PlanOrigin {
   };
   Kind kind = Kind::kHeuristic;
   std::string cache_path;  // kTuned: the cache file
-  int64_t bucket = 0;      // kTuned: the token count the choice was measured at
-  std::string note;        // kHeuristic: why a tuned entry for this token count was not used, if there was one
-  // "heuristic", "forced", "tuned (bucket 64 of PATH)", "heuristic (tuned entry not used: ...)"
+  // kTuned: the token count the choice was measured at; kHeuristic: that of
+  // the tuned entry not used, if there was one
+  int64_t bucket = 0;
+  std::string unused_tuned_entry;  // kHeuristic: why the tuned entry for this token count was not used
+  // kHeuristic: "the tuned entry for bucket 64 is not used: ..." where there
+  // was one, else empty (formatted when asked: planning formats no text).
+  std::string note() const;
+  // "heuristic", "forced", "tuned (bucket 64 of PATH)", "heuristic; the tuned entry for bucket 64 is not used: ..."
   std::string describe() const;
 };
 
@@ -156,9 +161,15 @@ struct MoeDeviceWeights {
   const float* w13_bias = nullptr;     // fp32 [E, 2 I]: gate biases, then up biases
   const float* w2_bias = nullptr;      // fp32 [E, H]
   // Optional activation scales (W4A4), both or neither: GEMM1's input
-  // (gate/up's input_scale) and GEMM2's (down_proj's).
-  const float* w13_input_scale = nullptr;  // fp32 [E]
-  const float* w2_input_scale = nullptr;   // fp32 [E]
+  // (gate/up's input_scale) and GEMM2's (down_proj's), as the engines hold
+  // them (fp4moe::InputScaleExtent): [E] each by default, w13's [E, 2] =
+  // {gate, up} as loaded (GEMM1's input is then quantised with the larger,
+  // gemm1_input_scale), or one value for every expert. Checked as the
+  // checkpoint loader checks input_scale tensors (valid_input_scale).
+  const float* w13_input_scale = nullptr;  // fp32 [E], [E, 2] or [1]
+  const float* w2_input_scale = nullptr;   // fp32 [E] or [1]
+  InputScaleExtent w13_input_scale_extent = InputScaleExtent::kPerExpert;
+  InputScaleExtent w2_input_scale_extent = InputScaleExtent::kPerExpert;
 };
 
 // One forward's inputs (device pointers).

@@ -90,6 +90,9 @@ struct SmemLayout {
 
 // The layout the kernel for `config` carves its shared memory from.
 SmemLayout smem_layout(const TileConfig& config);
+// Its total_bytes alone, without the regions' descriptions (no text is
+// formatted): what the planner compares with a budget.
+int64_t smem_bytes(const TileConfig& config);
 // Blocks of `config` that one SM of `arch` holds by shared memory (its
 // layout plus the system's reserve per block), at most the blocks an SM90
 // kernel is compiled for (its registers are split for them); the portable
@@ -129,7 +132,33 @@ struct GemmPlan {
   TileConfig config;
   int split_k = 1;        // K slices per tile, reduced in a fixed order
   int64_t max_tiles = 0;  // upper bound of (m-tile, n-tile) pairs
-  std::string reason;     // why this config and split
+  // Why this config and split, as one line of text. Formatted here, from the
+  // figures below: planning itself formats no text (a layer plans on its
+  // first forward of each token count, and workspace_bytes() plans many).
+  std::string reason() const;
+  // The figures the planner weighed (plan_gemm_with), and what later steps
+  // changed (limit_split_k, with_row_stage), for reason().
+  struct Rationale {
+    bool no_rows = false;           // nothing to plan for: reason() is "no rows"
+    int block_m = 0;
+    double rows_per_expert = 0;     // expected rows per active expert
+    double active_experts = 0;
+    int64_t num_experts = 0;
+    double tiles = 0;               // expected tiles
+    int split_k = 1;                // the split planned (before limit_split_k)
+    bool split_k_given = false;
+    double block_slots = 0;
+    int64_t k_tiles = 0;
+    // Appended in order: split-K turned off, a row class added.
+    struct Note {
+      enum class Kind { kSplitKOffBatchInvariant, kSplitKOffTileCounters, kRowStage } kind;
+      TileConfig config;   // kRowStage: the class's config
+      int first_rows = 0;  // kRowStage: its experts' rows, first_rows .. max_rows
+      int max_rows = 0;
+    };
+    std::vector<Note> notes;
+  };
+  Rationale why;
   // Row classes (empty: one launch of `config` over every expert). Launch i
   // runs row_stages[i].config, unsplit, over the experts with more rows than
   // row_stages[i - 1].max_rows (0 for the first) and at most its own

@@ -132,6 +132,45 @@ ActivationNumerics resolve_activation_numerics(const MoeWeights& weights, Activa
 // and up's are one value in ModelOpt exports (the same input); where they
 // differ, the larger, whose range covers both calibrations.
 float gemm1_input_scale(const ExpertWeights& expert);
+float gemm1_input_scale(float gate_input_scale, float up_input_scale);
+
+// ---- W4A4 from an engine's stacked tensors
+//
+// Inference engines (vLLM, SGLang) hold a ModelOpt NVFP4 MoE layer stacked
+// per expert, its input scales as w13_input_scale (gate/up's) and
+// w2_input_scale (down_proj's): [E, 2] as loaded, [E] once reduced to one
+// per expert (the larger of gate's and up's), or one value for every expert
+// where an engine keeps a single activation scale (the largest). The rules
+// below turn them into what a checkpoint's per-matrix input_scale tensors
+// give (ExpertWeights), so that both sources run the same W4A4 numerics.
+
+// How many values a stacked input_scale tensor holds.
+enum class InputScaleExtent {
+  kPerExpert,        // [E]: w13's applies to gate and up alike
+  kPerExpertGateUp,  // [E, 2] = {gate, up} of each expert (w13_input_scale only)
+  kPerLayer,         // one value for every expert (0-d or [1])
+};
+int64_t input_scale_count(InputScaleExtent extent, int64_t num_experts);
+
+struct ExpertInputScales {
+  float gate = 1.0f, up = 1.0f, down = 1.0f;
+};
+// Each expert's gate, up and down input scales from the stacked values
+// (host floats, input_scale_count() of them each), every value checked as
+// the checkpoint loader checks input_scale tensors (valid_input_scale). A
+// refusal is one line starting with `where` and naming the tensor and the
+// index, e.g. "fp4moe.MoeLayer: w13_input_scale[3, 1] is nan; expected a
+// finite input_scale in [1e-15, 1e+15] (the calibrated activation amax /
+// 2688)". w2's extent cannot be kPerExpertGateUp.
+std::vector<ExpertInputScales> stacked_input_scales(int64_t num_experts, const float* w13_input_scale,
+                                                    InputScaleExtent w13_extent, const float* w2_input_scale,
+                                                    InputScaleExtent w2_extent, const std::string& where);
+// The activation numerics of a stacked layer: both input scales or neither
+// (refused otherwise); kCheckpoint is kFp4 where they are given (an NVFP4
+// (W4A4) export's, as for a checkpoint that declares NVFP4) and kBf16
+// where not; kFp4 without them is refused. Refusals start with `where`.
+ActivationNumerics resolve_stacked_activation_numerics(ActivationNumerics requested, bool has_w13_input_scale,
+                                                       bool has_w2_input_scale, const std::string& where);
 
 // As above with an explicit thread count (num_threads <= 0 means all
 // hardware threads), intermediate precision and activation numerics. With

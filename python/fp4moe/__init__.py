@@ -13,8 +13,10 @@ optional: it is imported only to register the torch.library op
 """
 from ._fp4moe import (  # noqa: F401
     Error,
+    checkpoint_reference_forward,
     cuda_device_count,
     cuda_unavailable_reason,
+    describe_plan,
     load_stacked,
     pack_host,
     pack_stacked,
@@ -31,9 +33,11 @@ __all__ = [
     "Error",
     "LayerConfig",
     "MoeLayer",
+    "checkpoint_reference_forward",
     "cuda_device_count",
     "cuda_unavailable_reason",
     "dequantize",
+    "describe_plan",
     "find_moe_prefixes",
     "layer_config_from_hf",
     "load_stacked",

@@ -5,9 +5,21 @@
     out = layer(hidden_states, router_logits=logits)            # device routing
     layer(hidden_states, topk_ids=ids, topk_weights=w, out=out)  # caller's routing
 
+    # W4A4 (fp4 activations), with the input scales as the engines hold them
+    layer = fp4moe.MoeLayer(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                            w13_input_scale=w13_in, w2_input_scale=w2_in, top_k=8)
+
 Weights are the stacked tensors inference engines hold for a ModelOpt NVFP4
 MoE (w13 = [gate; up] rows per expert). They are repacked on their GPU by
 GPU kernels into the layer's own copy; the caller's tensors are untouched.
+`activations` picks the experts' input activations: "checkpoint" (fp4 when
+input scales are given, as for an NVFP4 (W4A4) checkpoint; bf16 otherwise),
+"bf16" (W4A16) or "fp4" (refused without input scales). The input scales
+become the layer's per-expert activation scales by the library's rules,
+those of MoeLayer.from_checkpoint: w13_input_scale [E, 2] (gate, up, as
+loaded) quantises GEMM1's input with the larger of the two, [E] with its
+value, and one value serves every expert; each must be finite and in
+[1e-15, 1e15].
 The workspace is allocated once, for max_tokens; a forward launches on the
 current torch stream and neither allocates (given `out`) nor synchronises,
 so it can be captured in a CUDA graph. Under torch.compile the call goes
@@ -76,6 +88,20 @@ def _as_i32(t):
     return t
 
 
+def _input_scale(value, like):
+    """An input scale as the layer takes it: fp32 on the weights' device. A
+    number becomes a one-value tensor there (with torch); arrays of other
+    libraries pass as they are."""
+    if value is None:
+        return None
+    torch = _torch()
+    if isinstance(value, (int, float)) and torch is not None and _is_torch_tensor(like):
+        return torch.tensor(float(value), dtype=torch.float32, device=like.device)
+    if _is_torch_tensor(value) and _is_torch_tensor(like):
+        return value.to(device=like.device, dtype=torch.float32)
+    return value
+
+
 def _current_stream(device_index: int) -> int:
     torch = _torch()
     if torch is None:
@@ -87,32 +113,41 @@ class MoeLayer:
     """An NVFP4 MoE layer on one GPU. See the module docstring."""
 
     def __init__(self, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, w13_bias=None, w2_bias=None,
-                 *, top_k: int, routing: str = "softmax", renormalize: bool = True, num_groups: int = 1,
+                 *, w13_input_scale=None, w2_input_scale=None, activations: str = "checkpoint", top_k: int,
+                 routing: str = "softmax", renormalize: bool = True, num_groups: int = 1,
                  topk_groups: int = 1, routed_scaling_factor: float = 1.0, activation: str = "swiglu",
                  finalize: str = "deterministic", batch_invariant: bool = False,
                  programmatic_launch: bool = True, max_tokens: int = 8192):
         """w13 u8 [E, 2I, H/2], w13_scale e4m3 [E, 2I, H/16], w13_scale_2 fp32 [E]
         or [E, 2] (gate, up), w2 u8 [E, H, I/2], w2_scale e4m3 [E, H, I/16],
         w2_scale_2 fp32 [E]; optional w13_bias [E, 2I] and w2_bias [E, H]
-        (converted to fp32). All on one CUDA device."""
+        (converted to fp32). All on one CUDA device.
+
+        W4A4: w13_input_scale fp32 [E], [E, 2] (gate, up) or one value, and
+        w2_input_scale fp32 [E] or one value, both or neither (a number or a
+        tensor elsewhere is copied to the weights' device as fp32)."""
         on_gpu = _is_torch_tensor(w13) and w13.is_cuda
         stream = _current_stream(w13.device.index) if on_gpu else 0
         self._impl = _fp4moe.Layer.from_device(
             w13, _as_u8(w13_scale), _as_f32(w13_scale_2), w2, _as_u8(w2_scale), _as_f32(w2_scale_2),
-            _as_f32(w13_bias), _as_f32(w2_bias), top_k=top_k, routing=routing, renormalize=renormalize,
-            num_groups=num_groups, topk_groups=topk_groups, routed_scaling_factor=routed_scaling_factor,
-            activation=activation, finalize=finalize, batch_invariant=batch_invariant,
-            programmatic_launch=programmatic_launch, max_tokens=max_tokens, stream=stream)
+            _as_f32(w13_bias), _as_f32(w2_bias), w13_input_scale=_input_scale(w13_input_scale, w13),
+            w2_input_scale=_input_scale(w2_input_scale, w13), top_k=top_k, routing=routing,
+            renormalize=renormalize, num_groups=num_groups, topk_groups=topk_groups,
+            routed_scaling_factor=routed_scaling_factor, activation=activation, activations=activations,
+            finalize=finalize, batch_invariant=batch_invariant, programmatic_launch=programmatic_launch,
+            max_tokens=max_tokens, stream=stream)
         self._register()
 
     @classmethod
     def from_checkpoint(cls, path: str, layer: int | None = None, *, prefix: str | None = None,
                         max_tokens: int = 8192, device: int | None = None, finalize: str = "deterministic",
                         batch_invariant: bool = False, programmatic_launch: bool = True,
-                        **routing) -> "MoeLayer":
+                        activations: str = "checkpoint", **routing) -> "MoeLayer":
         """Layer `layer` of a ModelOpt NVFP4 checkpoint (a directory with
         model.safetensors.index.json, or one .safetensors file), as the C++
         loader reads it ('<prefix>experts.<e>.{gate,up,down}_proj.*').
+        activations: "checkpoint" (fp4 for an NVFP4 (W4A4) export with every
+        input_scale, bf16 otherwise), "bf16" or "fp4".
 
         The prefix is found from the tensor names (or given); top_k, routing
         and activation come from config.json beside the checkpoint unless
@@ -136,7 +171,7 @@ class MoeLayer:
             device = torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else 0
         self = cls.__new__(cls)
         self._impl = _fp4moe.Layer.from_checkpoint(
-            str(path), prefix, finalize=finalize, batch_invariant=batch_invariant,
+            str(path), prefix, finalize=finalize, batch_invariant=batch_invariant, activations=activations,
             programmatic_launch=programmatic_launch, max_tokens=max_tokens, device=device, **config)
         self._register()
         return self
@@ -191,6 +226,8 @@ class MoeLayer:
     max_tokens = property(lambda self: self._impl.max_tokens)
     workspace_bytes = property(lambda self: self._impl.workspace_bytes)
     device_weight_bytes = property(lambda self: self._impl.device_weight_bytes)
+    activations = property(lambda self: self._impl.activations,
+                           doc='The activation numerics the layer runs: "bf16" or "fp4" (W4A4)')
 
     def plan(self, num_tokens: int) -> str:
         """The kernels a forward of num_tokens tokens launches, and why."""

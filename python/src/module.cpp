@@ -12,10 +12,20 @@
 //                construction); forward() validates every array (dtype,
 //                device, shape, strides) and launches on the caller's stream:
 //                no allocation, no host synchronisation.
-//   load_moe_weights, reference_forward, pack_stacked, pack_host
-//                CPU functions: the checkpoint loader, the CPU reference and
-//                the two weight packers (the device packer's index mapping
-//                evaluated on the CPU, and the host packer) for the tests.
+//   load_stacked, reference_forward, checkpoint_reference_forward,
+//   describe_plan, pack_stacked, pack_host
+//                CPU functions: the checkpoint loader, the CPU reference (of
+//                stacked arrays, or of a checkpoint layer), the planner for
+//                a given architecture, and the two weight packers (the
+//                device packer's index mapping evaluated on the CPU, and the
+//                host packer) for the tests.
+//
+// W4A4 (fp4 activations) from the engines' layout: w13_input_scale and
+// w2_input_scale as vLLM and SGLang hold them ([E], w13's [E, 2], or one
+// value) go to the library's rules (reference.hpp:
+// resolve_stacked_activation_numerics, stacked_input_scales), which make
+// them what a checkpoint's per-matrix input_scale tensors give; only their
+// shapes are read here.
 //
 // Every fp4moe::Error becomes fp4moe.Error (a ValueError) carrying the
 // library's one-line message (with the source location when FP4MOE_VERBOSE=1).
@@ -33,6 +43,8 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "fp4moe/cuda_check.hpp"
@@ -270,12 +282,36 @@ class ArrayView {
   std::vector<int64_t> compact_;
 };
 
+// ---------------------------------------------------------------- input scales
+
+// A stacked input_scale array (w13_input_scale, w2_input_scale) as the
+// engines hold it: its extent by shape ([E] or [E, 1]: one per expert; w13's
+// [E, 2]: gate and up; [] or [1]: one for every expert) and its data,
+// checked for dtype, place and contiguity. The values are checked by the
+// library (stacked_input_scales).
+template <typename A>
+std::pair<const float*, InputScaleExtent> input_scale_array(const char* where, const char* name, const A& a,
+                                                            int64_t num_experts, bool gate_up, int device_id) {
+  const int64_t E = num_experts;
+  const auto* data = static_cast<const float*>(
+      gate_up ? checked(where, name, a, DType::kF32, {{E}, {E, 1}, {E, 2}, {}, {1}}, device_id)
+              : checked(where, name, a, DType::kF32, {{E}, {E, 1}, {}, {1}}, device_id));
+  InputScaleExtent extent = InputScaleExtent::kPerExpert;
+  if (a.ndim() == 0 || (a.ndim() == 1 && a.shape(0) == 1 && E != 1))
+    extent = InputScaleExtent::kPerLayer;
+  else if (a.ndim() == 2 && a.shape(1) == 2)
+    extent = InputScaleExtent::kPerExpertGateUp;
+  return {data, extent};
+}
+
 // ---------------------------------------------------------------- options
 
 MoeLayerOptions make_options(int top_k, const std::string& routing, bool renormalize, int num_groups,
                              int topk_groups, float routed_scaling_factor, const std::string& activation,
-                             const std::string& finalize, bool batch_invariant, bool programmatic_launch) {
+                             const std::string& activations, const std::string& finalize, bool batch_invariant,
+                             bool programmatic_launch) {
   MoeLayerOptions o;
+  o.activations = parse_activation_numerics(activations);
   o.routing.mode = parse_routing_mode(routing);
   o.routing.top_k = top_k;
   o.routing.renormalize = renormalize;
@@ -342,6 +378,7 @@ class Layer {
   static Layer* from_device(const Array& w13, const Array& w13_scale, const Array& w13_scale_2,
                             const Array& w2, const Array& w2_scale, const Array& w2_scale_2,
                             const std::optional<Array>& w13_bias, const std::optional<Array>& w2_bias,
+                            const std::optional<Array>& w13_input_scale, const std::optional<Array>& w2_input_scale,
                             const MoeLayerOptions& options, int64_t max_tokens, uintptr_t stream) {
     constexpr const char* kWhere = "fp4moe.MoeLayer";
     FP4MOE_CHECK(w13.device_type() == nb::device::cuda::value, kWhere,
@@ -376,6 +413,16 @@ class Layer {
           checked(kWhere, "w13_bias", *w13_bias, DType::kF32, {{E, 2 * I}}, device));
       w.w2_bias =
           static_cast<const float*>(checked(kWhere, "w2_bias", *w2_bias, DType::kF32, {{E, H}}, device));
+    }
+    // W4A4: the library's rules (resolve_stacked_activation_numerics here,
+    // the values in prepare_device), refusals naming this call.
+    resolve_stacked_activation_numerics(options.activations, w13_input_scale.has_value(), w2_input_scale.has_value(),
+                                        kWhere);
+    if (w13_input_scale) {
+      std::tie(w.w13_input_scale, w.w13_input_scale_extent) =
+          input_scale_array(kWhere, "w13_input_scale", *w13_input_scale, E, /*gate_up=*/true, device);
+      std::tie(w.w2_input_scale, w.w2_input_scale_extent) =
+          input_scale_array(kWhere, "w2_input_scale", *w2_input_scale, E, /*gate_up=*/false, device);
     }
     DeviceGuard guard(device);
     MoeLayer layer = MoeLayer::prepare_device(w, options, reinterpret_cast<cudaStream_t>(stream));
@@ -515,23 +562,16 @@ std::vector<Nvfp4Matrix> unstack(const char* where, const Array& packed, const A
   return out;
 }
 
-// Rows [row_begin, row_begin + rows) of a matrix.
-Nvfp4Matrix row_slice(const Nvfp4Matrix& m, int64_t row_begin, int64_t rows, float global_scale) {
-  Nvfp4Matrix out;
-  out.rows = rows;
-  out.cols = m.cols;
-  out.global_scale = global_scale;
-  out.packed.assign(m.packed.begin() + row_begin * m.cols / 2,
-                    m.packed.begin() + (row_begin + rows) * m.cols / 2);
-  out.scales.assign(m.scales.begin() + row_begin * m.cols / 16,
-                    m.scales.begin() + (row_begin + rows) * m.cols / 16);
-  return out;
-}
-
 // The engines' stacked host arrays -> MoeWeights (per-expert gate/up/down).
+// With fp4 activations, the input scales (both given: resolve the numerics
+// first) are each matrix's input_scale, as a checkpoint's tensors give them
+// (stacked_input_scales); otherwise only their shapes are checked, as
+// MoeLayer does.
 MoeWeights weights_from_stacked(const Array& w13, const Array& w13_scale, const Array& w13_scale_2,
                                 const Array& w2, const Array& w2_scale, const Array& w2_scale_2,
-                                const std::optional<Array>& w13_bias, const std::optional<Array>& w2_bias) {
+                                const std::optional<Array>& w13_bias, const std::optional<Array>& w2_bias,
+                                const std::optional<Array>& w13_input_scale = std::nullopt,
+                                const std::optional<Array>& w2_input_scale = std::nullopt, bool fp4 = false) {
   constexpr const char* kWhere = "fp4moe.reference_forward";
   FP4MOE_CHECK(w13.ndim() == 3, kWhere, ": w13 has shape ", shape_string(shape_of(w13)),
                "; expected [E, 2*I, H/2]");
@@ -560,8 +600,10 @@ MoeWeights weights_from_stacked(const Array& w13, const Array& w13_scale, const 
   w.experts.resize(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) {
     ExpertWeights& x = w.experts[static_cast<size_t>(e)];
-    x.gate = row_slice(stacked13[static_cast<size_t>(e)], 0, I, s13[e * halves]);
-    x.up = row_slice(stacked13[static_cast<size_t>(e)], I, I, s13[e * halves + halves - 1]);
+    x.gate = row_slice(stacked13[static_cast<size_t>(e)], 0, I);
+    x.gate.global_scale = s13[e * halves];
+    x.up = row_slice(stacked13[static_cast<size_t>(e)], I, I);
+    x.up.global_scale = s13[e * halves + halves - 1];
     x.down = std::move(down[static_cast<size_t>(e)]);
     if (b13) {
       x.gate_bias.assign(b13 + e * 2 * I, b13 + e * 2 * I + I);
@@ -569,44 +611,87 @@ MoeWeights weights_from_stacked(const Array& w13, const Array& w13_scale, const 
       x.down_bias.assign(b2 + e * H, b2 + (e + 1) * H);
     }
   }
+  if (w13_input_scale && w2_input_scale) {
+    const auto [in13, extent13] = input_scale_array(kWhere, "w13_input_scale", *w13_input_scale, E, true, kHost);
+    const auto [in2, extent2] = input_scale_array(kWhere, "w2_input_scale", *w2_input_scale, E, false, kHost);
+    if (!fp4) return w;
+    const std::vector<ExpertInputScales> scales = stacked_input_scales(E, in13, extent13, in2, extent2, kWhere);
+    for (int64_t e = 0; e < E; ++e) {
+      ExpertWeights& x = w.experts[static_cast<size_t>(e)];
+      x.gate.input_scale = scales[static_cast<size_t>(e)].gate;
+      x.up.input_scale = scales[static_cast<size_t>(e)].up;
+      x.down.input_scale = scales[static_cast<size_t>(e)].down;
+      x.gate.has_input_scale = x.up.has_input_scale = x.down.has_input_scale = true;
+    }
+  }
   return w;
 }
 
-nb::ndarray<nb::numpy, float> reference_forward(const Array& w13, const Array& w13_scale,
-                                                const Array& w13_scale_2, const Array& w2,
-                                                const Array& w2_scale, const Array& w2_scale_2,
-                                                const std::optional<Array>& w13_bias,
-                                                const std::optional<Array>& w2_bias, const Array& hidden,
-                                                const Array& topk_ids, const Array& topk_weights,
-                                                const std::string& activation) {
-  constexpr const char* kWhere = "fp4moe.reference_forward";
-  const MoeWeights w =
-      weights_from_stacked(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, w13_bias, w2_bias);
-  FP4MOE_CHECK(hidden.ndim() == 2 && topk_ids.ndim() == 2, kWhere,
+// The CPU reference (bf16 intermediate, as the GPU layer stores it) of a
+// layer's weights on host arrays; `numerics` kBf16 or kFp4.
+nb::ndarray<nb::numpy, float> reference_on(const char* where, const MoeWeights& w, const Array& hidden,
+                                           const Array& topk_ids, const Array& topk_weights,
+                                           const std::string& activation, ActivationNumerics numerics) {
+  FP4MOE_CHECK(hidden.ndim() == 2 && topk_ids.ndim() == 2, where,
                ": hidden_states and topk_ids must be 2-D ([T, H] and [T, k])");
   const int64_t T = static_cast<int64_t>(hidden.shape(0));
   const int64_t k = static_cast<int64_t>(topk_ids.shape(1));
   const auto* x = static_cast<const float*>(
-      checked(kWhere, "hidden_states", hidden, DType::kF32, {{T, w.hidden}}, kHost));
+      checked(where, "hidden_states", hidden, DType::kF32, {{T, w.hidden}}, kHost));
   Routing r;
   r.num_tokens = T;
   r.top_k = static_cast<int>(k);
   const auto* ids =
-      static_cast<const int32_t*>(checked(kWhere, "topk_ids", topk_ids, DType::kI32, {{T, k}}, kHost));
+      static_cast<const int32_t*>(checked(where, "topk_ids", topk_ids, DType::kI32, {{T, k}}, kHost));
   const auto* wts =
-      static_cast<const float*>(checked(kWhere, "topk_weights", topk_weights, DType::kF32, {{T, k}}, kHost));
+      static_cast<const float*>(checked(where, "topk_weights", topk_weights, DType::kF32, {{T, k}}, kHost));
   r.topk_ids.assign(ids, ids + T * k);
   r.topk_weights.assign(wts, wts + T * k);
   validate_routing(r, w.num_experts);
   const Activation act = activation == "gptoss" ? Activation::kGptOss : Activation::kSwiGLU;
-  FP4MOE_CHECK(activation == "gptoss" || activation == "swiglu", kWhere, ": unknown activation '", activation,
+  FP4MOE_CHECK(activation == "gptoss" || activation == "swiglu", where, ": unknown activation '", activation,
                "'; expected swiglu or gptoss");
   std::vector<float> out(static_cast<size_t>(T * w.hidden));
   {
     nb::gil_scoped_release release;
-    moe_reference(w, x, r, act, out.data(), 0, Intermediate::kBf16);
+    moe_reference(w, x, r, act, out.data(), 0, Intermediate::kBf16, numerics);
   }
   return numpy_array(std::move(out), {static_cast<size_t>(T), static_cast<size_t>(w.hidden)});
+}
+
+// The engines' stacked host arrays, with input scales for W4A4 (the
+// activation numerics resolved as MoeLayer resolves them).
+nb::ndarray<nb::numpy, float> reference_forward(const Array& w13, const Array& w13_scale, const Array& w13_scale_2,
+                                                const Array& w2, const Array& w2_scale, const Array& w2_scale_2,
+                                                const std::optional<Array>& w13_bias,
+                                                const std::optional<Array>& w2_bias, const Array& hidden,
+                                                const Array& topk_ids, const Array& topk_weights,
+                                                const std::string& activation,
+                                                const std::optional<Array>& w13_input_scale,
+                                                const std::optional<Array>& w2_input_scale,
+                                                const std::string& activations) {
+  constexpr const char* kWhere = "fp4moe.reference_forward";
+  const ActivationNumerics numerics = resolve_stacked_activation_numerics(
+      parse_activation_numerics(activations), w13_input_scale.has_value(), w2_input_scale.has_value(), kWhere);
+  const MoeWeights w = weights_from_stacked(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, w13_bias, w2_bias,
+                                            w13_input_scale, w2_input_scale, numerics == ActivationNumerics::kFp4);
+  return reference_on(kWhere, w, hidden, topk_ids, topk_weights, activation, numerics);
+}
+
+// A checkpoint layer as MoeLayer.from_checkpoint loads it, on the CPU
+// reference: the activation numerics resolved as for a checkpoint (fp4 for
+// an NVFP4 (W4A4) export with every input_scale, unless asked otherwise).
+nb::ndarray<nb::numpy, float> checkpoint_reference_forward(const std::string& path, const std::string& prefix,
+                                                           const Array& hidden, const Array& topk_ids,
+                                                           const Array& topk_weights, const std::string& activation,
+                                                           const std::string& activations) {
+  MoeWeights w;
+  {
+    nb::gil_scoped_release release;
+    w = load_moe_weights(path, prefix);
+  }
+  const ActivationNumerics numerics = resolve_activation_numerics(w, parse_activation_numerics(activations));
+  return reference_on("fp4moe.checkpoint_reference_forward", w, hidden, topk_ids, topk_weights, activation, numerics);
 }
 
 // The device packer's index mapping, evaluated on the CPU.
@@ -649,7 +734,7 @@ nb::tuple pack_host(const Array& packed, const Array& scales, bool gate_up) {
     for (Nvfp4Matrix& m : ms) {
       FP4MOE_CHECK(m.rows % 16 == 0, "fp4moe.pack_host: a gate/up stack needs rows a multiple of 16, not ",
                    m.rows);
-      m = interleave_gate_up(row_slice(m, 0, m.rows / 2, 1.0f), row_slice(m, m.rows / 2, m.rows / 2, 1.0f));
+      m = interleave_gate_up(row_slice(m, 0, m.rows / 2), row_slice(m, m.rows / 2, m.rows / 2));
     }
   }
   std::vector<const Nvfp4Matrix*> ptrs;
@@ -659,7 +744,9 @@ nb::tuple pack_host(const Array& packed, const Array& scales, bool gate_up) {
   return nb::make_tuple(numpy_array(std::move(p.weights), {wn}), numpy_array(std::move(p.scales), {sn}));
 }
 
-// A checkpoint's layer as the engines' stacked host arrays (a dict).
+// A checkpoint's layer as the engines' stacked host arrays (a dict), with
+// w13_input_scale [E, 2] (gate, up) and w2_input_scale [E] where every
+// expert matrix has an input_scale (an NVFP4 (W4A4) export).
 nb::dict load_stacked(const std::string& path, const std::string& prefix) {
   MoeWeights w;
   {
@@ -669,8 +756,13 @@ nb::dict load_stacked(const std::string& path, const std::string& prefix) {
   const size_t E = static_cast<size_t>(w.num_experts), H = static_cast<size_t>(w.hidden),
                I = static_cast<size_t>(w.inter);
   std::vector<uint8_t> w13, w13s, w2, w2s;
-  std::vector<float> s13, s2, b13, b2;
+  std::vector<float> s13, s2, b13, b2, in13, in2;
+  bool input_scales = true;  // every matrix has one: w13_input_scale [E, 2], w2_input_scale [E]
   for (const ExpertWeights& x : w.experts) {
+    input_scales = input_scales && x.gate.has_input_scale && x.up.has_input_scale && x.down.has_input_scale;
+    in13.push_back(x.gate.input_scale);
+    in13.push_back(x.up.input_scale);
+    in2.push_back(x.down.input_scale);
     for (const Nvfp4Matrix* m : {&x.gate, &x.up}) {
       w13.insert(w13.end(), m->packed.begin(), m->packed.end());
       w13s.insert(w13s.end(), m->scales.begin(), m->scales.end());
@@ -694,6 +786,10 @@ nb::dict load_stacked(const std::string& path, const std::string& prefix) {
   if (w.has_bias()) {
     d["w13_bias"] = numpy_array(std::move(b13), {E, 2 * I});
     d["w2_bias"] = numpy_array(std::move(b2), {E, H});
+  }
+  if (input_scales && E > 0) {
+    d["w13_input_scale"] = numpy_array(std::move(in13), {E, 2});
+    d["w2_input_scale"] = numpy_array(std::move(in2), {E});
   }
   return d;
 }
@@ -730,6 +826,29 @@ double time_host_prepare(const Array& w13, const Array& w13_scale, const Array& 
   MoeLayer layer = MoeLayer::prepare(w, o);
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// What the planner picks for a layer of this shape on `arch` ("sm90", ...;
+// no GPU needed), described as MoeLayer.plan describes a layer's plan: the
+// heuristic's, with `num_sms` multiprocessors and two blocks per SM for the
+// split-K choice (a GPU layer sizes that by its kernels' occupancy, and a
+// tune cache may override either GEMM).
+std::string describe_plan(int64_t num_experts, int top_k, int64_t hidden, int64_t inter, int64_t num_tokens,
+                          const std::string& arch, int num_sms, bool batch_invariant) {
+  const ArchLimits limits = arch_limits(arch);
+  FP4MOE_CHECK(num_sms >= 1, "fp4moe.describe_plan: num_sms = ", num_sms, "; expected >= 1");
+  FP4MOE_CHECK(top_k >= 1 && num_tokens >= 1, "fp4moe.describe_plan: top_k = ", top_k, ", num_tokens = ",
+               num_tokens, "; expected >= 1 each");
+  MoeLayerPlan p;
+  p.num_tokens = num_tokens;
+  p.num_rows = num_tokens * top_k;
+  GemmPlan* plans[2] = {&p.gemm1, &p.gemm2};
+  for (int gemm : {1, 2}) {
+    const GemmProblem problem = moe_gemm_problem(gemm, num_experts, top_k, hidden, inter, num_tokens, batch_invariant);
+    *plans[gemm - 1] = limit_split_k(
+        plan_gemm(problem, limits.smem_per_block, num_sms, limits.compute_capability), batch_invariant);
+  }
+  return p.describe();
 }
 
 int cuda_device_count() {
@@ -782,37 +901,40 @@ NB_MODULE(_fp4moe, m) {
           "from_device",
           [](const Array& w13, const Array& w13_scale, const Array& w13_scale_2, const Array& w2,
              const Array& w2_scale, const Array& w2_scale_2, const std::optional<Array>& w13_bias,
-             const std::optional<Array>& w2_bias, int top_k, const std::string& routing, bool renormalize,
+             const std::optional<Array>& w2_bias, const std::optional<Array>& w13_input_scale,
+             const std::optional<Array>& w2_input_scale, int top_k, const std::string& routing, bool renormalize,
              int num_groups, int topk_groups, float routed_scaling_factor, const std::string& activation,
-             const std::string& finalize, bool batch_invariant, bool programmatic_launch, int64_t max_tokens,
-             uintptr_t stream) {
+             const std::string& activations, const std::string& finalize, bool batch_invariant,
+             bool programmatic_launch, int64_t max_tokens, uintptr_t stream) {
             return Layer::from_device(
-                w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, w13_bias, w2_bias,
+                w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, w13_bias, w2_bias, w13_input_scale,
+                w2_input_scale,
                 make_options(top_k, routing, renormalize, num_groups, topk_groups, routed_scaling_factor,
-                             activation, finalize, batch_invariant, programmatic_launch),
+                             activation, activations, finalize, batch_invariant, programmatic_launch),
                 max_tokens, stream);
           },
           nb::arg("w13"), nb::arg("w13_scale"), nb::arg("w13_scale_2"), nb::arg("w2"), nb::arg("w2_scale"),
           nb::arg("w2_scale_2"), nb::arg("w13_bias").none(), nb::arg("w2_bias").none(), nb::kw_only(),
-          nb::arg("top_k"), nb::arg("routing"), nb::arg("renormalize"), nb::arg("num_groups"),
-          nb::arg("topk_groups"), nb::arg("routed_scaling_factor"), nb::arg("activation"),
-          nb::arg("finalize"), nb::arg("batch_invariant"), nb::arg("programmatic_launch"),
-          nb::arg("max_tokens"), nb::arg("stream"), nb::rv_policy::take_ownership)
+          nb::arg("w13_input_scale").none(), nb::arg("w2_input_scale").none(), nb::arg("top_k"),
+          nb::arg("routing"), nb::arg("renormalize"), nb::arg("num_groups"), nb::arg("topk_groups"),
+          nb::arg("routed_scaling_factor"), nb::arg("activation"), nb::arg("activations"), nb::arg("finalize"),
+          nb::arg("batch_invariant"), nb::arg("programmatic_launch"), nb::arg("max_tokens"), nb::arg("stream"),
+          nb::rv_policy::take_ownership)
       .def_static(
           "from_checkpoint",
           [](const std::string& path, const std::string& prefix, int top_k, const std::string& routing,
              bool renormalize, int num_groups, int topk_groups, float routed_scaling_factor,
-             const std::string& activation, const std::string& finalize, bool batch_invariant,
-             bool programmatic_launch, int64_t max_tokens, int device) {
+             const std::string& activation, const std::string& activations, const std::string& finalize,
+             bool batch_invariant, bool programmatic_launch, int64_t max_tokens, int device) {
             return Layer::from_checkpoint(
                 path, prefix,
                 make_options(top_k, routing, renormalize, num_groups, topk_groups, routed_scaling_factor,
-                             activation, finalize, batch_invariant, programmatic_launch),
+                             activation, activations, finalize, batch_invariant, programmatic_launch),
                 max_tokens, device);
           },
           nb::arg("path"), nb::arg("prefix"), nb::kw_only(), nb::arg("top_k"), nb::arg("routing"),
           nb::arg("renormalize"), nb::arg("num_groups"), nb::arg("topk_groups"),
-          nb::arg("routed_scaling_factor"), nb::arg("activation"), nb::arg("finalize"),
+          nb::arg("routed_scaling_factor"), nb::arg("activation"), nb::arg("activations"), nb::arg("finalize"),
           nb::arg("batch_invariant"), nb::arg("programmatic_launch"), nb::arg("max_tokens"),
           nb::arg("device"), nb::rv_policy::take_ownership)
       // .none(): nanobind refuses None for an argument unless told; the
@@ -824,6 +946,8 @@ NB_MODULE(_fp4moe, m) {
       .def("host_forward_ns", &Layer::host_forward_ns, nb::arg("hidden_states"), nb::arg("out"),
            nb::arg("router_logits"), nb::arg("stream"), nb::arg("iterations"))
       .def("plan", &Layer::plan, nb::arg("num_tokens"))
+      .def_prop_ro("activations",
+                   [](const Layer& l) { return fp4moe::to_string(l.layer().activation_numerics()); })
       .def_prop_ro("num_experts", [](const Layer& l) { return l.layer().num_experts(); })
       .def_prop_ro("hidden", [](const Layer& l) { return l.layer().hidden(); })
       .def_prop_ro("inter", [](const Layer& l) { return l.layer().inter(); })
@@ -836,9 +960,16 @@ NB_MODULE(_fp4moe, m) {
   m.def("reference_forward", &reference_forward, nb::arg("w13"), nb::arg("w13_scale"), nb::arg("w13_scale_2"),
         nb::arg("w2"), nb::arg("w2_scale"), nb::arg("w2_scale_2"), nb::arg("w13_bias").none(),
         nb::arg("w2_bias").none(), nb::arg("hidden_states"), nb::arg("topk_ids"), nb::arg("topk_weights"),
-        nb::arg("activation") = "swiglu",
+        nb::arg("activation") = "swiglu", nb::kw_only(), nb::arg("w13_input_scale").none() = nb::none(),
+        nb::arg("w2_input_scale").none() = nb::none(), nb::arg("activations") = "checkpoint",
         "The CPU reference (double accumulation, bf16 intermediate as the GPU stores it) on stacked host "
-        "arrays.");
+        "arrays; with w13_input_scale and w2_input_scale ([E], [E, 2] for w13, or one value) W4A4 as "
+        "MoeLayer runs it (activations: checkpoint, bf16 or fp4).");
+  m.def("checkpoint_reference_forward", &checkpoint_reference_forward, nb::arg("path"), nb::arg("prefix"),
+        nb::arg("hidden_states"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("activation") = "swiglu",
+        nb::arg("activations") = "checkpoint",
+        "The CPU reference of a checkpoint layer as MoeLayer.from_checkpoint loads it (activations: "
+        "checkpoint, bf16 or fp4).");
   m.def("pack_stacked", &pack_stacked, nb::arg("packed"), nb::arg("scales"), nb::arg("gate_up"),
         "The device packer's index mapping evaluated on the CPU: (weights, scales) uint8 arrays.");
   m.def("pack_host", &pack_host, nb::arg("packed"), nb::arg("scales"), nb::arg("gate_up"),
@@ -851,6 +982,11 @@ NB_MODULE(_fp4moe, m) {
   m.def("time_host_prepare", &time_host_prepare, nb::arg("w13"), nb::arg("w13_scale"), nb::arg("w13_scale_2"),
         nb::arg("w2"), nb::arg("w2_scale"), nb::arg("w2_scale_2"), nb::arg("top_k"),
         "Seconds MoeLayer::prepare (host packer + upload) takes for stacked host arrays (benchmarks).");
+  m.def("describe_plan", &describe_plan, nb::arg("num_experts"), nb::arg("top_k"), nb::arg("hidden"),
+        nb::arg("inter"), nb::arg("num_tokens"), nb::kw_only(), nb::arg("arch") = "sm90", nb::arg("num_sms") = 132,
+        nb::arg("batch_invariant") = false,
+        "What the planner picks for a layer of this shape on an architecture (sm80, sm86, sm89, sm90, sm100, "
+        "sm120), as MoeLayer.plan describes it; no GPU needed (the heuristic's choice: a tune cache may differ).");
   m.def("cuda_device_count", &cuda_device_count, "CUDA devices usable by the library (0 without a driver).");
   m.def("cuda_unavailable_reason", &cuda_unavailable_reason,
         "'' where a CUDA device can be used, else why not (the CUDA runtime's error, named).");

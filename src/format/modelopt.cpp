@@ -47,6 +47,43 @@ std::vector<float> Nvfp4Matrix::dequantize() const {
   return out;
 }
 
+Nvfp4Matrix row_slice(const Nvfp4Matrix& m, int64_t begin, int64_t count) {
+  Nvfp4Matrix out;
+  out.rows = count;
+  out.cols = m.cols;
+  out.global_scale = m.global_scale;
+  out.input_scale = m.input_scale;
+  out.has_input_scale = m.has_input_scale;
+  out.packed.assign(m.packed.begin() + begin * (m.cols / 2), m.packed.begin() + (begin + count) * (m.cols / 2));
+  out.scales.assign(m.scales.begin() + begin * (m.cols / 16), m.scales.begin() + (begin + count) * (m.cols / 16));
+  return out;
+}
+
+Nvfp4Matrix column_slice(const Nvfp4Matrix& m, int64_t begin, int64_t count) {
+  Nvfp4Matrix out;
+  out.rows = m.rows;
+  out.cols = count;
+  out.global_scale = m.global_scale;
+  out.input_scale = m.input_scale;
+  out.has_input_scale = m.has_input_scale;
+  out.packed.resize(static_cast<size_t>(m.rows * count / 2));
+  out.scales.resize(static_cast<size_t>(m.rows * count / 16));
+  for (int64_t r = 0; r < m.rows; ++r) {
+    std::copy_n(m.packed.begin() + r * (m.cols / 2) + begin / 2, count / 2, out.packed.begin() + r * (count / 2));
+    std::copy_n(m.scales.begin() + r * (m.cols / 16) + begin / 16, count / 16, out.scales.begin() + r * (count / 16));
+  }
+  return out;
+}
+
+bool valid_input_scale(float value) {
+  return std::isfinite(value) && value >= kMinInputScale && value <= kMaxInputScale;
+}
+
+std::string input_scale_rule() {
+  return detail::concat("a finite input_scale in [", kMinInputScale, ", ", kMaxInputScale,
+                        "] (the calibrated activation amax / 2688)");
+}
+
 float abs_max(const float* data, size_t count) {
   float amax = 0.0f;
   for (size_t i = 0; i < count; ++i) {
@@ -436,19 +473,12 @@ float read_f32_scale(const TensorView& view, const std::string& path) {
   return value;
 }
 
-// Calibrated activation amax / 2688, as ModelOpt exports it: positive (its
-// export asserts so) and finite. The bounds keep the W4A4 arithmetic in
-// normal fp32 (6 * s, e4m3 * s with e4m3 down to 2^-9, the epilogue's
-// weight_scale_2 * s); they span activation maxima from 2.7e-12 to 2.7e18.
-inline constexpr float kMinInputScale = 1e-15f;
-inline constexpr float kMaxInputScale = 1e15f;
-
+// Calibrated activation amax / 2688, as ModelOpt exports it (valid_input_scale).
 float read_input_scale(const TensorView& view, const std::string& path) {
   float value;
   std::memcpy(&value, view.data, sizeof value);
-  FP4MOE_CHECK(std::isfinite(value) && value >= kMinInputScale && value <= kMaxInputScale, path, ": tensor '",
-               view.name, "' is ", value, "; expected a finite input_scale in [", kMinInputScale, ", ",
-               kMaxInputScale, "] (the calibrated activation amax / 2688)");
+  FP4MOE_CHECK(valid_input_scale(value), path, ": tensor '", view.name, "' is ", value, "; expected ",
+               input_scale_rule());
   return value;
 }
 

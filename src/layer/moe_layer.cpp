@@ -72,17 +72,23 @@ std::string PlanOrigin::describe() const {
     case Kind::kTuned: return "tuned (bucket " + std::to_string(bucket) + " of " + cache_path + ")";
     case Kind::kHeuristic: break;
   }
-  return note.empty() ? "heuristic" : "heuristic; " + note;
+  const std::string why = note();
+  return why.empty() ? "heuristic" : "heuristic; " + why;
+}
+
+std::string PlanOrigin::note() const {
+  if (kind != Kind::kHeuristic || unused_tuned_entry.empty()) return "";
+  return "the tuned entry for bucket " + std::to_string(bucket) + " is not used: " + unused_tuned_entry;
 }
 
 std::string MoeLayerPlan::describe() const {
   std::ostringstream os;
   os << num_tokens << " tokens -> " << num_rows << " routed rows\n"
      << "  GEMM1 + SwiGLU  " << describe_row_stages(gemm1) << gemm1.config.to_string() << " split_k "
-     << gemm1.split_k << " [" << gemm1_origin.describe() << "]: " << gemm1.reason << "\n"
+     << gemm1.split_k << " [" << gemm1_origin.describe() << "]: " << gemm1.reason() << "\n"
      << "  GEMM2 + finalize " << describe_row_stages(gemm2) << gemm2.config.to_string() << " split_k "
      << gemm2.split_k << " ["
-     << gemm2_origin.describe() << "]: " << gemm2.reason << "\n";
+     << gemm2_origin.describe() << "]: " << gemm2.reason() << "\n";
   return os.str();
 }
 
@@ -190,38 +196,6 @@ int shared_chunks(const MoeWeights& w, const MoeLayerOptions& o) {
   FP4MOE_CHECK(sh.gate.empty() || sh.gate.size() == static_cast<size_t>(w.hidden), "MoeLayer: the shared expert's "
                "gate has ", sh.gate.size(), " values; expected 0 (none) or hidden = ", w.hidden);
   return static_cast<int>(chunks);
-}
-
-// Columns [begin, begin + count) of an NVFP4 matrix (begin and count
-// multiples of 16, so block scales split with them); the global scale is
-// the matrix's.
-Nvfp4Matrix column_slice(const Nvfp4Matrix& m, int64_t begin, int64_t count) {
-  Nvfp4Matrix out;
-  out.rows = m.rows;
-  out.cols = count;
-  out.global_scale = m.global_scale;
-  out.input_scale = m.input_scale;
-  out.has_input_scale = m.has_input_scale;
-  out.packed.resize(static_cast<size_t>(m.rows * count / 2));
-  out.scales.resize(static_cast<size_t>(m.rows * count / 16));
-  for (int64_t r = 0; r < m.rows; ++r) {
-    std::copy_n(m.packed.begin() + r * (m.cols / 2) + begin / 2, count / 2, out.packed.begin() + r * (count / 2));
-    std::copy_n(m.scales.begin() + r * (m.cols / 16) + begin / 16, count / 16, out.scales.begin() + r * (count / 16));
-  }
-  return out;
-}
-
-// Rows [begin, begin + count) of an NVFP4 matrix.
-Nvfp4Matrix row_slice(const Nvfp4Matrix& m, int64_t begin, int64_t count) {
-  Nvfp4Matrix out;
-  out.rows = count;
-  out.cols = m.cols;
-  out.global_scale = m.global_scale;
-  out.input_scale = m.input_scale;
-  out.has_input_scale = m.has_input_scale;
-  out.packed.assign(m.packed.begin() + begin * (m.cols / 2), m.packed.begin() + (begin + count) * (m.cols / 2));
-  out.scales.assign(m.scales.begin() + begin * (m.cols / 16), m.scales.begin() + (begin + count) * (m.cols / 16));
-  return out;
 }
 
 // Chunk j of the shared expert as an expert of the routed width: gate and
@@ -376,8 +350,8 @@ struct MoeLayer::Impl {
             plan_grouped_gemm(p, tuned_choice->choice.config, tuned_choice->choice.split_k),
             options.batch_invariant);
       }
-      origin->note = "the tuned entry for bucket " + std::to_string(tuned_choice->bucket) +
-                     " is not used: " + tuned_choice->rejected;
+      origin->bucket = tuned_choice->bucket;  // note() says so, when asked
+      origin->unused_tuned_entry = tuned_choice->rejected;
     }
     return limit_split_k(plan_grouped_gemm(p), options.batch_invariant);
   }
@@ -645,13 +619,11 @@ MoeLayer MoeLayer::prepare_device(const MoeDeviceWeights& w, const MoeLayerOptio
     check_device_pointer(w.w13_bias, device, "w13_bias");
     check_device_pointer(w.w2_bias, device, "w2_bias");
   }
-  FP4MOE_CHECK((w.w13_input_scale == nullptr) == (w.w2_input_scale == nullptr),
-               "MoeLayer::prepare_device: give both w13_input_scale and w2_input_scale, or neither");
-  const bool have_input_scales = w.w13_input_scale != nullptr;
-  FP4MOE_CHECK(options.activations != ActivationNumerics::kFp4 || have_input_scales,
-               "MoeLayer::prepare_device: fp4 activations (W4A4) need w13_input_scale and w2_input_scale; "
-               "none are given: use bf16 activations");
-  if (have_input_scales) {
+  const bool fp4_activations =
+      resolve_stacked_activation_numerics(options.activations, w.w13_input_scale != nullptr,
+                                          w.w2_input_scale != nullptr, "MoeLayer::prepare_device") ==
+      ActivationNumerics::kFp4;
+  if (w.w13_input_scale != nullptr) {
     check_device_pointer(w.w13_input_scale, device, "w13_input_scale");
     check_device_pointer(w.w2_input_scale, device, "w2_input_scale");
   }
@@ -682,14 +654,23 @@ MoeLayer MoeLayer::prepare_device(const MoeDeviceWeights& w, const MoeLayerOptio
   }
   // W4A4, as prepare(): the input scales join the epilogues' scales.
   std::vector<float> s2_epilogue = s2;
-  impl->fp4_activations = have_input_scales && options.activations != ActivationNumerics::kBf16;
+  impl->fp4_activations = fp4_activations;
   if (impl->fp4_activations) {
-    const std::vector<float> in13 = download_floats(w.w13_input_scale, static_cast<size_t>(E), stream);
-    const std::vector<float> in2 = download_floats(w.w2_input_scale, static_cast<size_t>(E), stream);
+    // The engines' stacked forms as a checkpoint's per-matrix scales, then
+    // GEMM1's per expert as prepare() takes it (gemm1_input_scale).
+    const std::vector<ExpertInputScales> scales = stacked_input_scales(
+        E,
+        download_floats(w.w13_input_scale, static_cast<size_t>(input_scale_count(w.w13_input_scale_extent, E)), stream)
+            .data(),
+        w.w13_input_scale_extent,
+        download_floats(w.w2_input_scale, static_cast<size_t>(input_scale_count(w.w2_input_scale_extent, E)), stream)
+            .data(),
+        w.w2_input_scale_extent, "MoeLayer::prepare_device");
+    std::vector<float> in13(static_cast<size_t>(E)), in2(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) {
       const auto i = static_cast<size_t>(e);
-      check_input_scale(in13[i], "MoeLayer::prepare_device: w13_input_scale", e);
-      check_input_scale(in2[i], "MoeLayer::prepare_device: w2_input_scale", e);
+      in13[i] = gemm1_input_scale(scales[i].gate, scales[i].up);
+      in2[i] = scales[i].down;
       gate_scales[i] *= in13[i];
       up_scales[i] *= in13[i];
       s2_epilogue[i] *= in2[i];

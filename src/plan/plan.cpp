@@ -33,7 +33,7 @@ const std::vector<ArchLimits>& arch_table() {
 }  // namespace
 
 int64_t blocks_per_sm_by_smem(const TileConfig& config, const ArchLimits& arch) {
-  const int64_t by_smem = arch.smem_per_sm / (smem_layout(config).total_bytes + arch.smem_reserved_per_block);
+  const int64_t by_smem = arch.smem_per_sm / (smem_bytes(config) + arch.smem_reserved_per_block);
   // An SM90 kernel's registers are split for the blocks it is compiled for.
   if (config.family == KernelFamily::kSm90)
     return std::min<int64_t>(by_smem, sm90_smem_layout(config).blocks_per_sm);
@@ -187,10 +187,6 @@ SmemLayout portable_layout(const TileConfig& c) {
 }
 
 SmemLayout sm90_layout(const TileConfig& c) {
-  FP4MOE_CHECK(c.block_n == kSm90BlockN && c.warps == kSm90Threads / 32 && c.block_m % 8 == 0 &&
-                   c.block_m <= 256,
-               "tile config ", c.to_string(), ": the SM90 family has BLOCK_N = ", kSm90BlockN, ", ",
-               kSm90Threads / 32, " warps and BLOCK_M a multiple of 8 up to 256");
   const Sm90SmemLayout l = sm90_smem_layout(c);
   const std::string stages = "STAGES=" + std::to_string(c.stages);
   const std::string bn = "BLOCK_N=" + std::to_string(c.block_n);
@@ -225,18 +221,35 @@ SmemLayout sm90_layout(const TileConfig& c) {
   return out;
 }
 
-}  // namespace
-
-SmemLayout smem_layout(const TileConfig& c) {
+// The configs the shared-memory model describes.
+void check_layout_config(const TileConfig& c) {
   FP4MOE_CHECK(c.block_n % kFragRows == 0 && c.block_k % kFragK == 0 && c.stages >= 1,
                "tile config ", c.to_string(), ": BLOCK_N must be a multiple of ", kFragRows,
                " and BLOCK_K of ", kFragK);
+  if (c.family == KernelFamily::kSm90)
+    FP4MOE_CHECK(c.block_n == kSm90BlockN && c.warps == kSm90Threads / 32 && c.block_m % 8 == 0 &&
+                     c.block_m <= 256,
+                 "tile config ", c.to_string(), ": the SM90 family has BLOCK_N = ", kSm90BlockN, ", ",
+                 kSm90Threads / 32, " warps and BLOCK_M a multiple of 8 up to 256");
+}
+
+}  // namespace
+
+SmemLayout smem_layout(const TileConfig& c) {
+  check_layout_config(c);
   return c.family == KernelFamily::kSm90 ? sm90_layout(c) : portable_layout(c);
+}
+
+int64_t smem_bytes(const TileConfig& c) {
+  check_layout_config(c);
+  return c.family == KernelFamily::kSm90
+             ? sm90_smem_layout(c).total_bytes
+             : portable_smem_layout(c.block_n, c.block_m, c.block_k, c.stages, c.epilogue).total_bytes;
 }
 
 FitReport check_fit(const TileConfig& config, int64_t budget) {
   FitReport r;
-  r.total_bytes = smem_layout(config).total_bytes;
+  r.total_bytes = smem_bytes(config);
   r.limit_bytes = budget;
   r.fits = r.total_bytes <= budget;
   if (r.fits) return r;
@@ -244,18 +257,16 @@ FitReport check_fit(const TileConfig& config, int64_t budget) {
   advice << "needs " << r.total_bytes - budget << " B more than the limit; ";
   TileConfig t = config;
   for (t.stages = config.stages - 1; t.stages >= 2; --t.stages)
-    if (smem_layout(t).total_bytes <= budget) break;
+    if (smem_bytes(t) <= budget) break;
   if (t.stages >= 2) {
-    advice << "fits with stages=" << t.stages << " (" << t.to_string() << ", "
-           << smem_layout(t).total_bytes << " B)";
+    advice << "fits with stages=" << t.stages << " (" << t.to_string() << ", " << smem_bytes(t) << " B)";
     r.advice = advice.str();
     return r;
   }
   t = config;
-  while (t.block_k > kFragK && smem_layout(t).total_bytes > budget) t.block_k /= 2;
-  if (smem_layout(t).total_bytes <= budget) {
-    advice << "fits with block_k=" << t.block_k << " (" << t.to_string() << ", "
-           << smem_layout(t).total_bytes << " B)";
+  while (t.block_k > kFragK && smem_bytes(t) > budget) t.block_k /= 2;
+  if (smem_bytes(t) <= budget) {
+    advice << "fits with block_k=" << t.block_k << " (" << t.to_string() << ", " << smem_bytes(t) << " B)";
   } else {
     advice << "no stage count or block_k makes it fit; use a smaller block_m or block_n";
   }
@@ -400,7 +411,7 @@ GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_
   plan.split_k = std::max(split_k, 1);
   plan.max_tiles = max_tiles(p, config);
   if (p.num_rows == 0) {
-    plan.reason = "no rows";
+    plan.why.no_rows = true;
     return plan;
   }
   const double active = active_experts(p);
@@ -421,23 +432,52 @@ GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_
     if (!split_k_allowed(p, config, split) || p.k / split < kMinSplitKSliceK || tiles * split > slots) break;
     plan.split_k = split;
   }
-  std::ostringstream why;
-  why.precision(3);
-  why << "block_m " << config.block_m << " for ~" << rows_per_expert << " rows per active expert ("
-      << active << " of " << p.num_experts << " experts); ~" << tiles << " tiles x split_k "
-      << plan.split_k << (split_k > 0 ? " (given)" : "") << " over " << slots << " block slots, " << k_tiles
-      << " k-tiles each";
-  plan.reason = why.str();
+  // The figures only: reason() formats them when asked.
+  GemmPlan::Rationale& why = plan.why;
+  why.block_m = config.block_m;
+  why.rows_per_expert = rows_per_expert;
+  why.active_experts = active;
+  why.num_experts = p.num_experts;
+  why.tiles = tiles;
+  why.split_k = plan.split_k;
+  why.split_k_given = split_k > 0;
+  why.block_slots = slots;
+  why.k_tiles = k_tiles;
   return plan;
 }
 
+std::string GemmPlan::reason() const {
+  std::ostringstream os;
+  os.precision(3);
+  if (why.no_rows)
+    os << "no rows";
+  else
+    os << "block_m " << why.block_m << " for ~" << why.rows_per_expert << " rows per active expert ("
+       << why.active_experts << " of " << why.num_experts << " experts); ~" << why.tiles << " tiles x split_k "
+       << why.split_k << (why.split_k_given ? " (given)" : "") << " over " << why.block_slots << " block slots, "
+       << why.k_tiles << " k-tiles each";
+  for (const Rationale::Note& note : why.notes) {
+    switch (note.kind) {
+      case Rationale::Note::Kind::kSplitKOffBatchInvariant: os << "; split-K off (batch invariant)"; break;
+      case Rationale::Note::Kind::kSplitKOffTileCounters:
+        os << "; split-K off (more tiles than the workspace's counters)";
+        break;
+      case Rationale::Note::Kind::kRowStage:
+        os << "; experts of " << note.first_rows << "-" << note.max_rows << " rows first on " << note.config.to_string();
+        break;
+    }
+  }
+  return os.str();
+}
+
 GemmPlan limit_split_k(GemmPlan plan, bool batch_invariant) {
+  using Note = GemmPlan::Rationale::Note;
   if (plan.split_k > 1 && batch_invariant) {
     plan.split_k = 1;
-    plan.reason += "; split-K off (batch invariant)";
+    plan.why.notes.push_back({Note::Kind::kSplitKOffBatchInvariant, {}, 0, 0});
   } else if (plan.split_k > 1 && plan.max_tiles > kMaxSplitKTiles) {
     plan.split_k = 1;
-    plan.reason += "; split-K off (more tiles than the workspace's counters)";
+    plan.why.notes.push_back({Note::Kind::kSplitKOffTileCounters, {}, 0, 0});
   }
   return plan;
 }
@@ -466,7 +506,7 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   auto candidates = [&](KernelFamily family) {
     std::vector<TileConfig> out;
     for (const auto& c : compiled_configs())
-      if (c.family == family && c.epilogue == p.epilogue && check_fit(c, smem_budget_bytes).fits)
+      if (c.family == family && c.epilogue == p.epilogue && smem_bytes(c) <= smem_budget_bytes)
         out.push_back(c);
     return out;
   };
@@ -580,8 +620,7 @@ GemmPlan with_row_stage(GemmPlan plan, const GemmProblem& p, const TileConfig& c
   FP4MOE_CHECK(config.epilogue == plan.config.epilogue && max_rows > above, "with_row_stage: ", config.to_string(),
                " for ", plan.config.to_string(), " over experts of ", above + 1, " to ", max_rows, " rows");
   plan.row_stages.push_back({config, max_rows, max_tiles(p, config)});
-  plan.reason += "; experts of " + std::to_string(above + 1) + "-" + std::to_string(max_rows) + " rows first on " +
-                 config.to_string();
+  plan.why.notes.push_back({GemmPlan::Rationale::Note::Kind::kRowStage, config, above + 1, max_rows});
   return plan;
 }
 

@@ -26,7 +26,7 @@ std::string Candidate::to_string() const { return config.to_string() + " split_k
 KernelFamily invariant_family(Epilogue epilogue, const DeviceLimits& limits) {
   if (family_runs_on(KernelFamily::kSm90, limits.compute_capability))
     for (const TileConfig& c : compiled_configs())
-      if (c.family == KernelFamily::kSm90 && c.epilogue == epilogue && check_fit(c, limits.smem_budget_bytes).fits)
+      if (c.family == KernelFamily::kSm90 && c.epilogue == epilogue && smem_bytes(c) <= limits.smem_budget_bytes)
         return KernelFamily::kSm90;
   return KernelFamily::kPortable;
 }
@@ -36,7 +36,7 @@ std::vector<Candidate> candidates(const GemmProblem& problem, const DeviceLimits
   std::vector<Candidate> out;
   for (const TileConfig& c : compiled_configs()) {
     if (c.epilogue != problem.epilogue || !family_runs_on(c.family, limits.compute_capability) ||
-        !check_fit(c, limits.smem_budget_bytes).fits || (batch_invariant && c.family != only))
+        smem_bytes(c) > limits.smem_budget_bytes || (batch_invariant && c.family != only))
       continue;
     // Split-K needs the layer's tile counters (limit_split_k) and changes the
     // order of summation (batch invariance).

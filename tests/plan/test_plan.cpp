@@ -186,15 +186,15 @@ TEST(ArchLimits, KnowsTheBudgets) {
 TEST(Planner, PicksTokenTileByRowsPerExpert) {
   GemmProblem p{256, 4096, 7168, 8, 0};  // DeepSeek-V3 GEMM1, one token
   GemmPlan plan = plan_gemm(p, 232448, 132);
-  EXPECT_EQ(plan.config.block_m, 8) << plan.reason;
+  EXPECT_EQ(plan.config.block_m, 8) << plan.reason();
   p.num_rows = 16384 * 8;  // prefill: 512 rows per expert
   plan = plan_gemm(p, 232448, 132);
-  EXPECT_EQ(plan.config.block_m, 64) << plan.reason;
-  EXPECT_EQ(plan.split_k, 1) << plan.reason;
+  EXPECT_EQ(plan.config.block_m, 64) << plan.reason();
+  EXPECT_EQ(plan.split_k, 1) << plan.reason();
   GemmProblem mixtral{8, 4096, 14336, 2, 0};  // Mixtral GEMM2 at T = 1: 64 tiles, long K
   plan = plan_gemm(mixtral, 232448, 132);
   // Split-K fills the idle block slots: 64 tiles x 4 slices <= 132 SMs x 2.
-  EXPECT_EQ(plan.split_k, 4) << plan.reason;
+  EXPECT_EQ(plan.split_k, 4) << plan.reason();
   // The tile bound covers any routing: all rows on one expert, or one per expert.
   EXPECT_GE(plan.max_tiles, 2 * (4096 / 128));
   // Never a split that needs a second wave of slots, nor slices shorter than
@@ -202,7 +202,7 @@ TEST(Planner, PicksTokenTileByRowsPerExpert) {
   EXPECT_EQ(plan_gemm(moe_gemm_problem(2, 256, 8, 7168, 2048, 1), 232448, 132).split_k, 1);
   GemmProblem wide = mixtral;
   wide.num_rows = 16;  // 8 experts x 32 tiles = 256 of 264 slots: no room for a second slice
-  EXPECT_EQ(plan_gemm(wide, 232448, 132).split_k, 1) << plan_gemm(wide, 232448, 132).reason;
+  EXPECT_EQ(plan_gemm(wide, 232448, 132).split_k, 1) << plan_gemm(wide, 232448, 132).reason();
 }
 
 TEST(Planner, PortableM8PipelineDepthFollowsTheWaves) {
@@ -278,7 +278,7 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
     q.expected_active_experts = 256;
     q.num_rows = c.rows_per_expert * 256;
     const GemmPlan plan = plan_gemm(q, 232448, 132, 90);
-    const std::string what = std::to_string(c.rows_per_expert) + " rows per expert: " + plan.reason;
+    const std::string what = std::to_string(c.rows_per_expert) + " rows per expert: " + plan.reason();
     EXPECT_EQ(plan.config.block_m, c.block_m) << what;
     if (c.light_block_m == 0) {
       EXPECT_TRUE(plan.row_stages.empty()) << what;
@@ -291,7 +291,7 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
     EXPECT_EQ(stage.config.family, KernelFamily::kSm90) << what;
     EXPECT_EQ(stage.config.epilogue, plan.config.epilogue) << what;
     EXPECT_EQ(stage.max_tiles, max_tiles(q, stage.config)) << what;
-    EXPECT_NE(plan.reason.find(stage.config.to_string()), std::string::npos) << what;
+    EXPECT_NE(plan.reason().find(stage.config.to_string()), std::string::npos) << what;
     EXPECT_EQ(describe_row_stages(plan),
               stage.config.to_string() + " (<= " + std::to_string(c.light_block_m) + " rows), then ");
   }
@@ -369,7 +369,8 @@ TEST(Planner, GivenSplitIsKeptAndChecked) {
       const GemmPlan given = plan_gemm_with(p, c, 132, 2, split);
       EXPECT_EQ(given.split_k, split) << c.to_string();
       EXPECT_EQ(given.max_tiles, chosen.max_tiles);
-      EXPECT_NE(given.reason.find("split_k " + std::to_string(split) + " (given)"), std::string::npos) << given.reason;
+      EXPECT_NE(given.reason().find("split_k " + std::to_string(split) + " (given)"), std::string::npos)
+          << given.reason();
     }
     EXPECT_THROW(plan_gemm_with(p, c, 132, 2, static_cast<int>(k_tiles) + 1), Error) << c.to_string();
     EXPECT_THROW(plan_gemm_with(p, c, 132, 2, -1), Error);
@@ -384,16 +385,35 @@ TEST(Planner, LimitSplitKAsTheLayerRunsIt) {
   GemmPlan plan;
   plan.split_k = 3;
   plan.max_tiles = kMaxSplitKTiles;
-  plan.reason = "r";
   EXPECT_EQ(limit_split_k(plan, false).split_k, 3);
-  EXPECT_EQ(limit_split_k(plan, false).reason, "r");
+  EXPECT_EQ(limit_split_k(plan, false).reason(), plan.reason());
   const GemmPlan invariant = limit_split_k(plan, true);
   EXPECT_EQ(invariant.split_k, 1);
-  EXPECT_NE(invariant.reason.find("batch invariant"), std::string::npos);
+  EXPECT_EQ(invariant.reason(), plan.reason() + "; split-K off (batch invariant)");
   plan.max_tiles = kMaxSplitKTiles + 1;
   const GemmPlan many = limit_split_k(plan, false);
   EXPECT_EQ(many.split_k, 1);
-  EXPECT_NE(many.reason.find("more tiles than the workspace's counters"), std::string::npos);
+  EXPECT_EQ(many.reason(), plan.reason() + "; split-K off (more tiles than the workspace's counters)");
+}
+
+// The reason is formatted when asked for, from the figures the planner kept
+// (planning formats no text); its wording is what `fp4moe plan` and
+// MoeLayerPlan::describe() have always printed.
+TEST(Planner, ReasonTextFromThePlannersFigures) {
+  const GemmProblem mixtral{8, 4096, 14336, 2, 0};  // GEMM2 at T = 1: split 4, then off
+  EXPECT_EQ(limit_split_k(plan_gemm(mixtral, 232448, 132), true).reason(),
+            "block_m 8 for ~1 rows per active expert (2 of 8 experts); ~64 tiles x split_k 4 over 264 block slots, "
+            "56 k-tiles each; split-K off (batch invariant)");
+  const GemmPlan deepseek = plan_gemm(moe_gemm_problem(1, 256, 8, 7168, 2048, 256), 232448, 132, 90);
+  EXPECT_EQ(deepseek.reason(),
+            "block_m 128 for ~8 rows per active expert (256 of 256 experts); ~8.19e+03 tiles x split_k 1 over 132 "
+            "block slots, 56 k-tiles each; experts of 1-16 rows first on sm90n128m16k128s7w12-swiglu");
+  EXPECT_EQ(limit_split_k(plan_gemm_with(moe_gemm_problem(2, 8, 2, 4096, 14336, 0), compiled_configs()[0], 132, 2, 2),
+                          true)
+                .reason(),
+            "no rows; split-K off (batch invariant)");
+  // smem_bytes is the layout's total, for every compiled config.
+  for (const TileConfig& c : compiled_configs()) EXPECT_EQ(smem_bytes(c), smem_layout(c).total_bytes) << c.to_string();
 }
 
 TEST(Planner, MoeGemmProblemsAreTheLayersGemms) {

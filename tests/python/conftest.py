@@ -1,6 +1,8 @@
 """Shared helpers of the Python tests: random NVFP4 layers in the engines'
-stacked layout, a minimal safetensors writer (no dependency beyond NumPy), and
-the GPU marker that skips visibly where there is no CUDA device or no torch.
+stacked layout (W4A4 input scales included on request), a minimal
+safetensors writer (no dependency beyond NumPy), ModelOpt NVFP4 checkpoints
+of such layers, and the GPU marker that skips visibly where there is no CUDA
+device or no torch.
 
 The package under test is the installed one, or a build tree's
 (PYTHONPATH=<build>/python, as scripts/run-tests sets it).
@@ -49,9 +51,17 @@ gpu = pytest.mark.usefixtures("_require_gpu")
 
 
 def random_stacked(rng: np.random.Generator, num_experts: int, hidden: int, inter: int,
-                   scale_2_shape: str = "E", bias: bool = False) -> dict:
+                   scale_2_shape: str = "E", bias: bool = False, input_scales: bool = False) -> dict:
     """A random layer drawn in the quantised domain: every fp4 code, e4m3
-    block scales 0.125 .. 2 (codes 0x28..0x48), global scales near 1/64."""
+    block scales 0.125 .. 2 (codes 0x28..0x48), global scales near 1/64.
+
+    input_scales: W4A4 input scales as an engine loads them, w13_input_scale
+    [E, 2] (gate, up) and w2_input_scale [E]: amax / 2688 of each GEMM's
+    input over a calibration batch of 64 unit-normal tokens, as ModelOpt
+    calibrates, times 0.8 .. 1 per expert (inputs of the same spread
+    saturate a little). Gate and up are equal, as ModelOpt exports them, but
+    for every third expert, whose up scale is 1.5x: GEMM1 then takes the
+    larger."""
     E, H, I = num_experts, hidden, inter
 
     def codes(*shape):
@@ -74,6 +84,17 @@ def random_stacked(rng: np.random.Generator, num_experts: int, hidden: int, inte
     if bias:
         w["w13_bias"] = rng.normal(0, 0.1, size=(E, 2 * I)).astype(np.float32)
         w["w2_bias"] = rng.normal(0, 0.1, size=(E, H)).astype(np.float32)
+    if input_scales:
+        x = rng.normal(size=(64, H))
+        s13 = w["w13_scale_2"].reshape(E, -1)
+        gate_w = fp4moe.dequantize(w["w13"][:, :I], w["w13_scale"][:, :I], s13[:, 0]).astype(np.float64)
+        up_w = fp4moe.dequantize(w["w13"][:, I:], w["w13_scale"][:, I:], s13[:, -1]).astype(np.float64)
+        g, u = np.einsum("eih,th->eti", gate_w, x), np.einsum("eih,th->eti", up_w, x)
+        act_amax = np.abs(g / (1 + np.exp(-g)) * u).max(axis=(1, 2))
+        gate = (np.abs(x).max() * rng.uniform(0.8, 1.0, size=E) / 2688).astype(np.float32)
+        up = np.where(np.arange(E) % 3 == 1, gate * np.float32(1.5), gate).astype(np.float32)
+        w["w13_input_scale"] = np.stack([gate, up], axis=1)
+        w["w2_input_scale"] = (act_amax * rng.uniform(0.8, 1.0, size=E) / 2688).astype(np.float32)
     return w
 
 
@@ -106,7 +127,9 @@ def write_safetensors(path, tensors: dict) -> None:
 
 
 def checkpoint_tensors(stacked: dict, prefix: str) -> dict:
-    """The stacked layer as ModelOpt's per-expert tensors under `prefix`."""
+    """The stacked layer as ModelOpt's per-expert tensors under `prefix`,
+    with each projection's input_scale where the layer has input scales
+    (w13_input_scale [E, 2])."""
     E, two_i, _ = stacked["w13"].shape
     I = two_i // 2
     s13 = stacked["w13_scale_2"].reshape(E, -1)
@@ -122,12 +145,30 @@ def checkpoint_tensors(stacked: dict, prefix: str) -> dict:
             out[base + "weight"] = np.ascontiguousarray(w)
             out[base + "weight_scale"] = ("F8_E4M3", np.ascontiguousarray(s))
             out[base + "weight_scale_2"] = np.array(s2, dtype=np.float32)
+        if "w13_input_scale" in stacked:
+            for proj, value in (("gate_proj", stacked["w13_input_scale"][e, 0]),
+                                ("up_proj", stacked["w13_input_scale"][e, 1]),
+                                ("down_proj", stacked["w2_input_scale"][e])):
+                out[f"{prefix}experts.{e}.{proj}.input_scale"] = np.array(value, dtype=np.float32)
         if "w13_bias" in stacked:
             b = stacked["w13_bias"][e]
             out[f"{prefix}experts.{e}.gate_proj.bias"] = np.ascontiguousarray(b[:I])
             out[f"{prefix}experts.{e}.up_proj.bias"] = np.ascontiguousarray(b[I:])
             out[f"{prefix}experts.{e}.down_proj.bias"] = np.ascontiguousarray(stacked["w2_bias"][e])
     return out
+
+
+def write_nvfp4_checkpoint(folder, stacked: dict, prefix: str = "model.layers.0.mlp.",
+                           quant_algo: str = "NVFP4") -> str:
+    """A ModelOpt export of one layer in `folder`: model.safetensors and
+    hf_quant_config.json declaring quant_algo (NVFP4 is W4A4: with input
+    scales, the layer's activations are fp4 by default). Returns the folder."""
+    folder = str(folder)
+    write_safetensors(f"{folder}/model.safetensors", checkpoint_tensors(stacked, prefix))
+    with open(f"{folder}/hf_quant_config.json", "w") as f:
+        json.dump({"producer": {"name": "modelopt"},
+                   "quantization": {"quant_algo": quant_algo, "group_size": 16}}, f)
+    return folder
 
 
 def rel_err(got: np.ndarray, ref: np.ndarray) -> float:

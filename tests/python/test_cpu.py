@@ -1,8 +1,9 @@
 """CPU tests of the Python package (run everywhere, CI included): import and
 packaging, the device packer's index mapping against the host packer, the
-CPU reference against a NumPy evaluation on dequantised weights, NVFP4
-(de)quantisation, checkpoint prefix discovery and loading, routing inferred
-from Hugging Face configs, and one-line error messages."""
+CPU reference against a NumPy evaluation on dequantised weights, W4A4 (fp4
+activations) from the engines' input scales against the checkpoint path,
+NVFP4 (de)quantisation, checkpoint prefix discovery and loading, routing
+inferred from Hugging Face configs, and one-line error messages."""
 from __future__ import annotations
 
 import json
@@ -13,13 +14,15 @@ import numpy as np
 import pytest
 
 import fp4moe
-from conftest import checkpoint_tensors, random_routing, random_stacked, rel_err, write_safetensors
+from conftest import (checkpoint_tensors, random_routing, random_stacked, rel_err, write_nvfp4_checkpoint,
+                      write_safetensors)
 
 
 def test_import_exposes_the_api():
     assert issubclass(fp4moe.Error, ValueError)
-    for name in ("MoeLayer", "reference_forward", "pack_stacked", "pack_host", "quantize", "dequantize",
-                 "load_stacked", "layer_config_from_hf", "find_moe_prefixes", "cuda_device_count"):
+    for name in ("MoeLayer", "reference_forward", "checkpoint_reference_forward", "pack_stacked", "pack_host",
+                 "quantize", "dequantize", "load_stacked", "describe_plan", "layer_config_from_hf",
+                 "find_moe_prefixes", "cuda_device_count"):
         assert hasattr(fp4moe, name), name
     assert re.fullmatch(r"\d+\.\d+\.\d+", fp4moe.__version__)
     assert fp4moe.cuda_device_count() >= 0
@@ -103,6 +106,154 @@ def test_reference_forward_matches_numpy_on_dequantised_weights(scale_2_shape, b
     ref = numpy_moe(w, x, ids, weights, activation)
     assert got.shape == (T, H)
     assert rel_err(got, ref) < 1e-5
+
+
+# ------------------------------------------------------------------ W4A4
+
+
+def engine_scales(w: dict, form: str) -> tuple:
+    """w13_input_scale and w2_input_scale as an engine holds them: "E2" as
+    loaded ([E, 2], gate and up), "E" reduced per expert (the larger of
+    the two, as vLLM and SGLang do), "one" a single value each (the largest,
+    as an engine with one activation scale per layer keeps it)."""
+    s13, s2 = w["w13_input_scale"], w["w2_input_scale"]
+    if form == "E2":
+        return s13, s2
+    if form == "E":
+        return s13.max(axis=1), s2
+    return np.array(s13.max(), np.float32), np.array(s2.max(), np.float32)
+
+
+def reference_args(w: dict) -> tuple:
+    return (w["w13"], w["w13_scale"], w["w13_scale_2"], w["w2"], w["w2_scale"], w["w2_scale_2"],
+            w.get("w13_bias"), w.get("w2_bias"))
+
+
+@pytest.mark.parametrize("form", ["E", "E2", "one"])
+def test_w4a4_from_engine_scales_equals_the_checkpoint_path(tmp_path, form):
+    """Stacked tensors with the engines' input scales run the numerics of the
+    ModelOpt NVFP4 export they came from (MoeLayer.from_checkpoint's loader
+    and rules), bit for bit, on the CPU reference. With one value for every
+    expert, the export's scales are that value too."""
+    rng = np.random.default_rng(31)
+    E, H, I, T, k = 6, 64, 48, 9, 2
+    w = random_stacked(rng, E, H, I, input_scales=True)
+    if form == "one":  # an export whose input scales are one per layer
+        w["w13_input_scale"][:] = w["w13_input_scale"].max()
+        w["w2_input_scale"][:] = w["w2_input_scale"].max()
+    write_nvfp4_checkpoint(tmp_path, w)
+    x = bf16_round(rng.normal(size=(T, H)).astype(np.float32))
+    ids, weights = random_routing(rng, T, E, k)
+    s13, s2 = engine_scales(w, form)
+
+    from_checkpoint = fp4moe.checkpoint_reference_forward(str(tmp_path), "model.layers.0.mlp.", x, ids, weights)
+    from_engine = fp4moe.reference_forward(*reference_args(w), x, ids, weights, w13_input_scale=s13,
+                                           w2_input_scale=s2)
+    forced = fp4moe.reference_forward(*reference_args(w), x, ids, weights, w13_input_scale=s13,
+                                      w2_input_scale=s2, activations="fp4")
+    np.testing.assert_array_equal(from_engine, from_checkpoint)
+    np.testing.assert_array_equal(forced, from_checkpoint)
+    # ... and they are W4A4, not the bf16 layer.
+    bf16 = fp4moe.reference_forward(*reference_args(w), x, ids, weights)
+    assert rel_err(from_engine, bf16.astype(np.float64)) > 1e-2
+
+
+def test_w4a4_bf16_activations_are_the_plain_layer(tmp_path):
+    """activations="bf16" with input scales is the layer without them, bit for
+    bit, from the engines' layout and from the checkpoint alike; load_stacked
+    gives the export's input scales as an engine loads them ([E, 2], [E])."""
+    rng = np.random.default_rng(32)
+    E, H, I, T, k = 4, 32, 32, 5, 2
+    w = random_stacked(rng, E, H, I, input_scales=True)
+    write_nvfp4_checkpoint(tmp_path, w)
+    x = bf16_round(rng.normal(size=(T, H)).astype(np.float32))
+    ids, weights = random_routing(rng, T, E, k)
+    plain = fp4moe.reference_forward(*reference_args(w), x, ids, weights)
+    np.testing.assert_array_equal(
+        fp4moe.reference_forward(*reference_args(w), x, ids, weights, w13_input_scale=w["w13_input_scale"],
+                                 w2_input_scale=w["w2_input_scale"], activations="bf16"), plain)
+    np.testing.assert_array_equal(
+        fp4moe.checkpoint_reference_forward(str(tmp_path), "model.layers.0.mlp.", x, ids, weights,
+                                            activations="bf16"), plain)
+    loaded = fp4moe.load_stacked(str(tmp_path), "model.layers.0.mlp.")
+    np.testing.assert_array_equal(loaded["w13_input_scale"], w["w13_input_scale"])
+    np.testing.assert_array_equal(loaded["w2_input_scale"], w["w2_input_scale"])
+    # A W4A16 export (no input scales): none, and bf16 by default.
+    plain_w = {key: v for key, v in w.items() if "input_scale" not in key}
+    (tmp_path / "w4a16").mkdir()
+    write_nvfp4_checkpoint(tmp_path / "w4a16", plain_w, quant_algo="W4A16_NVFP4")
+    assert "w13_input_scale" not in fp4moe.load_stacked(str(tmp_path / "w4a16"), "model.layers.0.mlp.")
+    np.testing.assert_array_equal(
+        fp4moe.checkpoint_reference_forward(str(tmp_path / "w4a16"), "model.layers.0.mlp.", x, ids, weights), plain)
+
+
+W4A4_REFUSALS = [
+    # (what, w13_input_scale, w2_input_scale, activations, message)
+    ("fp4 without input scales", None, None, "fp4",
+     "fp4moe.reference_forward: fp4 activations (W4A4) need w13_input_scale and w2_input_scale; none are given: "
+     "use bf16 activations"),
+    ("only w13's", "E", None, "checkpoint",
+     "fp4moe.reference_forward: give both w13_input_scale and w2_input_scale, or neither"),
+    ("non-finite", "nan", "E", "checkpoint",
+     "fp4moe.reference_forward: w13_input_scale[2] is nan; expected a finite input_scale in [1e-15, 1e+15] "
+     "(the calibrated activation amax / 2688)"),
+    ("zero", "E", "zero", "fp4",
+     "fp4moe.reference_forward: w2_input_scale[2] is 0; expected a finite input_scale in [1e-15, 1e+15] "
+     "(the calibrated activation amax / 2688)"),
+    ("negative, gate/up form", "negative", "E", "checkpoint",
+     "fp4moe.reference_forward: w13_input_scale[2, 1] is -0.5; expected a finite input_scale in [1e-15, 1e+15]"),
+    ("one value, too large", "one", "huge", "checkpoint",
+     "fp4moe.reference_forward: w2_input_scale is 1e+20; expected a finite input_scale in [1e-15, 1e+15]"),
+    ("wrong shape", "short", "E", "checkpoint",
+     "fp4moe.reference_forward: w13_input_scale has shape [3]; expected [4] or [4, 1] or [4, 2] or [] or [1]"),
+    ("w2 as gate/up pairs", "E", "E2", "checkpoint",
+     "fp4moe.reference_forward: w2_input_scale has shape [4, 2]; expected [4] or [4, 1] or [] or [1]"),
+    ("unknown numerics", "E", "E", "fp8", "activation numerics 'fp8' is not one of checkpoint, bf16, fp4"),
+]
+
+
+@pytest.mark.parametrize("what,s13,s2,activations,message", W4A4_REFUSALS, ids=[r[0] for r in W4A4_REFUSALS])
+def test_w4a4_refusals(what, s13, s2, activations, message):
+    rng = np.random.default_rng(33)
+    E, H, I = 4, 32, 32
+    w = random_stacked(rng, E, H, I, input_scales=True)
+    per_expert = w["w13_input_scale"].max(axis=1)
+    forms = {
+        None: None,
+        "E": per_expert,
+        "E2": w["w13_input_scale"],
+        "one": np.array(0.01, np.float32),
+        "nan": np.where(np.arange(E) == 2, np.float32("nan"), per_expert).astype(np.float32),
+        "zero": np.where(np.arange(E) == 2, 0, w["w2_input_scale"]).astype(np.float32),
+        "negative": np.where(np.arange(2 * E).reshape(E, 2) == 5, -0.5, w["w13_input_scale"]).astype(np.float32),
+        "huge": np.array([1e20], np.float32),
+        "short": per_expert[:3],
+    }
+    x = np.zeros((1, H), np.float32)
+    ids, weights = np.array([[0, 1]], np.int32), np.ones((1, 2), np.float32)
+    with pytest.raises(fp4moe.Error) as info:
+        fp4moe.reference_forward(*reference_args(w), x, ids, weights, w13_input_scale=forms[s13],
+                                 w2_input_scale=forms[s2], activations=activations)
+    assert str(info.value).startswith(message), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_describe_plan_without_a_gpu():
+    """The planner for a shape and an architecture, described as
+    MoeLayer.plan describes a layer's plan (no GPU needed)."""
+    text = fp4moe.describe_plan(8, 2, 4096, 14336, 1)  # Mixtral at T = 1 on an H100's 132 SMs
+    lines = text.splitlines()
+    assert lines[0] == "1 tokens -> 2 routed rows"
+    assert lines[1].startswith("  GEMM1 + SwiGLU  ") and lines[2].startswith("  GEMM2 + finalize ")
+    assert "GEMM2 + finalize n128m8k256s4w4-finalize split_k 4 [heuristic]: block_m 8 for ~1 rows per active " \
+           "expert (2 of 8 experts); ~64 tiles x split_k 4 over 264 block slots, 56 k-tiles each" in text
+    invariant = fp4moe.describe_plan(8, 2, 4096, 14336, 1, batch_invariant=True)
+    assert re.findall(r"split_k (\d+) \[", invariant) == ["1", "1"]
+    assert invariant.endswith("; split-K off (batch invariant)\n")
+    with pytest.raises(fp4moe.Error, match="unknown architecture 'sm75'"):
+        fp4moe.describe_plan(8, 2, 4096, 14336, 1, arch="sm75")
+    with pytest.raises(fp4moe.Error, match=r"^num_experts = 0: expected 1\.\.512$"):
+        fp4moe.describe_plan(0, 2, 4096, 14336, 1)
 
 
 def test_quantize_then_dequantize_is_close():

@@ -3,14 +3,17 @@ torch): the layer from stacked device tensors against the CPU reference and
 against the host-prepared layer of the same checkpoint (byte-equal outputs),
 [E, 2] global scales, biases, device routing, the caller's tensors left
 untouched, CUDA-graph capture, torch.compile(fullgraph=True),
-torch.library.opcheck, and bad input refused with one-line messages."""
+torch.library.opcheck, W4A4 from the engines' input scales against
+from_checkpoint (byte-equal outputs), and bad input refused with one-line
+messages."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import fp4moe
-from conftest import checkpoint_tensors, gpu, random_routing, random_stacked, rel_err, write_safetensors
+from conftest import (checkpoint_tensors, gpu, random_routing, random_stacked, rel_err, write_nvfp4_checkpoint,
+                      write_safetensors)
 
 pytestmark = gpu
 
@@ -30,7 +33,7 @@ def to_cuda(w: dict) -> dict:
 
 
 def make_layer(w: dict, **kwargs):
-    d = to_cuda(w)
+    d = to_cuda({k: v for k, v in w.items() if "input_scale" not in k})
     return fp4moe.MoeLayer(d["w13"], d["w13_scale"], d["w13_scale_2"], d["w2"], d["w2_scale"],
                            d["w2_scale_2"], d.get("w13_bias"), d.get("w2_bias"), **kwargs), d
 
@@ -198,6 +201,103 @@ def test_bad_input_raises_one_line_errors():
     with pytest.raises(fp4moe.Error, match="w13_scale has shape"):
         fp4moe.MoeLayer(d["w13"], d["w13_scale"][:, :8], d["w13_scale_2"], d["w2"], d["w2_scale"],
                         d["w2_scale_2"], top_k=k)
+
+
+# ------------------------------------------------------------------ W4A4
+
+
+def engine_scales(w: dict, form: str):
+    """The input scales as an engine holds them on the GPU: "E2" as loaded
+    ([E, 2]), "E" reduced per expert (the larger of gate's and up's), "one"
+    a single value each (a 0-d tensor), "float" Python numbers."""
+    s13, s2 = w["w13_input_scale"], w["w2_input_scale"]
+    if form == "float":
+        return float(s13.max()), float(s2.max())
+    if form == "one":
+        return torch.tensor(float(s13.max()), device="cuda"), torch.tensor(float(s2.max()), device="cuda")
+    if form == "E":
+        s13 = s13.max(axis=1)
+    return torch.from_numpy(np.ascontiguousarray(s13)).cuda(), torch.from_numpy(s2).cuda()
+
+
+@pytest.mark.parametrize("form", ["E", "E2", "one", "float"])
+def test_w4a4_from_engine_scales_equals_from_checkpoint(tmp_path, form):
+    """The engines' layout with input scales builds the layer that
+    from_checkpoint builds from the ModelOpt NVFP4 export: equal outputs, bit
+    for bit, close to the W4A4 CPU reference and away from the bf16 one."""
+    rng = np.random.default_rng(41)
+    E, H, I, k, T = 8, 256, 128, 2, 37
+    w = random_stacked(rng, E, H, I, input_scales=True)
+    if form in ("one", "float"):  # an export whose input scales are one per layer
+        w["w13_input_scale"][:] = w["w13_input_scale"].max()
+        w["w2_input_scale"][:] = w["w2_input_scale"].max()
+    write_nvfp4_checkpoint(tmp_path, w)
+    s13, s2 = engine_scales(w, form)
+    engine, _ = make_layer(w, w13_input_scale=s13, w2_input_scale=s2, top_k=k, max_tokens=64)
+    checkpoint = fp4moe.MoeLayer.from_checkpoint(str(tmp_path), layer=0, top_k=k, max_tokens=64)
+    assert engine.activations == checkpoint.activations == "fp4"
+    assert engine.device_weight_bytes == checkpoint.device_weight_bytes
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    ids, weights = random_routing(rng, T, E, k)
+    ids_d, weights_d = torch.from_numpy(ids).cuda(), torch.from_numpy(weights).cuda()
+    a = engine(x, topk_ids=ids_d, topk_weights=weights_d)
+    b = checkpoint(x, topk_ids=ids_d, topk_weights=weights_d)
+    assert torch.equal(a, b)
+    logits = torch.randn(T, E, device="cuda")
+    assert torch.equal(engine(x, router_logits=logits), checkpoint(x, router_logits=logits))
+    got = a.float().cpu().numpy()
+    x_host = x.float().cpu().numpy()
+    w4a4 = fp4moe.checkpoint_reference_forward(str(tmp_path), "model.layers.0.mlp.", x_host, ids, weights)
+    bf16 = fp4moe.checkpoint_reference_forward(str(tmp_path), "model.layers.0.mlp.", x_host, ids, weights,
+                                               activations="bf16")
+    assert rel_err(got, w4a4) < 1e-2
+    assert rel_err(got, bf16) > 1.5e-2
+
+
+def test_w4a4_bf16_activations_are_todays_layer(tmp_path):
+    """activations="bf16" with input scales is the layer built without them,
+    bit for bit; so is from_checkpoint(activations="bf16")."""
+    rng = np.random.default_rng(42)
+    E, H, I, k, T = 8, 256, 128, 2, 20
+    w = random_stacked(rng, E, H, I, input_scales=True)
+    write_nvfp4_checkpoint(tmp_path, w)
+    s13, s2 = engine_scales(w, "E")
+    plain, _ = make_layer(w, top_k=k, max_tokens=32)
+    forced, _ = make_layer(w, w13_input_scale=s13, w2_input_scale=s2, activations="bf16", top_k=k, max_tokens=32)
+    from_checkpoint = fp4moe.MoeLayer.from_checkpoint(str(tmp_path), layer=0, top_k=k, max_tokens=32,
+                                                      activations="bf16")
+    assert plain.activations == forced.activations == from_checkpoint.activations == "bf16"
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(T, E, device="cuda")
+    expected = plain(x, router_logits=logits)
+    assert torch.equal(forced(x, router_logits=logits), expected)
+    assert torch.equal(from_checkpoint(x, router_logits=logits), expected)
+
+
+def test_w4a4_refusals():
+    rng = np.random.default_rng(43)
+    E, H, I, k = 4, 256, 128, 2
+    w = random_stacked(rng, E, H, I, input_scales=True)
+    s13, s2 = engine_scales(w, "E")
+    bad = s13.clone()
+    bad[2] = float("nan")
+    cases = [
+        (dict(activations="fp4"), "fp4moe.MoeLayer: fp4 activations (W4A4) need w13_input_scale and "
+                                  "w2_input_scale; none are given: use bf16 activations"),
+        (dict(w13_input_scale=s13), "fp4moe.MoeLayer: give both w13_input_scale and w2_input_scale, or neither"),
+        (dict(w13_input_scale=s13[:3], w2_input_scale=s2),
+         "fp4moe.MoeLayer: w13_input_scale has shape [3]; expected [4] or [4, 1] or [4, 2] or [] or [1]"),
+        (dict(w13_input_scale=bad, w2_input_scale=s2),
+         "w13_input_scale[2] is nan; expected a finite input_scale in [1e-15, 1e+15]"),
+        (dict(w13_input_scale=s13, w2_input_scale=0.0), "w2_input_scale is 0; expected a finite input_scale"),
+        (dict(w13_input_scale=s13, w2_input_scale=s2, activations="fp8"),
+         "activation numerics 'fp8' is not one of checkpoint, bf16, fp4"),
+    ]
+    for kwargs, text in cases:
+        with pytest.raises(fp4moe.Error) as info:
+            make_layer(w, top_k=k, max_tokens=4, **kwargs)
+        assert text in str(info.value), str(info.value)
+        assert "\n" not in str(info.value)
 
 
 class DLPackOnly:

@@ -805,6 +805,67 @@ TEST(ReferenceW4a4, CheckpointNumericsFollowTheFormatAndTheScales) {
   EXPECT_EQ(gemm1_input_scale(w.experts[1]), w.experts[1].up.input_scale);
 }
 
+// The engines' stacked input scales ([E], [E, 2], one value) become each
+// matrix's input_scale; values are checked as the loader checks tensors.
+TEST(ReferenceW4a4, StackedInputScalesAsTheEnginesHoldThem) {
+  const std::vector<float> per_expert = {0.5f, 0.25f, 2.0f};
+  const std::vector<float> gate_up = {0.5f, 1.0f, 0.25f, 0.125f, 2.0f, 3.0f};
+  const std::vector<float> one = {4.0f};
+  EXPECT_EQ(input_scale_count(InputScaleExtent::kPerExpert, 3), 3);
+  EXPECT_EQ(input_scale_count(InputScaleExtent::kPerExpertGateUp, 3), 6);
+  EXPECT_EQ(input_scale_count(InputScaleExtent::kPerLayer, 3), 1);
+  auto s = stacked_input_scales(3, gate_up.data(), InputScaleExtent::kPerExpertGateUp, per_expert.data(),
+                                InputScaleExtent::kPerExpert, "here");
+  ASSERT_EQ(s.size(), 3u);
+  for (size_t e = 0; e < 3; ++e) {
+    EXPECT_EQ(s[e].gate, gate_up[2 * e]);
+    EXPECT_EQ(s[e].up, gate_up[2 * e + 1]);
+    EXPECT_EQ(s[e].down, per_expert[e]);
+  }
+  EXPECT_EQ(gemm1_input_scale(s[1].gate, s[1].up), 0.25f) << "the larger of gate's and up's";
+  s = stacked_input_scales(3, per_expert.data(), InputScaleExtent::kPerExpert, one.data(),
+                           InputScaleExtent::kPerLayer, "here");
+  for (size_t e = 0; e < 3; ++e) {
+    EXPECT_EQ(s[e].gate, per_expert[e]);
+    EXPECT_EQ(s[e].up, per_expert[e]);
+    EXPECT_EQ(s[e].down, 4.0f);
+  }
+  // Refused: values the loader refuses, named by tensor and index.
+  std::vector<float> bad = gate_up;
+  for (const float value : {0.0f, -1.0f, NAN, INFINITY, 1e-20f, 3e15f}) {
+    bad[3] = value;
+    expect_error([&] {
+      stacked_input_scales(3, bad.data(), InputScaleExtent::kPerExpertGateUp, per_expert.data(),
+                           InputScaleExtent::kPerExpert, "here");
+    }, {"here: w13_input_scale[1, 1] is ", "; expected a finite input_scale in [1e-15, 1e+15]"});
+  }
+  const std::vector<float> zero = {0.0f};
+  expect_error([&] {
+    stacked_input_scales(3, per_expert.data(), InputScaleExtent::kPerExpert, zero.data(), InputScaleExtent::kPerLayer,
+                         "here");
+  }, {"here: w2_input_scale is 0; expected a finite input_scale"});
+  expect_error([&] {
+    stacked_input_scales(3, gate_up.data(), InputScaleExtent::kPerExpertGateUp, gate_up.data(),
+                         InputScaleExtent::kPerExpertGateUp, "here");
+  }, {"w2_input_scale holds down_proj's input scales"});
+  expect_error([&] {
+    stacked_input_scales(3, nullptr, InputScaleExtent::kPerExpert, per_expert.data(), InputScaleExtent::kPerExpert,
+                         "here");
+  }, {"here: give both w13_input_scale and w2_input_scale, or neither"});
+
+  // The numerics: checkpoint follows the scales, fp4 needs them, both or neither.
+  using N = ActivationNumerics;
+  EXPECT_EQ(resolve_stacked_activation_numerics(N::kCheckpoint, true, true, "here"), N::kFp4);
+  EXPECT_EQ(resolve_stacked_activation_numerics(N::kCheckpoint, false, false, "here"), N::kBf16);
+  EXPECT_EQ(resolve_stacked_activation_numerics(N::kBf16, true, true, "here"), N::kBf16);
+  EXPECT_EQ(resolve_stacked_activation_numerics(N::kFp4, true, true, "here"), N::kFp4);
+  expect_error([] { resolve_stacked_activation_numerics(N::kFp4, false, false, "here"); },
+               {"here: fp4 activations (W4A4) need w13_input_scale and w2_input_scale; none are given: use bf16 "
+                "activations"});
+  expect_error([] { resolve_stacked_activation_numerics(N::kCheckpoint, true, false, "here"); },
+               {"here: give both w13_input_scale and w2_input_scale, or neither"});
+}
+
 TEST(ReferenceW4a4, MatchesNaivePathAndDiffersFromBf16) {
   std::mt19937_64 rng(17);
   const int tokens = 7, experts = 5, top_k = 2, hidden = 64, inter = 48;

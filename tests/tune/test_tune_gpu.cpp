@@ -340,7 +340,7 @@ TEST(MoeLayerTuneCache, UsesTheTunedChoiceAndMatchesTheReference) {
     EXPECT_EQ(gemm_plan->split_k, 1);
     const bool usable = tune::check_batch_invariant(choice, gemm_plan->config.epilogue, local_limits()).empty();
     EXPECT_EQ(origin->kind, usable ? PlanOrigin::Kind::kTuned : PlanOrigin::Kind::kHeuristic);
-    if (!usable) EXPECT_NE(origin->note.find("is not used"), std::string::npos) << origin->note;
+    if (!usable) EXPECT_NE(origin->note().find("is not used"), std::string::npos) << origin->note();
   }
   expect_forward_matches_reference(invariant_layer, weights, kBucket);
 }
@@ -374,9 +374,9 @@ TEST(MoeLayerTuneCache, InvalidOrStaleEntriesGiveTheHeuristicReportedOnce) {
   EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 2) << "one line each:\n" << err;
   const MoeLayerPlan plan = second.plan(kBucket);
   EXPECT_EQ(plan.gemm1_origin.kind, PlanOrigin::Kind::kHeuristic);
-  EXPECT_NE(plan.gemm1_origin.note.find("not compiled"), std::string::npos) << plan.gemm1_origin.note;
+  EXPECT_NE(plan.gemm1_origin.note().find("not compiled"), std::string::npos) << plan.gemm1_origin.note();
   EXPECT_EQ(plan.gemm2_origin.kind, PlanOrigin::Kind::kHeuristic);
-  EXPECT_EQ(plan.gemm2_origin.note, "") << "a stale entry is not this device's";
+  EXPECT_EQ(plan.gemm2_origin.note(), "") << "a stale entry is not this device's";
   expect_forward_matches_reference(second, weights, kBucket);
 }
 
