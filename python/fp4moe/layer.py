@@ -30,17 +30,8 @@ torch.compile, opcheck, bad input) and tests/python/test_cpu.py.
 """
 from __future__ import annotations
 
-import itertools
-import weakref
-
-from . import _fp4moe
+from . import _fp4moe, _ops
 from .checkpoint import LayerConfig, layer_config_from_hf, prefix_for_layer, read_hf_config
-
-# Layers by id, for the torch op (which can only carry an int). Weak: a layer
-# that is garbage collected frees its GPU memory.
-_LAYERS: "weakref.WeakValueDictionary[int, MoeLayer]" = weakref.WeakValueDictionary()
-_NEXT_ID = itertools.count(1)
-
 
 # torch, imported when the first layer is made (not by `import fp4moe`), or
 # None without it; __call__ reads it from here rather than importing.
@@ -177,8 +168,7 @@ class MoeLayer:
         return self
 
     def _register(self):
-        self._id = next(_NEXT_ID)
-        _LAYERS[self._id] = self
+        self._id = _ops.register(self)  # the torch op names the layer by this id
         if _torch() is not None:
             from . import torch_ops  # noqa: F401  (registers fp4moe::moe_forward)
 

@@ -5,8 +5,9 @@
                         Tensor? topk_ids, Tensor? topk_weights) -> ()
 
 It writes `out` (bf16 [T, H]) and returns nothing, so its fake
-implementation has nothing to compute; the layer is named by the id
-fp4moe.layer keeps (an op's arguments cannot hold Python objects).
+implementation has nothing to compute; the layer is named by the id it was
+registered under (fp4moe/_ops.py: an op's arguments cannot hold Python
+objects).
 Imported by fp4moe.layer when torch is present. Tested in
 tests/python/test_gpu.py (torch.library.opcheck, torch.compile fullgraph).
 """
@@ -16,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from . import layer as _layer
+from . import _ops
 
 
 # No device_types: tensors of any device reach the implementation, whose
@@ -25,7 +26,7 @@ from . import layer as _layer
 def moe_forward(layer_id: int, hidden_states: torch.Tensor, out: torch.Tensor,
                 router_logits: Optional[torch.Tensor], correction_bias: Optional[torch.Tensor],
                 topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor]) -> None:
-    layer = _layer._LAYERS.get(layer_id)
+    layer = _ops.lookup(layer_id)
     if layer is None:
         raise ValueError(f"fp4moe::moe_forward: no live fp4moe.MoeLayer with id {layer_id}")
     # On the current stream; a CPU tensor is refused by the layer's checks.

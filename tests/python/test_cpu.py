@@ -449,3 +449,30 @@ def test_torch_compile_fullgraph_traces_the_op(monkeypatch):
     ids = torch.zeros(4, 2, dtype=torch.int64)
     args = (layer._id, x, torch.empty_like(x), None, None, ids.int(), torch.ones(4, 2))
     torch.library.opcheck(torch.ops.fp4moe.moe_forward.default, args)
+
+
+def test_the_package_modules_import_without_a_cycle():
+    """No module of the package imports, at its top level, one that imports
+    it back: fp4moe.torch_ops and fp4moe.layer share the layer registry
+    (fp4moe/_ops.py) instead of importing each other, so either can be
+    imported first. Checked on the sources, so it runs without torch."""
+    import ast
+
+    package = os.path.dirname(fp4moe.__file__)
+    names = [f[:-3] for f in os.listdir(package) if f.endswith(".py") and f != "__init__.py"]
+    imports = {}
+    for name in names:
+        with open(os.path.join(package, name + ".py"), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        found = set()
+        for node in tree.body:  # top level only: imports inside functions run later
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                found |= {node.module} if node.module else {a.name for a in node.names}
+        imports[name] = found & set(names)
+
+    def reaches(start, goal, seen=()):
+        return any(dep == goal or (dep not in seen and reaches(dep, goal, seen + (dep,))) for dep in imports[start])
+
+    cycles = [name for name in names if reaches(name, name)]
+    assert not cycles, f"modules in an import cycle: {cycles} ({imports})"
+    assert "layer" not in imports["torch_ops"] and "_ops" in imports["torch_ops"], imports["torch_ops"]
