@@ -205,7 +205,7 @@ def yardstick_table(gemm, layer):
             old[id(c)] = copy_roof_us(b, f, ceil) / c["time_us"]
         before = sum(v >= TARGET for v in old.values())
         after = sum(c["efficiency"] >= TARGET for c in cases)
-        fell = sorted(f"{c['model']} GEMM{c['gemm']} T={c['tokens']} ({old[id(c)]:.2f} → {c['efficiency']:.2f})"
+        fell = sorted(f"{c['model']} GEMM{c['gemm']} T={c['tokens']} ({old[id(c)]:.3f} → {c['efficiency']:.3f})"
                       for c in cases if old[id(c)] >= TARGET > c["efficiency"])
         shift = [c["efficiency"] / old[id(c)] for c in cases]
         rows.append(["GEMM points ≥ 0.8", f"{before} of {len(cases)}", f"{after} of {len(cases)}",
@@ -217,7 +217,7 @@ def yardstick_table(gemm, layer):
             rows_, t, h, i, a = c["rows"], int(c["tokens"]), c["hidden"], c["inter"], c["active_experts"]
             old_roof = sum(copy_roof_us(*gemm_bytes_flops(a, rows_, n, k), ceil) for n, k in ((2 * i, h), (h, i)))
             old_eff = old_roof / c["time_us"]
-            rows.append([f"layer {c['model']} T={t}", f2(old_eff), f2(c["efficiency"]),
+            rows.append([f"layer {c['model']} T={t}", f"{old_eff:.3f}", f"{c['efficiency']:.3f}",
                          "crossed 0.8" if (old_eff >= TARGET) != (c["efficiency"] >= TARGET) else ""])
     return markdown(["", "earlier yardstick", "current yardstick", ""], rows)
 
