@@ -38,18 +38,6 @@ def make_layer(w: dict, **kwargs):
                            d["w2_scale_2"], d.get("w13_bias"), d.get("w2_bias"), **kwargs), d
 
 
-def same_outputs(a_layer, b_layer, rng, T: int):
-    """Both layers on the same random bf16 hidden states and caller routing:
-    asserts their outputs are equal bit for bit; returns (x, ids, weights,
-    output)."""
-    x = torch.randn(T, a_layer.hidden, device="cuda").to(torch.bfloat16)
-    ids, weights = random_routing(rng, T, a_layer.num_experts, a_layer.top_k)
-    ids_d, weights_d = torch.from_numpy(ids).cuda(), torch.from_numpy(weights).cuda()
-    a = a_layer(x, topk_ids=ids_d, topk_weights=weights_d)
-    assert torch.equal(a, b_layer(x, topk_ids=ids_d, topk_weights=weights_d))
-    return x, ids, weights, a
-
-
 def reference(w, x_bf16, ids, weights, activation="swiglu"):
     return fp4moe.reference_forward(w["w13"], w["w13_scale"], w["w13_scale_2"], w["w2"], w["w2_scale"],
                                     w["w2_scale_2"], w.get("w13_bias"), w.get("w2_bias"),
@@ -90,7 +78,12 @@ def test_device_prepared_equals_host_prepared(tmp_path):
     from_device, _ = make_layer(w, top_k=k, max_tokens=64)
     from_host = fp4moe.MoeLayer.from_checkpoint(str(path), layer=0, top_k=k, max_tokens=64)
     assert from_host.device_weight_bytes == from_device.device_weight_bytes
-    same_outputs(from_device, from_host, rng, T)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    ids, weights = random_routing(rng, T, E, k)
+    ids_d, weights_d = torch.from_numpy(ids).cuda(), torch.from_numpy(weights).cuda()
+    a = from_device(x, topk_ids=ids_d, topk_weights=weights_d)
+    b = from_host(x, topk_ids=ids_d, topk_weights=weights_d)
+    assert torch.equal(a, b)
 
 
 def test_caller_tensors_are_untouched():
@@ -244,7 +237,12 @@ def test_w4a4_from_engine_scales_equals_from_checkpoint(tmp_path, form):
     checkpoint = fp4moe.MoeLayer.from_checkpoint(str(tmp_path), layer=0, top_k=k, max_tokens=64)
     assert engine.activations == checkpoint.activations == "fp4"
     assert engine.device_weight_bytes == checkpoint.device_weight_bytes
-    x, ids, weights, a = same_outputs(engine, checkpoint, rng, T)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    ids, weights = random_routing(rng, T, E, k)
+    ids_d, weights_d = torch.from_numpy(ids).cuda(), torch.from_numpy(weights).cuda()
+    a = engine(x, topk_ids=ids_d, topk_weights=weights_d)
+    b = checkpoint(x, topk_ids=ids_d, topk_weights=weights_d)
+    assert torch.equal(a, b)
     logits = torch.randn(T, E, device="cuda")
     assert torch.equal(engine(x, router_logits=logits), checkpoint(x, router_logits=logits))
     got = a.float().cpu().numpy()
