@@ -141,7 +141,7 @@ void run_ep_bench(const EpBenchOptions& opt, std::ostream& table, std::ostream* 
       }
     }
 
-    const RouterInputs router = random_router_inputs(max_tokens, shape.num_experts, opt.seed);
+    const RouterInputs router = random_router_inputs(max_tokens, shape.num_experts, shape.routing, opt.seed);
     const ExpertPlacement placement = ExpertPlacement::contiguous(shape.num_experts, P);
     std::map<int64_t, std::vector<RankResult>> results;
     for (int64_t t : opt.tokens) results[t].resize(static_cast<size_t>(P));

@@ -210,30 +210,37 @@ void L2Flusher::flush(cudaStream_t stream) const {
   FP4MOE_CHECK_LAUNCH();
 }
 
+std::vector<double> time_interleaved_us(const std::vector<std::function<void()>>& launches, int iterations,
+                                        const L2Flusher& flusher, cudaStream_t stream) {
+  FP4MOE_CHECK(iterations >= 1, "time_interleaved_us: iterations must be >= 1, not ", iterations);
+  const size_t n = launches.size();
+  std::vector<cudaEvent_t> events(2 * n * static_cast<size_t>(iterations));
+  for (cudaEvent_t& e : events) FP4MOE_CUDA_CHECK(cudaEventCreate(&e));
+  const auto event = [&](int i, size_t l, int edge) { return events[(static_cast<size_t>(i) * n + l) * 2 + edge]; };
+  for (const auto& launch : launches) launch();  // warm-up
+  for (int i = 0; i < iterations; ++i)
+    for (size_t l = 0; l < n; ++l) {
+      flusher.flush(stream);
+      FP4MOE_CUDA_CHECK(cudaEventRecord(event(i, l, 0), stream));
+      launches[l]();
+      FP4MOE_CUDA_CHECK(cudaEventRecord(event(i, l, 1), stream));
+    }
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> medians(n);
+  for (size_t l = 0; l < n; ++l) {
+    std::vector<float> ms(static_cast<size_t>(iterations));
+    for (int i = 0; i < iterations; ++i)
+      FP4MOE_CUDA_CHECK(cudaEventElapsedTime(&ms[static_cast<size_t>(i)], event(i, l, 0), event(i, l, 1)));
+    std::nth_element(ms.begin(), ms.begin() + iterations / 2, ms.end());
+    medians[l] = ms[static_cast<size_t>(iterations / 2)] * 1e3;
+  }
+  for (cudaEvent_t& e : events) cudaEventDestroy(e);
+  return medians;
+}
+
 double time_median_us(const std::function<void()>& launch, int iterations, const L2Flusher& flusher,
                       cudaStream_t stream) {
-  FP4MOE_CHECK(iterations >= 1, "time_median_us: iterations must be >= 1, not ", iterations);
-  std::vector<cudaEvent_t> start(iterations), stop(iterations);
-  for (int i = 0; i < iterations; ++i) {
-    FP4MOE_CUDA_CHECK(cudaEventCreate(&start[i]));
-    FP4MOE_CUDA_CHECK(cudaEventCreate(&stop[i]));
-  }
-  launch();  // warm-up
-  for (int i = 0; i < iterations; ++i) {
-    flusher.flush(stream);
-    FP4MOE_CUDA_CHECK(cudaEventRecord(start[i], stream));
-    launch();
-    FP4MOE_CUDA_CHECK(cudaEventRecord(stop[i], stream));
-  }
-  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<float> ms(iterations);
-  for (int i = 0; i < iterations; ++i) {
-    FP4MOE_CUDA_CHECK(cudaEventElapsedTime(&ms[i], start[i], stop[i]));
-    cudaEventDestroy(start[i]);
-    cudaEventDestroy(stop[i]);
-  }
-  std::nth_element(ms.begin(), ms.begin() + iterations / 2, ms.end());
-  return ms[iterations / 2] * 1e3;
+  return time_interleaved_us({launch}, iterations, flusher, stream)[0];
 }
 
 Ceilings measure_ceilings(const L2Flusher& flusher) {

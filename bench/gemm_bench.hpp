@@ -70,6 +70,11 @@ class L2Flusher {
 // `stream`, each preceded by an L2 flush; one untimed warm-up call first.
 double time_median_us(const std::function<void()>& launch, int iterations, const L2Flusher& flusher,
                       cudaStream_t stream = nullptr);
+// The same for several launches taken in turn (round i times launch 0, 1,
+// ... each after its own flush), so that they share the GPU's state (clocks,
+// temperature) and their medians compare like for like; one median per launch.
+std::vector<double> time_interleaved_us(const std::vector<std::function<void()>>& launches, int iterations,
+                                        const L2Flusher& flusher, cudaStream_t stream = nullptr);
 
 Ceilings measure_ceilings(const L2Flusher& flusher);
 

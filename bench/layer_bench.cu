@@ -156,24 +156,82 @@ struct LayerTimer::Buffers {
         workspace(workspace_bytes) {}
 };
 
-RouterInputs random_router_inputs(int64_t max_tokens, int64_t num_experts, uint64_t seed) {
+std::string to_string(RouterLoad load) {
+  switch (load) {
+    case RouterLoad::kUniform: return "uniform";
+    case RouterLoad::kRealistic: return "realistic";
+    case RouterLoad::kSkewed: return "skewed";
+  }
+  return "?";
+}
+
+RouterLoad parse_router_load(const std::string& name) {
+  for (RouterLoad load : {RouterLoad::kUniform, RouterLoad::kRealistic, RouterLoad::kSkewed})
+    if (name == to_string(load)) return load;
+  FP4MOE_THROW("unknown routing load '", name, "'; expected uniform, realistic or skewed");
+}
+
+namespace {
+
+// Rows of the most loaded expert over the mean (tokens * top_k / num_experts)
+// when `tokens` tokens of `logits` are routed with `routing`.
+double hottest_over_mean(const std::vector<float>& logits, int64_t tokens, int64_t num_experts,
+                         const std::vector<float>& bias, const RoutingParams& routing) {
+  const Routing r = route(logits.data(), tokens, num_experts, bias.data(), routing);
+  std::vector<int64_t> rows(static_cast<size_t>(num_experts), 0);
+  for (int32_t e : r.topk_ids) ++rows[static_cast<size_t>(e)];
+  const double mean = static_cast<double>(tokens) * routing.top_k / static_cast<double>(num_experts);
+  return static_cast<double>(*std::max_element(rows.begin(), rows.end())) / mean;
+}
+
+}  // namespace
+
+RouterInputs random_router_inputs(int64_t max_tokens, int64_t num_experts, const RoutingParams& routing,
+                                  uint64_t seed, RouterLoad load) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   RouterInputs r;
   r.logits.resize(static_cast<size_t>(max_tokens * num_experts));
   for (float& v : r.logits) v = normal(rng);
-  r.bias.resize(static_cast<size_t>(num_experts));
-  for (float& v : r.bias) v = 0.1f * normal(rng);
+  r.bias.assign(static_cast<size_t>(num_experts), 0.0f);
+  if (load == RouterLoad::kSkewed) {
+    for (float& v : r.bias) v = 0.1f * normal(rng);
+  } else if (load == RouterLoad::kRealistic) {
+    std::vector<float> z(static_cast<size_t>(num_experts));
+    for (float& v : z) v = normal(rng);
+    // The scale is fitted on kRealisticCalibrationTokens tokens of their own,
+    // so that every max_tokens gives the same popularity.
+    const int64_t cal_tokens = kRealisticCalibrationTokens;
+    std::vector<float> base(static_cast<size_t>(cal_tokens * num_experts));
+    for (float& v : base) v = normal(rng);
+    std::vector<float> shifted(base.size());
+    const auto hot_share = [&](double s) {
+      for (size_t i = 0; i < base.size(); ++i)
+        shifted[i] = base[i] + static_cast<float>(s) * z[i % static_cast<size_t>(num_experts)];
+      return hottest_over_mean(shifted, cal_tokens, num_experts, r.bias, routing);
+    };
+    double lo = 0.0, hi = 4.0;
+    FP4MOE_CHECK(hot_share(hi) >= kRealisticHotShare, "the realistic routing load cannot reach ",
+                 kRealisticHotShare, "x the mean rows with ", num_experts, " experts and top-", routing.top_k);
+    for (int i = 0; i < 30; ++i) {  // the share grows with s
+      const double mid = 0.5 * (lo + hi);
+      (hot_share(mid) < kRealisticHotShare ? lo : hi) = mid;
+    }
+    r.popularity_scale = hi;
+    for (size_t i = 0; i < r.logits.size(); ++i)
+      r.logits[i] += static_cast<float>(hi) * z[i % static_cast<size_t>(num_experts)];
+  }
   return r;
 }
 
-LayerTimer::LayerTimer(const MoeLayer& layer, int64_t max_tokens, uint64_t seed)
-    : layer_(layer), max_tokens_(max_tokens) {
+LayerTimer::LayerTimer(const MoeLayer& layer, int64_t max_tokens, uint64_t seed, RouterLoad load)
+    : layer_(layer), max_tokens_(max_tokens), load_(load) {
   FP4MOE_CHECK(max_tokens >= 1, "LayerTimer: max_tokens must be >= 1, not ", max_tokens);
   const int64_t num_experts = layer.num_experts();
-  RouterInputs inputs = random_router_inputs(max_tokens, num_experts, seed);
+  RouterInputs inputs = random_router_inputs(max_tokens, num_experts, layer.options().routing, seed, load);
   host_logits_ = std::move(inputs.logits);
   host_bias_ = std::move(inputs.bias);
+  popularity_scale_ = inputs.popularity_scale;
 
   buffers_ = std::make_unique<Buffers>(max_tokens, layer.hidden(), num_experts, layer.workspace_bytes(max_tokens));
   FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -204,6 +262,7 @@ LayerTimer::ExpertLoad LayerTimer::expert_load(int64_t tokens) const {
     load.max_rows = rows.back();
     load.median_rows = rows[rows.size() / 2];
   }
+  load.mean_rows = static_cast<double>(tokens) * layer_.top_k() / static_cast<double>(layer_.num_experts());
   return load;
 }
 
@@ -286,8 +345,11 @@ LayerTimer::GraphTimes LayerTimer::time_graph(int64_t tokens, int iterations, co
   FP4MOE_CUDA_CHECK(status);
   GraphTimes t;
   try {
-    t.device_us =
-        time_median_us([&] { FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream_)); }, iterations, flusher, stream_);
+    const std::vector<double> us = time_interleaved_us(
+        {[&] { FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream_)); }, [&] { forward(tokens, nullptr); }}, iterations,
+        flusher, stream_);
+    t.device_us = us[0];
+    t.eager_us = us[1];
     std::vector<float> host(static_cast<size_t>(iterations));
     for (float& u : host) {
       const auto start = std::chrono::steady_clock::now();
@@ -359,6 +421,7 @@ LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t
   if (with_graph) {
     const LayerTimer::GraphTimes graph = timer.time_graph(tokens, iterations, flusher);
     m.graph_us = graph.device_us;
+    m.graph_eager_us = graph.eager_us;
     m.graph_launch_host_us = graph.launch_host_us;
     m.host_us = timer.host_us_per_forward(tokens, 50);
     // The launches alone: routing + sort, GEMM1, GEMM2, finalize.
@@ -387,8 +450,11 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
   table << "# " << gpu << ", " << date << ": " << ceil.describe() << "\n"
         << "# whole MoE layer (routing on the device), L2 flushed before each forward, medians of "
         << opt.iterations << "; roof = GEMM1 + GEMM2 + combine rooflines; stages in us; out% = time outside the GEMMs\n";
-  table << "model         variant                    T act   time_us  graph_us   roof_us   eff | route+sort "
-           "gather    gemm1    gemm2  final |  out%\n";
+  table << "# routing load (--routing): uniform = random top-k; realistic = a fixed per-expert popularity, the "
+           "hottest expert 2.5x the mean rows at T = 4096; skewed = N(0, 1) logits with a 0.1 N(0, 1) correction "
+           "bias; hot = rows of the hottest expert / the mean, med = the median active expert's / the mean\n";
+  table << "model         variant                routing      T act   hot  med   time_us  graph_us   roof_us   eff | "
+           "route+sort gather    gemm1    gemm2  final |  out%\n";
   if (json) {
     nlohmann::json j{{"kind", "ceilings"}, {"gpu", gpu}, {"date", date},
                      {"copy_tbps", ceil.copy_bytes_per_s / 1e12}, {"read_tbps", ceil.read_bytes_per_s / 1e12},
@@ -433,7 +499,11 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
       const bool is_default = options.finalize == defaults.finalize && variant.gather == GatherMode::kAuto &&
                               options.batch_invariant == defaults.batch_invariant;
       const MoeLayer layer = MoeLayerInternals::prepare(weights, options, variant.gather);
-      LayerTimer timer(layer, max_tokens, opt.seed);
+      for (RouterLoad load : opt.loads) {
+      LayerTimer timer(layer, max_tokens, opt.seed, load);
+      if (load == RouterLoad::kRealistic)
+        table << "# " << shape.name << " realistic routing: logits N(0, 1) + " << timer.popularity_scale()
+              << " z_e, z_e ~ N(0, 1) per expert\n";
       for (int64_t tokens : opt.tokens) {
         const bool with_graph = opt.with_graph && is_default;
         const LayerMeasurement m = measure_layer(timer, layer, tokens, opt.iterations, with_graph, ceil, flusher);
@@ -442,16 +512,21 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
         if (with_graph) std::snprintf(graph_text, sizeof graph_text, "%.1f", m.graph_us);
         const std::string graph_us = graph_text;
         char line[512];
+        const LayerTimer::ExpertLoad& el = m.expert_load;
         std::snprintf(line, sizeof line,
-                      "%-13s %-22s %6lld %3lld %9.1f %9s %9.1f %5.2f | %10.1f %6.1f %8.1f %8.1f %6.1f | %4.0f%%\n",
-                      shape.name.c_str(), variant_name(options, variant.gather).c_str(), static_cast<long long>(tokens),
-                      static_cast<long long>(m.roofline.active_experts), m.time_us,
-                      graph_us.c_str(),
+                      "%-13s %-22s %-9s %6lld %3lld %5.2f %4.2f %9.1f %9s %9.1f %5.2f | %10.1f %6.1f %8.1f %8.1f "
+                      "%6.1f | %4.0f%%\n",
+                      shape.name.c_str(), variant_name(options, variant.gather).c_str(), to_string(load).c_str(),
+                      static_cast<long long>(tokens), static_cast<long long>(m.roofline.active_experts),
+                      static_cast<double>(el.max_rows) / el.mean_rows,
+                      static_cast<double>(el.median_rows) / el.mean_rows, m.time_us, graph_us.c_str(),
                       m.roofline.roof_us, m.efficiency, s.route_sort_us, s.gather_us, s.gemm1_us, s.gemm2_us,
                       s.finalize_us, 100.0 * s.outside_gemm_share());
         table << line;
         if (with_graph)
-          table << "  host time of one eager forward() call: " << m.host_us << " us (its 4 kernel launches alone, "
+          table << "  graph replay " << m.graph_us << " us against eager forwards taken in turn with it "
+                << m.graph_eager_us << " us (" << m.graph_us / m.graph_eager_us << "x)\n"
+                << "  host time of one eager forward() call: " << m.host_us << " us (its 4 kernel launches alone, "
                 << "empty kernels: " << m.launch_floor_us << " us); of one graph replay: " << m.graph_launch_host_us
                 << " us\n";
         if (m.nonfinite_outputs > 0)
@@ -468,6 +543,9 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"hidden", shape.hidden},
                            {"inter", shape.inter},
                            {"routing", to_string(shape.routing.mode)},
+                           {"router_load", to_string(load)},
+                           {"popularity_scale", timer.popularity_scale()},
+                           {"expert_rows_mean", el.mean_rows},
                            {"tokens", tokens},
                            {"rows", m.roofline.rows},
                            {"active_experts", m.roofline.active_experts},
@@ -487,6 +565,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"gemm2_row_stages", describe_row_stages(plan.gemm2)},
                            {"time_us", m.time_us},
                            {"graph_us", with_graph ? nlohmann::json(m.graph_us) : nlohmann::json(nullptr)},
+                           {"graph_eager_us", with_graph ? nlohmann::json(m.graph_eager_us) : nlohmann::json(nullptr)},
                            {"host_us_per_forward", with_graph ? nlohmann::json(m.host_us) : nlohmann::json(nullptr)},
                            {"graph_launch_host_us",
                             with_graph ? nlohmann::json(m.graph_launch_host_us) : nlohmann::json(nullptr)},
@@ -511,6 +590,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"iterations", opt.iterations}};
           *json << j.dump() << std::endl;
         }
+      }
       }
     }
   }

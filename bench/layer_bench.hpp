@@ -70,15 +70,38 @@ struct LayerShape {
 // finite. Biases (has_bias) are uniform in [-0.1, 0.1]. For timing only.
 MoeWeights random_moe_weights(const LayerShape& shape, uint64_t seed);
 
-// The router inputs LayerTimer gives a layer of num_experts experts:
-// logits ~ N(0, 1) [max_tokens, num_experts] and a correction bias ~ 0.1 N(0,
-// 1) [num_experts], drawn from `seed`; the hidden states are
-// fill_random_bf16(seed + 17) over [max_tokens, hidden]. The expert-parallel
-// benchmark gives its ranks the same tokens.
+// How the benchmark's router logits spread the tokens over the experts:
+//   kUniform    logits ~ N(0, 1), no correction bias: every expert is equally
+//               likely, the top-k a uniformly random set (the GEMM bench's
+//               balance);
+//   kRealistic  logits ~ N(0, 1) + s z_e with one z_e ~ N(0, 1) per expert
+//               (a fixed popularity) and no correction bias, s chosen so that
+//               at T = 4096 the hottest expert gets 2.5x the mean rows
+//               (kRealisticHotShare); for GLM-5 and DeepSeek-V3 the median
+//               expert then gets ~0.9x the mean, the spread a trained router
+//               balanced by its correction bias leaves in serving;
+//   kSkewed     logits ~ N(0, 1) and a correction bias ~ 0.1 N(0, 1), which
+//               under the sigmoid routings is far more uneven (GLM-5 at T =
+//               4096: the hottest expert 5.7x the mean, 17x the median).
+// The rows each expert gets at each T are in the benchmark's output.
+enum class RouterLoad { kUniform, kRealistic, kSkewed };
+std::string to_string(RouterLoad load);
+RouterLoad parse_router_load(const std::string& name);  // "uniform", "realistic", "skewed"
+inline constexpr double kRealisticHotShare = 2.5;
+inline constexpr int64_t kRealisticCalibrationTokens = 4096;
+
+// The router inputs LayerTimer gives a layer routing with `routing` over
+// num_experts experts, [max_tokens, num_experts] logits and a [num_experts]
+// correction bias drawn from `seed` as `load` says; popularity_scale is
+// kRealistic's s (0 otherwise). The hidden states are fill_random_bf16(seed +
+// 17) over [max_tokens, hidden]. The expert-parallel benchmark gives its
+// ranks the same tokens.
 struct RouterInputs {
   std::vector<float> logits, bias;
+  double popularity_scale = 0.0;
 };
-RouterInputs random_router_inputs(int64_t max_tokens, int64_t num_experts, uint64_t seed);
+RouterInputs random_router_inputs(int64_t max_tokens, int64_t num_experts, const RoutingParams& routing,
+                                  uint64_t seed, RouterLoad load = RouterLoad::kSkewed);
 inline constexpr uint64_t kHiddenSeedOffset = 17;
 
 // The layer roofline of one forward (see the file comment).
@@ -104,41 +127,46 @@ struct StageTimes {
 };
 
 // Device inputs and buffers for timing forwards of one prepared layer: bf16
-// hidden states in [-1, 1) and fp32 router logits ~ N(0, 1) for up to
-// max_tokens tokens (a forward of T tokens reads the first T rows), a
-// correction bias ~ 0.1 N(0, 1) (read by noaux_tc routing only), the output
+// hidden states in [-1, 1) and fp32 router logits and correction bias as
+// random_router_inputs draws them for `load`, for up to max_tokens tokens (a
+// forward of T tokens reads the first T rows; the bias is read by noaux_tc
+// routing only), the output
 // and a zeroed workspace, all on one non-blocking stream of its own (so the
 // forward can be captured in a CUDA graph). The same seed gives the same
 // inputs, so several variants of a layer see identical tokens and routing.
 class LayerTimer {
  public:
-  LayerTimer(const MoeLayer& layer, int64_t max_tokens, uint64_t seed);
+  LayerTimer(const MoeLayer& layer, int64_t max_tokens, uint64_t seed, RouterLoad load = RouterLoad::kSkewed);
   ~LayerTimer();
   LayerTimer(const LayerTimer&) = delete;
   LayerTimer& operator=(const LayerTimer&) = delete;
 
   // How the layer's routing of the first `tokens` tokens loads the experts,
   // from the CPU reference's routing of the same logits (ties aside, what the
-  // device routes): the experts it selects, and the rows of the most loaded
-  // one and of the median one among those. The random correction bias makes
-  // the load uneven (GLM-5, seed 1, up to 4096 tokens, at T = 4096: 205 of
-  // 256 experts, median 85 rows, most 1,462), which the tile planner's
-  // Poisson model does not see.
+  // device routes): the experts it selects, the rows of the most loaded one
+  // and of the median one among those, and the mean over all experts
+  // (tokens * top_k / num_experts). Only kUniform matches the tile planner's
+  // Poisson model.
   struct ExpertLoad {
     int64_t active = 0;
     int64_t max_rows = 0;
     int64_t median_rows = 0;
+    double mean_rows = 0;
   };
   ExpertLoad expert_load(int64_t tokens) const;
+  RouterLoad load() const { return load_; }
+  double popularity_scale() const { return popularity_scale_; }  // RouterInputs::popularity_scale
   int64_t active_experts(int64_t tokens) const { return expert_load(tokens).active; }
 
   double time_forward_us(int64_t tokens, int iterations, const L2Flusher& flusher);
   StageTimes time_stages(int64_t tokens, int iterations, const L2Flusher& flusher);
-  // Captures one forward into a CUDA graph and times its replays: the
-  // device time (L2 flushed, median of `iterations`) and the host time of one
-  // cudaGraphLaunch call (median of `iterations` launches back to back).
+  // Captures one forward into a CUDA graph and times its replays against
+  // eager forwards taken in turn with them (time_interleaved_us, L2 flushed,
+  // medians of `iterations` each), and the host time of one cudaGraphLaunch
+  // call (median of `iterations` launches back to back).
   struct GraphTimes {
     double device_us = 0;
+    double eager_us = 0;  // the eager forwards interleaved with the replays
     double launch_host_us = 0;
   };
   GraphTimes time_graph(int64_t tokens, int iterations, const L2Flusher& flusher);
@@ -159,6 +187,8 @@ class LayerTimer {
   struct Buffers;
   const MoeLayer& layer_;
   int64_t max_tokens_;
+  RouterLoad load_;
+  double popularity_scale_ = 0.0;
   std::vector<float> host_logits_;  // [max_tokens, num_experts]
   std::vector<float> host_bias_;    // [num_experts]
   std::unique_ptr<Buffers> buffers_;
@@ -171,6 +201,7 @@ struct LayerMeasurement {
   LayerRoofline roofline;
   double time_us = 0;   // plain forward
   double graph_us = 0;  // CUDA-graph replay; 0 when not measured
+  double graph_eager_us = 0;  // eager forwards interleaved with the replays
   double host_us = 0;   // host time of one forward() call; measured with the graph
   double graph_launch_host_us = 0;  // host time of one replay's cudaGraphLaunch
   double launch_floor_us = 0;  // host time of the forward's 4 launches of an empty kernel
@@ -189,6 +220,7 @@ LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t
 struct LayerBenchOptions {
   std::vector<LayerShape> models;
   std::vector<int64_t> tokens = {1, 16, 64, 256, 1024};
+  std::vector<RouterLoad> loads = {RouterLoad::kRealistic};
   int iterations = 20;
   bool with_graph = true;  // graph replay of the default variant
   bool default_only = false;  // skip the other variants (plain launches, w4a4, batch invariant, ...)

@@ -155,32 +155,56 @@ def default_layer_cases(cases):
     return []
 
 
+# The benchmark's routing loads (`--routing`); runs before the option routed
+# the skewed way.
+LOAD_ORDER = ["uniform", "realistic", "skewed"]
+
+
+def router_load(case):
+    return case.get("router_load", "skewed")
+
+
+def ordered_loads(cases):
+    present = {router_load(c) for c in cases}
+    return [load for load in LOAD_ORDER if load in present]
+
+
 def layer_table(cases):
     cases = default_layer_cases(cases)
     tokens = sorted({int(c["tokens"]) for c in cases})
-    cell = {(c["model"], int(c["tokens"])): c["efficiency"] for c in cases}
-    rows = [[m] + [f2(cell[(m, t)]) if (m, t) in cell else "–" for t in tokens] for m in ordered_models(cases)]
-    return markdown(["model"] + [f"T={t}" if i == 0 else str(t) for i, t in enumerate(tokens)], rows)
+    cell = {(c["model"], router_load(c), int(c["tokens"])): c["efficiency"] for c in cases}
+    rows = [[m, load] + [f2(cell[(m, load, t)]) if (m, load, t) in cell else "–" for t in tokens]
+            for m in ordered_models(cases) for load in ordered_loads(cases)
+            if any((m, load, t) in cell for t in tokens)]
+    return markdown(["model", "routing"] + [f"T={t}" if i == 0 else str(t) for i, t in enumerate(tokens)], rows)
 
 
 def stages_table(cases):
     cases = default_layer_cases(cases)
     with_load = any("expert_rows_max" in c for c in cases)
-    header = ["model", "T", "active experts"] + (["rows per active expert, median / max"] if with_load else []) + [
-        "time µs", "graph µs", "roofline µs", "eff", "route + sort", "gather", "GEMM1", "GEMM2", "finalize",
-        "outside GEMMs"]
+    header = ["model", "routing", "T", "active experts"] + (
+        ["rows per active expert, median / max"] if with_load else []) + [
+        "time µs", "graph µs (/ eager in turn)", "roofline µs", "eff", "route + sort", "gather", "GEMM1", "GEMM2",
+        "finalize", "outside GEMMs"]
     rows = []
     for model in ordered_models(cases):
-        for c in sorted((c for c in cases if c["model"] == model), key=lambda c: int(c["tokens"])):
-            s = c["stage_us"]
-            row = [model, c["tokens"], c["active_experts"]]
-            if with_load:
-                row.append(f"{c['expert_rows_median']} / {c['expert_rows_max']}" if "expert_rows_max" in c else "–")
-            row += [f"{c['time_us']:.1f}", f"{c['graph_us']:.1f}" if c.get("graph_us") else "–",
-                    f"{c['roof_us']:.1f}", f2(c["efficiency"]), f"{s['route_sort']:.1f}", f"{s['gather']:.1f}",
-                    f"{s['gemm1']:.1f}", f"{s['gemm2']:.1f}", f"{s['finalize']:.1f}",
-                    f"{100 * c['outside_gemm_share']:.0f} %"]
-            rows.append(row)
+        for load in ordered_loads(cases):
+            chosen = [c for c in cases if c["model"] == model and router_load(c) == load]
+            for c in sorted(chosen, key=lambda c: int(c["tokens"])):
+                s = c["stage_us"]
+                row = [model, load, c["tokens"], c["active_experts"]]
+                if with_load:
+                    row.append(f"{c['expert_rows_median']} / {c['expert_rows_max']}" if "expert_rows_max" in c
+                               else "–")
+                graph = "–"
+                if c.get("graph_us"):
+                    graph = f"{c['graph_us']:.1f}"
+                    if c.get("graph_eager_us"):
+                        graph += f" ({c['graph_us'] / c['graph_eager_us']:.2f}×)"
+                row += [f"{c['time_us']:.1f}", graph, f"{c['roof_us']:.1f}", f2(c["efficiency"]),
+                        f"{s['route_sort']:.1f}", f"{s['gather']:.1f}", f"{s['gemm1']:.1f}", f"{s['gemm2']:.1f}",
+                        f"{s['finalize']:.1f}", f"{100 * c['outside_gemm_share']:.0f} %"]
+                rows.append(row)
     return markdown(header, rows)
 
 

@@ -29,6 +29,7 @@ void add_bench_command(CLI::App& app) {
     bool layer = false;
     bool no_graph = false;
     bool default_only = false;
+    std::vector<std::string> routing = {"realistic"};
     int ep = 0;
   };
   auto o = std::make_shared<BenchCli>();
@@ -52,6 +53,11 @@ void add_bench_command(CLI::App& app) {
   cmd->add_flag("--default-only", o->default_only,
                 "--layer: time the default variant only (deterministic finalize, automatic gather, programmatic "
                 "launch), not the plain-launch, w4a4, batch-invariant, atomic and gather variants");
+  cmd->add_option("--routing", o->routing,
+                  "--layer: how the router spreads tokens over experts, one or more of uniform (random top-k), "
+                  "realistic (a fixed per-expert popularity: the hottest expert 2.5x the mean rows at T = 4096) "
+                  "and skewed (N(0, 1) logits with a 0.1 N(0, 1) correction bias: the hottest 5-6x the mean)")
+      ->capture_default_str();
   cmd->add_option("--ep", o->ep,
                   "--layer: the expert-parallel layer over this machine's first N GPUs instead (NCCL; per-phase "
                   "times with the all-to-all on its own, the single-GPU layer as peer; default tokens: 1 16 64 "
@@ -75,6 +81,8 @@ void add_bench_command(CLI::App& app) {
       opts.iterations = o->options.iterations;
       opts.with_graph = !o->no_graph;
       opts.default_only = o->default_only;
+      opts.loads.clear();
+      for (const std::string& name : o->routing) opts.loads.push_back(bench::parse_router_load(name));
       if (cmd->count("--tokens") > 0) opts.tokens = o->options.tokens;
       const std::vector<std::string> names =
           o->models.empty() ? std::vector<std::string>{"glm-5", "deepseek-v3"} : o->models;
@@ -93,7 +101,7 @@ void add_bench_command(CLI::App& app) {
       open_json();
       if (cmd->count("--ep") > 0) {
 #ifdef FP4MOE_WITH_NCCL
-        for (const char* flag : {"--no-graph", "--default-only"})
+        for (const char* flag : {"--no-graph", "--default-only", "--routing"})
           FP4MOE_CHECK(cmd->count(flag) == 0, flag, " does not apply to --ep (one variant, no graph replays)");
         bench::EpBenchOptions ep;
         ep.models = opts.models;
@@ -110,7 +118,7 @@ void add_bench_command(CLI::App& app) {
       return;
     }
 
-    for (const char* flag : {"--no-graph", "--default-only", "--ep"})
+    for (const char* flag : {"--no-graph", "--default-only", "--routing", "--ep"})
       FP4MOE_CHECK(cmd->count(flag) == 0, flag, " applies to --layer only");
     bench::Options opts = o->options;
     std::vector<std::string> names = o->models;

@@ -319,13 +319,14 @@ void print_timing_table(const ModelShape& model, const DemoOptions& opts) {
   std::printf("  weights drawn and uploaded in %.1f s; measured: %s\n", build_timer.elapsed_ms() / 1e3,
               ceilings.describe().c_str());
   std::printf("  layer us: median of %d forwards, L2 flushed (512 MB read) before each; roofline = GEMM1 + GEMM2 + combine "
-              "(bench/layer_bench.hpp);\n  outside GEMMs: share of the forward spent in routing, sort, gather "
-              "and finalize (stage events)\n",
+              "(bench/layer_bench.hpp);\n  routing load: realistic (the hottest expert 2.5x the mean rows at "
+              "T = 4096; fp4moe bench --layer --routing for the others);\n  outside GEMMs: share of the forward "
+              "spent in routing, sort, gather and finalize (stage events)\n",
               opts.timing_iterations);
   std::printf("  %6s %7s %10s %11s %6s %14s\n", "T", "experts", "layer_us", "roofline_us", "eff", "outside_GEMMs");
   std::fflush(stdout);
   const int64_t max_tokens = *std::max_element(opts.timing_tokens.begin(), opts.timing_tokens.end());
-  bench::LayerTimer timer(layer, max_tokens, opts.seed);
+  bench::LayerTimer timer(layer, max_tokens, opts.seed, bench::RouterLoad::kRealistic);
   for (int64_t tokens : opts.timing_tokens) {
     const bench::LayerMeasurement m =
         bench::measure_layer(timer, layer, tokens, opts.timing_iterations, /*with_graph=*/false, ceilings, flusher);
