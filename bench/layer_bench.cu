@@ -197,13 +197,20 @@ RouterInputs random_router_inputs(int64_t max_tokens, int64_t num_experts, const
   if (load == RouterLoad::kSkewed) {
     for (float& v : r.bias) v = 0.1f * normal(rng);
   } else if (load == RouterLoad::kRealistic) {
+    // The popularity comes from a generator of its own, and its scale is
+    // fitted on the first kRealisticCalibrationTokens tokens of the logits'
+    // stream (drawn again, whatever max_tokens is): every max_tokens gives
+    // the same popularity and the same logits for the tokens it has.
+    // (A distribution object per generator: it keeps a second draw.)
+    std::mt19937_64 popularity_rng(seed ^ 0x9E3779B97F4A7C15ull);
+    std::normal_distribution<float> popularity_normal(0.0f, 1.0f);
     std::vector<float> z(static_cast<size_t>(num_experts));
-    for (float& v : z) v = normal(rng);
-    // The scale is fitted on kRealisticCalibrationTokens tokens of their own,
-    // so that every max_tokens gives the same popularity.
+    for (float& v : z) v = popularity_normal(popularity_rng);
     const int64_t cal_tokens = kRealisticCalibrationTokens;
     std::vector<float> base(static_cast<size_t>(cal_tokens * num_experts));
-    for (float& v : base) v = normal(rng);
+    std::mt19937_64 stream_rng(seed);
+    std::normal_distribution<float> stream_normal(0.0f, 1.0f);
+    for (float& v : base) v = stream_normal(stream_rng);
     std::vector<float> shifted(base.size());
     const auto hot_share = [&](double s) {
       for (size_t i = 0; i < base.size(); ++i)
