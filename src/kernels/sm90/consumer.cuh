@@ -115,6 +115,7 @@ __device__ __forceinline__ void consume_units(const GroupedGemmParams& p, const 
   roles.out_rows = reinterpret_cast<int32_t*>(sh.smem + T::L.slots_offset) + roles.consumer * 2 * BLOCK_M;
   roles.row_weights = reinterpret_cast<float*>(roles.out_rows + BLOCK_M);
   const int group = roles.consumer * 4 + roles.wtid / 32;  // this warp's 16-row fragment group in the tile
+  roles.n_half = p.n / 2;
   RingPosition ring;
   float acc[T::NACC];
 

@@ -20,6 +20,7 @@ struct EpilogueRoles {
   int consumer;  // 0 .. kSm90Consumers - 1
   int ctid;      // 0 .. 128 * kSm90Consumers - 1
   int wtid;      // 0 .. 127
+  int n_half;    // p.n / 2: SWIGLU's output columns
   int32_t* out_rows;
   float* row_weights;
 };
@@ -195,7 +196,7 @@ __device__ __forceinline__ void store_unit(const GroupedGemmParams& p, const Sha
         // a multiple of 8, so a chunk is wholly inside it or past it.
         constexpr int OUT_N = EPI == Epilogue::kSwiglu ? kSm90WarpgroupRows / 2 : kSm90WarpgroupRows;
         constexpr int OUT_CHUNKS = OUT_N / 8;
-        const int y_cols = EPI == Epilogue::kSwiglu ? p.n / 2 : p.n;
+        const int y_cols = EPI == Epilogue::kSwiglu ? roles.n_half : p.n;
         const int n0 = u.n_tile * (EPI == Epilogue::kSwiglu ? BLOCK_N / 2 : BLOCK_N) + consumer * OUT_N;
         static_assert(EPI != Epilogue::kSwiglu || OUT_N % 16 == 0, "a SwiGLU tile must hold whole NVFP4 blocks");
         // W4A4 (kSwiglu with act_quant_scales): quantised to NVFP4 against
