@@ -12,7 +12,6 @@
 #include <cuda_runtime.h>
 
 #include <climits>
-#include <cmath>
 #include <cstdint>
 
 #include "fp4moe/error.hpp"
@@ -23,6 +22,7 @@
 #include "kernels/ops/sort.cuh"
 #include "kernels/ptx/grid_dependency.cuh"
 #include "plan/smem_model.hpp"
+#include "ref/routing_checks.hpp"
 
 namespace fp4moe::kernels {
 namespace {
@@ -142,23 +142,7 @@ void check_routing_params(int64_t num_tokens, int64_t num_experts, const Routing
   FP4MOE_CHECK(p.mode == RoutingMode::kSoftmaxTopK || p.mode == RoutingMode::kNoauxTc ||
                    p.mode == RoutingMode::kGptOss,
                "launch_route: unknown RoutingMode ", static_cast<int>(p.mode));
-  if (p.mode != RoutingMode::kNoauxTc) return;
-  FP4MOE_CHECK(p.num_groups >= 1 && num_experts % p.num_groups == 0,
-               "launch_route(noaux_tc): num_groups = ", p.num_groups,
-               "; expected a positive divisor of num_experts = ", num_experts);
-  const int64_t group_size = num_experts / p.num_groups;
-  FP4MOE_CHECK(group_size >= 2, "launch_route(noaux_tc): num_groups = ", p.num_groups, " gives ",
-               group_size, " expert(s) per group for num_experts = ", num_experts,
-               "; expected >= 2 per group (a group scores the sum of its top 2)");
-  FP4MOE_CHECK(p.topk_groups >= 1 && p.topk_groups <= p.num_groups,
-               "launch_route(noaux_tc): topk_groups = ", p.topk_groups,
-               "; expected in [1, num_groups = ", p.num_groups, "]");
-  FP4MOE_CHECK(p.topk_groups * group_size >= p.top_k, "launch_route(noaux_tc): topk_groups = ",
-               p.topk_groups, " keeps ", p.topk_groups * group_size, " experts (groups of ",
-               group_size, "); expected >= top_k = ", p.top_k);
-  FP4MOE_CHECK(std::isfinite(p.routed_scaling_factor) && p.routed_scaling_factor > 0.0f,
-               "launch_route(noaux_tc): routed_scaling_factor = ", p.routed_scaling_factor,
-               "; expected finite and > 0");
+  if (p.mode == RoutingMode::kNoauxTc) check_noaux_tc_params("launch_route", num_experts, p);
 }
 
 // The shared slots the routing kernels append: within the kernels' limits,
