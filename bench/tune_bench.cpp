@@ -9,7 +9,7 @@
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
-#include "kernels/moe_ops.hpp"
+#include "kernels/ops/moe_ops.hpp"
 #include "layer/moe_layer_internals.hpp"
 
 namespace fp4moe::bench {

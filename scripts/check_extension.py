@@ -30,7 +30,7 @@ std:: symbols by kind) to stdout and to --out. With --check, exits 1 when
 the extension fails the rule (and with --remove-on-failure deletes it, so
 that a build tree does not keep a bad module as up to date). Used by
 python/CMakeLists.txt after every link of the module, by
-tests/python/test_extension.py and by scripts/gpu-python.
+tests/python/test_extension.py and by tools/lab/gpu-python.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """NumPy-only reading and float64 evaluation of ModelOpt NVFP4 MoE layers.
 
-Used by scripts/modelopt-compat to compute what `fp4moe moe` must output for
-an exported checkpoint, independently of fp4moe's own code:
+Used by tests/conformance/modelopt-compat to compute what `fp4moe moe` must
+output for an exported checkpoint, independently of fp4moe's own code:
 
   read_safetensors / read_checkpoint   the tensors of a file or directory, raw
   dequantize                           e2m1 codes (even element in the low

@@ -15,7 +15,7 @@
 #include "ep/nccl_util.hpp"
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
-#include "kernels/moe_ops.hpp"
+#include "kernels/ops/moe_ops.hpp"
 #include "util/device_buffer.hpp"
 
 namespace fp4moe {

@@ -2,10 +2,10 @@
 // include/fp4moe/nvfp4_activation.hpp's rule (the CPU reference's), in place,
 // as q x e4m3 — exact in bf16, so the bf16 MMA multiplies exactly what an FP4
 // tensor core would; the input_scale is applied in the next epilogue. Used by
-// the quantising gather (moe_ops.cu) and GEMM1's SwiGLU epilogues
+// the quantising gather (ops/gather.cu) and GEMM1's SwiGLU epilogues
 // (portable_grouped_gemm.cuh, sm90_grouped_gemm.cuh).
 // Tested bit for bit against the CPU quantiser: the gather over every bf16
-// value for every block scale (tests/kernels/test_moe_ops.cpp), the SwiGLU
+// value for every block scale (tests/kernels/ops/test_gather.cpp), the SwiGLU
 // epilogues of every compiled config (tests/kernels/test_grouped_gemm.cpp).
 #pragma once
 

@@ -39,7 +39,7 @@
 #include "fp4moe/error.hpp"
 #include "kernels/device_info.hpp"
 #include "kernels/grouped_gemm.hpp"
-#include "kernels/moe_ops.hpp"
+#include "kernels/ops/moe_ops.hpp"
 #include "kernels/prepare_device.hpp"
 #include "layer/plan_cache.hpp"
 #include "plan/smem_model.hpp"

@@ -41,14 +41,17 @@
 // 93 of 96 points for m8 ... m32 (docs/performance.md §5.6).
 // m48 and the two-block m64 beat m128 by 1.07-1.20x on uniformly routed
 // experts of 32-51 rows but lost to it in the layer's skewed routing
-// (docs/performance.md §5.10): the planner skips them (and the one-block m64),
-// the tuner may. sm90n128m128k64s3w12 fits the 101,376-byte budget of
-// SM120/SM86-class parts (fp4moe plan --arch sm120), as do the m48 and
-// two-block m64 tiles. m160 (widths 40, 80, 120, 144, 160) holds an expert of
-// 129-160 rows in one unit where m128 adds a second, mostly empty one that
-// reads and dequantises the whole weight tile again (half of DeepSeek-V3's
-// experts at T = 4096 under uniform routing); the planner takes it from
-// 108 rows per expert. Steps of 32 (five mainloop copies) and an m192 tile
+// (docs/performance.md §5.10): the planner skips them (and the one-block m64)
+// as a GEMM's tile but runs the two-block m48 over the experts of at most
+// kSm90LightMaxRows rows (its row classes); the tuner may pick any of them.
+// sm90n128m128k64s3w12 fits the 101,376-byte budget of SM120/SM86-class parts
+// (fp4moe plan --arch sm120), as do the m48 and two-block m64 tiles. m160
+// (widths 40, 80, 120, 144, 160) holds an expert of 129-160 rows in one unit
+// where m128 adds a second, mostly empty one that reads and dequantises the
+// whole weight tile again (half of DeepSeek-V3's experts at T = 4096 under
+// uniform routing); the planner takes it where its expected units, each
+// costing kSm90M160UnitCost m128 units, cost less than m128's (plan.cpp,
+// sm90_m160_saves_units). Steps of 32 (five mainloop copies) and an m192 tile
 // spilled.
 #define FP4MOE_SM90_TILES(X, EPI) \
   X(8, 128, 9, EPI)               \
@@ -66,3 +69,13 @@
   FP4MOE_SM90_TILES(X, ::fp4moe::Epilogue::kNone)       \
   FP4MOE_SM90_TILES(X, ::fp4moe::Epilogue::kSwiglu)     \
   FP4MOE_SM90_TILES(X, ::fp4moe::Epilogue::kFinalize)
+
+namespace fp4moe {
+
+// An m160 unit's time over an m128 unit's, measured (H100, GEMM bench,
+// uniform routing; docs/performance.md §5.12): the one statement of where
+// the planner takes the 160-row tile, which plan_gemm derives from it and
+// the expected units of each tile.
+inline constexpr double kSm90M160UnitCost = 1.14;
+
+}  // namespace fp4moe

@@ -357,7 +357,7 @@ double expected_m_tiles(double rows, int block_m) {
 }
 
 // Whether the SM90 160-row tile beats the 128-row one at this many rows per
-// expert: its expected units, each 1.14x the cost of an m128 unit, against
+// expert: its expected units, each kSm90M160UnitCost m128 units, against
 // m128's. The ratio is measured (H100, GEMM bench, uniform routing;
 // docs/performance.md §5.12): GLM-4.5 at 205 rows, two units on
 // either tile, ran 0.86x on m160. The rule picks m160 at 117-168 and 247-326
@@ -365,9 +365,8 @@ double expected_m_tiles(double rows, int block_m) {
 // measured shapes of 85-256 rows its pick is the faster tile or within 4 % of
 // it, but for Kimi K2 at 171 rows (m160 1.04x / 1.06x faster, predicted
 // 0.97x).
-constexpr double kM160UnitCost = 1.14;  // an m160 unit's time over an m128 unit's
 bool sm90_m160_saves_units(double rows) {
-  return kM160UnitCost * expected_m_tiles(rows, 160) < expected_m_tiles(rows, 128);
+  return kSm90M160UnitCost * expected_m_tiles(rows, 160) < expected_m_tiles(rows, 128);
 }
 
 // Whether the 160-row tile beats the 256-row one from ~384 rows per expert:
@@ -379,8 +378,8 @@ bool sm90_m160_saves_units(double rows) {
 // last at 51 rows) or 6 of m160 (the last at 19, 40 columns wide). Where
 // the rows nearly fill 256-row units (512 and 1024 rows) m256 stays.
 bool sm90_m160_beats_m256(double rows) {
-  constexpr double kM256UnitCost = 1.6 * kM160UnitCost;
-  return kM160UnitCost * expected_m_tiles(rows, 160) < 0.95 * kM256UnitCost * expected_m_tiles(rows, 256);
+  constexpr double kM256UnitCost = 1.6 * kSm90M160UnitCost;
+  return kSm90M160UnitCost * expected_m_tiles(rows, 160) < 0.95 * kM256UnitCost * expected_m_tiles(rows, 256);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/reference.hpp"
+#include "ref/routing_checks.hpp"
 
 namespace fp4moe {
 namespace {
@@ -59,23 +60,7 @@ void validate_params(int64_t num_tokens, int64_t num_experts, const RoutingParam
   // Before the outputs are allocated: the GPU layer's limit.
   FP4MOE_CHECK(num_tokens < kMaxRoutedPairs / p.top_k, "route: num_tokens = ", num_tokens,
                " with top_k = ", p.top_k, "; expected num_tokens * top_k < 2^31");
-  if (p.mode != RoutingMode::kNoauxTc) return;
-  FP4MOE_CHECK(p.num_groups >= 1 && num_experts % p.num_groups == 0,
-               "route(noaux_tc): num_groups = ", p.num_groups,
-               "; expected a positive divisor of num_experts = ", num_experts);
-  const int64_t group_size = num_experts / p.num_groups;
-  FP4MOE_CHECK(group_size >= 2, "route(noaux_tc): num_groups = ", p.num_groups, " gives ",
-               group_size, " expert(s) per group for num_experts = ", num_experts,
-               "; expected >= 2 per group (a group scores the sum of its top 2)");
-  FP4MOE_CHECK(p.topk_groups >= 1 && p.topk_groups <= p.num_groups,
-               "route(noaux_tc): topk_groups = ", p.topk_groups, "; expected in [1, num_groups = ",
-               p.num_groups, "]");
-  FP4MOE_CHECK(p.topk_groups * group_size >= p.top_k, "route(noaux_tc): topk_groups = ",
-               p.topk_groups, " keeps ", p.topk_groups * group_size,
-               " experts (groups of ", group_size, "); expected >= top_k = ", p.top_k);
-  FP4MOE_CHECK(std::isfinite(p.routed_scaling_factor) && p.routed_scaling_factor > 0.0f,
-               "route(noaux_tc): routed_scaling_factor = ", p.routed_scaling_factor,
-               "; expected finite and > 0");
+  if (p.mode == RoutingMode::kNoauxTc) check_noaux_tc_params("route", num_experts, p);
 }
 
 // Fills one token's ids and weights from the chosen experts (in rank order)
@@ -174,6 +159,25 @@ void route_gptoss(const float* logits, int64_t num_experts, const RoutingParams&
 }
 
 }  // namespace
+
+void check_noaux_tc_params(const char* op, int64_t num_experts, const RoutingParams& p) {
+  FP4MOE_CHECK(p.num_groups >= 1 && num_experts % p.num_groups == 0,
+               op, "(noaux_tc): num_groups = ", p.num_groups,
+               "; expected a positive divisor of num_experts = ", num_experts);
+  const int64_t group_size = num_experts / p.num_groups;
+  FP4MOE_CHECK(group_size >= 2, op, "(noaux_tc): num_groups = ", p.num_groups, " gives ",
+               group_size, " expert(s) per group for num_experts = ", num_experts,
+               "; expected >= 2 per group (a group scores the sum of its top 2)");
+  FP4MOE_CHECK(p.topk_groups >= 1 && p.topk_groups <= p.num_groups,
+               op, "(noaux_tc): topk_groups = ", p.topk_groups, "; expected in [1, num_groups = ",
+               p.num_groups, "]");
+  FP4MOE_CHECK(p.topk_groups * group_size >= p.top_k, op, "(noaux_tc): topk_groups = ",
+               p.topk_groups, " keeps ", p.topk_groups * group_size,
+               " experts (groups of ", group_size, "); expected >= top_k = ", p.top_k);
+  FP4MOE_CHECK(std::isfinite(p.routed_scaling_factor) && p.routed_scaling_factor > 0.0f,
+               op, "(noaux_tc): routed_scaling_factor = ", p.routed_scaling_factor,
+               "; expected finite and > 0");
+}
 
 std::string to_string(RoutingMode mode) {
   switch (mode) {

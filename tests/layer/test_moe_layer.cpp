@@ -1579,8 +1579,8 @@ std::vector<float> w4a4_reference(const MoeWeights& weights, const TokenBatch& b
 
 // A W4A4 layer output against the W4A4 reference and, to show that fp4
 // numerics were applied at all, against the bf16 (W4A16) reference. The
-// GPU's GEMM1 input is the reference's bit for bit (tests/kernels/
-// test_moe_ops.cpp), but GEMM2's is quantised from the fp32 SwiGLU output
+// GPU's GEMM1 input is the reference's bit for bit (tests/kernels/ops/
+// test_gather.cpp), but GEMM2's is quantised from the fp32 SwiGLU output
 // rounded to bf16, the reference's from the double one: where those round to
 // different bf16 values across an fp4 rounding boundary (rare), that element
 // moves by a whole fp4 step and its token's output row by a few percent.

@@ -1,5 +1,6 @@
-"""The NumPy evaluator of scripts/modelopt-compat (scripts/nvfp4_ref.py),
-checked against the fp4moe binary on a tiny checkpoint written here: its
+"""The NumPy evaluator of tests/conformance/modelopt-compat
+(scripts/nvfp4_ref.py), checked against the fp4moe binary on a tiny
+checkpoint written here: its
 NVFP4 rule must reproduce `fp4moe quantize` bit for bit, its dequantiser and
 layer evaluation must agree with `fp4moe moe --device cpu`. The codecs are
 checked against every code. The binary is $FP4MOE_CLI (ctest sets it).

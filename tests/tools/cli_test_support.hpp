@@ -6,7 +6,7 @@
 // The binary is the one CMake built (FP4MOE_CLI_PATH, an absolute path
 // compiled in), unless the environment variable FP4MOE_CLI names another:
 // binaries carried to a GPU machine find their CLI that way
-// (scripts/gpu-run sets it).
+// (tools/lab/gpu-run sets it).
 #pragma once
 
 #include <gtest/gtest.h>

@@ -12,8 +12,9 @@
 // before any launch (fp4moe::Error); device-side input errors (expert ids out
 // of range) set bits in a caller-given int32 error word.
 //
-// Implemented in src/kernels/moe_ops.cu; tested in tests/kernels/test_moe_ops.cpp
-// against the CPU reference (src/ref/routing.cpp).
+// Implemented in src/kernels/ops/ (routing.cu, sort.cu, gather.cu,
+// finalize.cu); tested in tests/kernels/ops/ (the binary test_moe_ops)
+// against the CPU reference (src/ref/routing.cpp) and host loops.
 #pragma once
 
 #include <cuda_runtime_api.h>

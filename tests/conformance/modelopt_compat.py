@@ -1,4 +1,4 @@
-"""The ModelOpt compatibility check behind scripts/modelopt-compat (which
+"""The ModelOpt compatibility check behind tests/conformance/modelopt-compat (which
 sets up the Python environment and runs this file).
 
 For each small random MoE model (transformers config objects, no downloads):
@@ -39,10 +39,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
 import nvfp4_ref as ref  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REL_ERR_LIMIT = 1e-2
 CALIB_SEQUENCES, CALIB_LEN = 16, 32
 EVAL_SEQUENCES, EVAL_LEN = 2, 16
@@ -554,7 +554,7 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "_export":
         cmd_export(*sys.argv[2:6])
         return 0
-    parser = argparse.ArgumentParser(prog="scripts/modelopt-compat", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tests/conformance/modelopt-compat", description=__doc__.split("\n\n")[0])
     parser.add_argument("--fp4moe", help="the fp4moe binary (default: $FP4MOE, build-sm90/ or build/)")
     date = datetime.date.today().isoformat()
     parser.add_argument("--out", default=os.path.join(REPO, ".out"),
