@@ -20,7 +20,7 @@
 #include "ep/nccl_util.hpp"
 #include "fp4moe/expert_parallel_layer.hpp"
 #endif
-#include "format/checkpoint.hpp"
+#include "format/checkpoint_reader.hpp"
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
