@@ -31,14 +31,6 @@ namespace fp4moe::cli {
 
 // ------------------------------------------------------------------ files
 
-void check_output_path(const std::string& path) {
-  namespace fs = std::filesystem;
-  const fs::path parent = fs::absolute(fs::path(path)).parent_path();
-  FP4MOE_CHECK(fs::is_directory(parent), "output ", path, ": directory ", parent.string(),
-               " does not exist");
-  FP4MOE_CHECK(!fs::is_directory(path), "output ", path, " is a directory; expected a file name");
-}
-
 std::string format_bytes(double bytes) {
   const char* units[] = {"B", "kB", "MB", "GB", "TB"};
   int unit = 0;

@@ -1,5 +1,5 @@
 // The values of a float tensor whatever its dtype (tensor_values.hpp).
-// Tested through the checkpoint reader and the CLI
+// Tested through the checkpoint reader, the converter and the CLI
 // (tests/tools/test_cli.cpp); fuzzed by fuzz/fuzz_moe_input.cpp.
 #include "format/tensor_values.hpp"
 

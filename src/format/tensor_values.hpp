@@ -1,10 +1,11 @@
 // The values of a float tensor (F32, BF16, F16) whatever its dtype: the
 // checkpoint reader's float tensors (routers, biases, unquantised shared
-// experts) and the CLI's input files (tools/tensors.hpp) all read them
-// here. Internal to the library.
+// experts), the converter's inputs (convert.cpp) and the CLI's input files
+// (tools/tensors.hpp) all read them here. Internal to the library.
 //
-// Tested through the checkpoint reader (tests/format/test_moe_weights_reader.cpp)
-// and the CLI (tests/tools/test_cli.cpp, tests/tools/test_quantize.cpp).
+// Tested through the checkpoint reader (tests/format/test_moe_weights_reader.cpp),
+// the converter (tests/tools/test_quantize.cpp) and the CLI
+// (tests/tools/test_cli.cpp).
 #pragma once
 
 #include <cstdint>
