@@ -1,5 +1,6 @@
 // libFuzzer target: loading a ModelOpt NVFP4 checkpoint
-// (load_moe_weights and checkpoint_tensor_names, src/format/modelopt.cpp).
+// (load_moe_weights and checkpoint_tensor_names, src/format/moe_weights_reader.cpp
+// and src/format/checkpoint_reader.cpp).
 //
 // One input describes a small checkpoint directory:
 //
@@ -31,7 +32,7 @@
 #include <string_view>
 #include <vector>
 
-#include "format/checkpoint.hpp"
+#include "format/checkpoint_reader.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/modelopt.hpp"
 #include "fp4moe/nvfp4.hpp"

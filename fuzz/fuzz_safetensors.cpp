@@ -1,5 +1,5 @@
 // libFuzzer target: SafetensorsFile::open on arbitrary bytes
-// (src/format/safetensors.cpp).
+// (src/format/safetensors_reader.cpp).
 //
 // The input is the whole file. Opening it must either throw fp4moe::Error or
 // succeed; anything else (another exception, a sanitizer report, a leak, a

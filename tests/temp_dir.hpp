@@ -1,6 +1,6 @@
 // TempDir: a fresh directory under the system temp dir for one test, removed
 // with everything in it when the object goes. Shared by the tests that write
-// files (tests/format/test_modelopt.cpp, tests/tune/). In namespace fp4moe,
+// files (tests/format/, tests/tune/). In namespace fp4moe,
 // where the tests live (a fp4moe::testing here would hide gtest's ::testing
 // from tests that name it unqualified).
 #pragma once

@@ -20,7 +20,7 @@
 #include "ep/nccl_util.hpp"
 #include "fp4moe/expert_parallel_layer.hpp"
 #endif
-#include "format/checkpoint.hpp"
+#include "format/checkpoint_reader.hpp"
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
@@ -30,14 +30,6 @@
 namespace fp4moe::cli {
 
 // ------------------------------------------------------------------ files
-
-void check_output_path(const std::string& path) {
-  namespace fs = std::filesystem;
-  const fs::path parent = fs::absolute(fs::path(path)).parent_path();
-  FP4MOE_CHECK(fs::is_directory(parent), "output ", path, ": directory ", parent.string(),
-               " does not exist");
-  FP4MOE_CHECK(!fs::is_directory(path), "output ", path, " is a directory; expected a file name");
-}
 
 std::string format_bytes(double bytes) {
   const char* units[] = {"B", "kB", "MB", "GB", "TB"};

@@ -17,14 +17,11 @@
 #include "fp4moe/reference.hpp"
 #include "fp4moe/safetensors.hpp"
 #include "tensors.hpp"
+#include "util/output_path.hpp"  // check_output_path
 
 namespace fp4moe::cli {
 
 // ------------------------------------------------------------------ files
-
-// Checks up front, before any long work, that `path` can be written: its
-// directory exists and it is not itself a directory.
-void check_output_path(const std::string& path);
 
 // "12.3 MB" with decimal units.
 std::string format_bytes(double bytes);

@@ -1,7 +1,9 @@
 // NVFP4 matrices and MoE expert weights in NVIDIA ModelOpt's checkpoint layout
 // (docs/design.md §3): quantisation of float weights, dequantisation, and loading
 // an MoE layer's experts from a safetensors file or a sharded checkpoint
-// directory. Tested in tests/format/test_modelopt.cpp.
+// directory. Tested in tests/format/test_modelopt_quantize.cpp,
+// tests/format/test_moe_weights_reader.cpp and
+// tests/format/test_checkpoint_writer.cpp.
 #pragma once
 
 #include <cstdint>

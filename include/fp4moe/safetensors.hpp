@@ -6,9 +6,10 @@
 //  "__metadata__": {"key": "value"}}, then the data section. Every offset,
 // length, dtype and shape is validated on open; a malformed file raises one
 // fp4moe::Error naming the file, the tensor and the problem.
-// Tested in tests/format/test_safetensors.cpp (round trips, fuzzed headers,
-// also under AddressSanitizer) and tests/format/test_safetensors_robust.cpp
-// (unread dtypes, files truncated or replaced after open).
+// Tested in tests/format/test_safetensors_{reader,writer}.cpp (round trips,
+// fuzzed headers, also under AddressSanitizer) and
+// tests/format/test_safetensors_robust.cpp (unread dtypes, files truncated or
+// replaced after open).
 #pragma once
 
 #include <cstddef>

@@ -1,6 +1,8 @@
 """What a checkpoint says about its MoE layers, without loading weights:
 the expert-tensor prefixes (from safetensors headers or the shard index) and
-the routing/activation from a Hugging Face config.json.
+the routing/activation its config.json declares, as the library's one
+config.json reader reads them (the extension's moe_model_config;
+src/format/config_json.hpp).
 
     prefixes = find_moe_prefixes("Qwen3-30B-A3B-NVFP4/")    # ["model.layers.0.mlp.", ...]
     cfg = layer_config_from_hf(json.load(open(".../config.json")))
@@ -15,6 +17,8 @@ import json
 import os
 import re
 import struct
+
+from . import _fp4moe
 
 # An expert's gate weight, named as ModelOpt exports it or as Mixtral does
 # (w1), the rule of the C++ loader's prefix detection (tools/cli_util.cpp).
@@ -37,32 +41,40 @@ class LayerConfig:
         return dataclasses.asdict(self)
 
 
+def _layer_config(json_text: str, where: str) -> LayerConfig:
+    """The routing and activation of config.json's text, read by the
+    library (fp4moe.Error, a ValueError, for a value it refuses)."""
+    config = _fp4moe.moe_model_config(json_text, where)
+    if config is None:
+        raise ValueError(f"{where} gives no routed expert count (n_routed_experts, num_local_experts or "
+                         "num_experts): not an MoE config")
+    if config["top_k"] is None:
+        raise ValueError(f"{where} (model_type '{config['model_type']}') has no num_experts_per_tok or "
+                         "experts_per_token: not an MoE config")
+    return LayerConfig(top_k=config["top_k"], routing=config["routing"], renormalize=config["renormalize"],
+                       num_groups=config["num_groups"], topk_groups=config["topk_groups"],
+                       routed_scaling_factor=config["routed_scaling_factor"], activation=config["activation"])
+
+
 def layer_config_from_hf(config: dict) -> LayerConfig:
     """Routing and activation of a Hugging Face MoE config (DeepSeek-V3,
-    Kimi K2, GLM-4.5+, Qwen2/3-MoE, Mixtral, gpt-oss). A multimodal config's
-    text_config is used when present. Raises ValueError for a config without
-    MoE routing fields."""
-    config = config.get("text_config", config)
-    model_type = config.get("model_type", "")
-    top_k = config.get("num_experts_per_tok", config.get("experts_per_token"))
-    if top_k is None:
-        raise ValueError(f"config.json (model_type '{model_type}') has no num_experts_per_tok or "
-                         "experts_per_token: not an MoE config")
-    if model_type == "gpt_oss":
-        return LayerConfig(top_k=int(top_k), routing="gptoss", activation="gptoss")
-    if config.get("topk_method") == "noaux_tc" or config.get("scoring_func") == "sigmoid" or \
-            "n_group" in config:
-        return LayerConfig(
-            top_k=int(top_k),
-            routing="noaux_tc",
-            num_groups=int(config.get("n_group") or 1),
-            topk_groups=int(config.get("topk_group") or 1),
-            routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
-        )
-    # Softmax top-k. Mixtral always renormalises over the chosen k; Qwen
-    # follows norm_topk_prob.
-    renormalize = True if model_type == "mixtral" else bool(config.get("norm_topk_prob", True))
-    return LayerConfig(top_k=int(top_k), routing="softmax", renormalize=renormalize)
+    Kimi K2, GLM-4.5+, Qwen2/3-MoE, Mixtral, gpt-oss), with each family's
+    defaults, as the library reads config.json (fp4moe/model_config.hpp).
+    A multimodal config's text_config is used when present. Raises
+    ValueError for a config without MoE routing fields, fp4moe.Error for a
+    value or routing the library refuses."""
+    return _layer_config(json.dumps(config), "config.json")
+
+
+def read_layer_config(path: str) -> LayerConfig | None:
+    """The routing and activation of config.json beside a checkpoint (the
+    directory, or the file's folder); None when there is no config.json."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    candidate = os.path.join(folder, "config.json")
+    if not os.path.exists(candidate):
+        return None
+    with open(candidate) as f:
+        return _layer_config(f.read(), candidate)
 
 
 def _safetensors_names(path: str) -> list[str]:
@@ -121,13 +133,3 @@ def prefix_for_layer(path: str, layer: int | None) -> str:
 def _layer_number(prefix: str):
     m = re.search(r"layers\.(\d+)\.", prefix)
     return int(m.group(1)) if m else prefix
-
-
-def read_hf_config(path: str) -> dict | None:
-    """config.json beside a checkpoint (the directory, or the file's folder)."""
-    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    candidate = os.path.join(folder, "config.json")
-    if not os.path.exists(candidate):
-        return None
-    with open(candidate) as f:
-        return json.load(f)

@@ -31,7 +31,7 @@ torch.compile, opcheck, bad input) and tests/python/test_cpu.py.
 from __future__ import annotations
 
 from . import _fp4moe, _ops
-from .checkpoint import LayerConfig, layer_config_from_hf, prefix_for_layer, read_hf_config
+from .checkpoint import LayerConfig, prefix_for_layer, read_layer_config
 
 # torch, imported when the first layer is made (not by `import fp4moe`), or
 # None without it; __call__ reads it from here rather than importing.
@@ -146,9 +146,9 @@ class MoeLayer:
         topk_groups, routed_scaling_factor, activation)."""
         if prefix is None:
             prefix = prefix_for_layer(path, layer)
-        hf = read_hf_config(path)
-        if hf is not None:
-            config = layer_config_from_hf(hf).as_kwargs()
+        declared = read_layer_config(path)
+        if declared is not None:
+            config = declared.as_kwargs()
         elif "top_k" in routing:
             config = LayerConfig(top_k=routing["top_k"]).as_kwargs()
         else:

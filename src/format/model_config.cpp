@@ -1,7 +1,8 @@
 // config.json's MoE fields per model family (include/fp4moe/model_config.hpp),
-// and the router logits of hidden states. The router's tensors are read in
-// src/format/modelopt.cpp, beside the expert loader, through the same
-// checkpoint reader.
+// read through the one config.json reader (src/format/config_json.hpp), and
+// the router logits of hidden states. The router's tensors are read in
+// src/format/moe_weights_reader.cpp, beside the expert loader, through the
+// same checkpoint reader.
 // Tested in tests/format/test_model_config.cpp: each family's keys and
 // defaults, contradictions and unsupported routings (one line each), and the
 // logits against a hand-computed product.
@@ -9,67 +10,16 @@
 
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <sstream>
 
-#include <nlohmann/json.hpp>
-
+#include "format/config_json.hpp"
 #include "fp4moe/error.hpp"
 
 namespace fp4moe {
 
 namespace fs = std::filesystem;
-using json = nlohmann::json;
 
 namespace {
-
-// Typed reads of one config object; a null value counts as absent (configs
-// write "n_shared_experts": null for "none").
-class ConfigFields {
- public:
-  ConfigFields(const json& object, std::string where) : object_(object), where_(std::move(where)) {}
-
-  bool has(const char* key) const { return object_.contains(key) && !object_[key].is_null(); }
-
-  std::optional<int64_t> positive_int(const char* key) const {
-    if (!has(key)) return std::nullopt;
-    const json& v = object_[key];
-    FP4MOE_CHECK(v.is_number_integer() && v.get<int64_t>() > 0, where_, ": ", key, " is ", v.dump(),
-                 "; expected a positive integer");
-    return v.get<int64_t>();
-  }
-  // A count that may be 0 (n_shared_experts).
-  std::optional<int64_t> count(const char* key) const {
-    if (!has(key)) return std::nullopt;
-    const json& v = object_[key];
-    FP4MOE_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0, where_, ": ", key, " is ", v.dump(),
-                 "; expected a non-negative integer");
-    return v.get<int64_t>();
-  }
-  std::optional<double> number(const char* key) const {
-    if (!has(key)) return std::nullopt;
-    const json& v = object_[key];
-    FP4MOE_CHECK(v.is_number() && std::isfinite(v.get<double>()), where_, ": ", key, " is ", v.dump(),
-                 "; expected a finite number");
-    return v.get<double>();
-  }
-  std::optional<bool> boolean(const char* key) const {
-    if (!has(key)) return std::nullopt;
-    const json& v = object_[key];
-    FP4MOE_CHECK(v.is_boolean(), where_, ": ", key, " is ", v.dump(), "; expected true or false");
-    return v.get<bool>();
-  }
-  std::optional<std::string> string(const char* key) const {
-    if (!has(key)) return std::nullopt;
-    const json& v = object_[key];
-    FP4MOE_CHECK(v.is_string(), where_, ": ", key, " is ", v.dump(), "; expected a string");
-    return v.get<std::string>();
-  }
-
- private:
-  const json& object_;
-  std::string where_;
-};
 
 // A config int that must fit the routing's int fields.
 int to_int(int64_t value, const std::string& where, const char* key) {
@@ -102,33 +52,20 @@ std::string MoeModelConfig::describe_routing() const {
   return s;
 }
 
-std::optional<MoeModelConfig> parse_moe_model_config(const std::string& json_text, const std::string& where) {
-  json file;
-  try {
-    file = json::parse(json_text);
-  } catch (const json::exception& e) {
-    FP4MOE_THROW(where, ": not valid JSON: ", e.what());
-  }
-  FP4MOE_CHECK(file.is_object(), where, ": expected a JSON object");
-  // A multimodal model keeps its language model's fields in text_config.
-  const bool nested = file.contains("text_config") && file["text_config"].is_object();
-  const json& text = nested ? file["text_config"] : file;
-  const ConfigFields c(text, where);
+namespace {
 
+// The MoE fields of a config, by family (model_config.hpp); empty when it
+// declares no routed expert count.
+std::optional<MoeModelConfig> moe_model_config(const ConfigJson& c) {
+  const std::string& where = c.where();
   MoeModelConfig m;
   m.where = where;
-  if (const auto type = c.string("model_type")) m.model_type = *type;
-  else if (nested && file.contains("model_type") && file["model_type"].is_string())
-    m.model_type = file["model_type"].get<std::string>();
+  m.model_type = c.model_type();
 
-  for (const char* key : {"n_routed_experts", "num_local_experts", "num_experts"}) {
-    if (const auto count = c.positive_int(key)) {
-      m.num_experts = *count;
-      m.num_experts_key = key;
-      break;
-    }
-  }
-  if (m.num_experts_key.empty()) return std::nullopt;  // not an MoE config
+  const auto count = c.expert_count();
+  if (!count) return std::nullopt;  // not an MoE config
+  m.num_experts = count->num_experts;
+  m.num_experts_key = count->key;
 
   // gpt-oss's original key is experts_per_token; transformers writes
   // num_experts_per_tok. Both present must agree.
@@ -206,17 +143,19 @@ std::optional<MoeModelConfig> parse_moe_model_config(const std::string& json_tex
   return m;
 }
 
+}  // namespace
+
+std::optional<MoeModelConfig> parse_moe_model_config(const std::string& json_text, const std::string& where) {
+  return moe_model_config(ConfigJson::parse(json_text, where));
+}
+
 std::optional<MoeModelConfig> read_moe_model_config(const std::string& checkpoint_path) {
   std::error_code ec;
   const fs::path path(checkpoint_path);
   const fs::path dir = fs::is_directory(path, ec) ? path : path.parent_path();
   const fs::path config = dir / "config.json";
   if (!fs::exists(config, ec)) return std::nullopt;
-  std::ifstream in(config);
-  FP4MOE_CHECK(in.good(), config.string(), ": cannot open");
-  std::stringstream text;
-  text << in.rdbuf();
-  return parse_moe_model_config(text.str(), config.string());
+  return moe_model_config(ConfigJson::read(config));
 }
 
 std::vector<float> compute_router_logits(const RouterWeights& router, const float* hidden_states,

@@ -25,7 +25,7 @@
 #include "fp4moe/error.hpp"
 
 #ifndef FP4MOE_LIBRARY_VERSION
-#error "FP4MOE_LIBRARY_VERSION must be defined by the build (src/tune/CMakeLists.txt)"
+#error "FP4MOE_LIBRARY_VERSION must be defined by the build (src/CMakeLists.txt)"
 #endif
 
 namespace fp4moe::tune {

@@ -1,5 +1,5 @@
 // Tests of src/format/model_config.cpp and the router loader of
-// src/format/modelopt.cpp: config.json's MoE fields per model family (keys
+// src/format/moe_weights_reader.cpp: config.json's MoE fields per model family (keys
 // and transformers' defaults, as the real configs of the README's models
 // write them), every refusal in one line naming the file and key, and the
 // router read from a checkpoint (gate or gpt-oss router, correction bias,

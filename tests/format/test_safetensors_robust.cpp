@@ -1,5 +1,5 @@
 // Tests of the safetensors reader against files that change under it and
-// dtypes it does not read (src/format/safetensors.cpp):
+// dtypes it does not read (src/format/safetensors_reader.cpp):
 //   - tensors of dtypes fp4moe does not read (F64, BOOL, I8, U16, a name from
 //     a newer format) leave the file readable; only get()/describe() of one
 //     of them throws, naming the dtype;

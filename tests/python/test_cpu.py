@@ -327,12 +327,12 @@ def test_sharded_checkpoint_directory(tmp_path):
         write_safetensors(tmp_path / shard, {n: tensors[n] for n in shard_names})
         weight_map.update({n: shard for n in shard_names})
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts_per_tok": 2,
-                                                      "norm_topk_prob": False}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 2,
+                                                      "num_experts_per_tok": 2, "norm_topk_prob": False}))
     assert fp4moe.find_moe_prefixes(str(tmp_path)) == ["model.layers.0.mlp."]
     np.testing.assert_array_equal(fp4moe.load_stacked(str(tmp_path), "model.layers.0.mlp.")["w2"], w["w2"])
-    from fp4moe.checkpoint import read_hf_config
-    cfg = fp4moe.layer_config_from_hf(read_hf_config(str(tmp_path)))
+    from fp4moe.checkpoint import read_layer_config
+    cfg = read_layer_config(str(tmp_path))
     assert (cfg.top_k, cfg.routing, cfg.renormalize) == (2, "softmax", False)
 
 
@@ -349,18 +349,22 @@ def test_loader_errors_are_one_line_and_name_the_tensor(tmp_path):
     assert "\n" not in message and ".cpp:" not in message
 
 
+# Each family's config as the library's config.json reader (the extension's
+# moe_model_config) reads it, with the routed expert count every MoE config
+# declares.
 HF_CONFIGS = [
-    ({"model_type": "deepseek_v3", "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
-      "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
+    ({"model_type": "deepseek_v3", "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8,
+      "topk_group": 4, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
      dict(top_k=8, routing="noaux_tc", num_groups=8, topk_groups=4, routed_scaling_factor=2.5)),
-    ({"model_type": "glm4_moe", "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+    ({"model_type": "glm4_moe", "n_routed_experts": 160, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
       "routed_scaling_factor": 2.5}, dict(top_k=8, routing="noaux_tc", routed_scaling_factor=2.5)),
-    ({"model_type": "qwen3_moe", "num_experts_per_tok": 8, "norm_topk_prob": True},
+    ({"model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True},
      dict(top_k=8, routing="softmax", renormalize=True)),
-    ({"model_type": "mixtral", "num_experts_per_tok": 2}, dict(top_k=2, routing="softmax", renormalize=True)),
+    ({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2},
+     dict(top_k=2, routing="softmax", renormalize=True)),
     ({"model_type": "gpt_oss", "experts_per_token": 4, "num_local_experts": 128},
      dict(top_k=4, routing="gptoss", activation="gptoss")),
-    ({"model_type": "llava", "text_config": {"model_type": "qwen3_moe", "num_experts_per_tok": 4}},
+    ({"model_type": "llava", "text_config": {"model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 4}},
      dict(top_k=4, routing="softmax")),
 ]
 

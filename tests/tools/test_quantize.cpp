@@ -1,5 +1,6 @@
 // Tests of `fp4moe quantize` on checkpoint directories and stacked expert
-// layouts (tools/cmd_quantize.cpp): the built binary is run on float
+// layouts (tools/cmd_quantize.cpp over the library's converter,
+// src/format/convert.cpp): the built binary is run on float
 // checkpoints written here, and its output is read back tensor by tensor.
 //
 // - A sharded Qwen-MoE-like directory (attention, router, per-expert and

@@ -1,4 +1,4 @@
-// safetensors reading (fully validated, read with pread) and writing (atomic).
+// safetensors reading, fully validated, with pread.
 //
 // Reading trusts nothing in the file: the length prefix, the JSON header and
 // every entry's dtype, shape and offsets are checked against each other and
@@ -11,18 +11,11 @@
 // by rename keeps being read from the inode that was opened. Tensors of
 // dtypes fp4moe does not read (F64, BOOL, ...) are listed and bounds-checked
 // like the others; only get() on one of them is an error.
-// Writing lays tensors out contiguously in insertion order after a header
-// padded to 8 bytes (as the reference implementation does), writes
-// "<path>.tmp.<pid>", fsyncs it and renames it over <path>. The header is
-// written first from the tensors' specs and the data streamed after it
-// (SafetensorsStreamWriter), so a writer never needs more than one tensor in
-// memory; SafetensorsWriter collects tensors and writes through it.
-// Tested in tests/format/test_safetensors.cpp: round trips of every dtype,
-// a table of malformed headers, deterministic fuzzing of a valid file's bytes
-// and failing writes; the same tests also run under ASan/UBSan
+// Tested in tests/format/test_safetensors_reader.cpp: round trips of every
+// dtype, a table of malformed headers, deterministic fuzzing of a valid
+// file's bytes; the same tests also run under ASan/UBSan
 // (test_safetensors_asan); tests/format/test_safetensors_robust.cpp: unread
-// dtypes, truncation and replacement after open, release(), the streaming
-// writer (order, sizes, failures leave nothing). Fuzzed by
+// dtypes, truncation and replacement after open, release(). Fuzzed by
 // fuzz/fuzz_safetensors.cpp.
 #include "fp4moe/safetensors.hpp"
 
@@ -33,34 +26,28 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <limits>
 #include <optional>
 #include <set>
-#include <system_error>
 #include <tuple>
 #include <utility>
 
 #include <nlohmann/json.hpp>
 
+#include "format/safetensors_format.hpp"
 #include "fp4moe/error.hpp"
 
 namespace fp4moe {
+
+using namespace safetensors_format;
+
 namespace {
 
 using nlohmann::json;
 
-constexpr size_t kLengthPrefixBytes = 8;
 // The reference implementation refuses larger headers too; a bigger length
 // is a corrupt prefix, not a real header, and must not drive an allocation.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
-// Data starts at 8 + header length; keeping that a multiple of 8 lets
-// readers of 8-byte dtypes map tensors aligned when the writer orders them so.
-constexpr size_t kHeaderAlignment = 8;
-constexpr std::string_view kMetadataKey = "__metadata__";
-constexpr DType kAllDTypes[] = {DType::BF16, DType::F16, DType::F32, DType::F8_E4M3,
-                                DType::U8,   DType::I32, DType::I64};
-constexpr std::string_view kSupportedDTypes = "BF16, F16, F32, F8_E4M3, U8, I32, I64";
 // The other dtypes of the safetensors format, with their element sizes: a
 // file may hold them (a mask, an fp64 statistic) beside tensors fp4moe reads;
 // their byte counts are still checked against their shapes.
@@ -71,28 +58,6 @@ struct OtherDType {
 constexpr OtherDType kOtherDTypes[] = {{"BOOL", 1}, {"I8", 1},  {"F8_E5M2", 1}, {"F8_E8M0", 1},
                                        {"I16", 2},  {"U16", 2}, {"U32", 4},     {"U64", 8},
                                        {"F64", 8}};
-
-std::string errno_message(int error_number) {
-  return std::system_category().message(error_number);
-}
-
-std::optional<DType> find_dtype(std::string_view name) {
-  for (DType dtype : kAllDTypes) {
-    if (dtype_name(dtype) == name) return dtype;
-  }
-  return std::nullopt;
-}
-
-// numel(shape) * dtype_size, or nullopt when it does not fit in 63 bits.
-// A zero dimension makes the product 0 however large the others are.
-std::optional<uint64_t> checked_nbytes(std::span<const int64_t> shape, size_t element_bytes) {
-  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return 0;
-  int64_t product = static_cast<int64_t>(element_bytes);
-  for (int64_t dim : shape) {
-    if (dim < 0 || __builtin_mul_overflow(product, dim, &product)) return std::nullopt;
-  }
-  return static_cast<uint64_t>(product);
-}
 
 // The value of a JSON non-negative integer (including "-0"), else nullopt.
 std::optional<uint64_t> as_offset(const json& value) {
@@ -266,7 +231,6 @@ json parse_header_json(const std::string& path, const char* text, size_t text_by
 // when the file ends first.
 bool read_exactly(int fd, void* data, size_t nbytes, uint64_t offset, const std::string& path) {
   auto* cursor = static_cast<uint8_t*>(data);
-  constexpr size_t kMaxChunkBytes = size_t{1} << 30;  // Linux reads at most ~2 GiB per call
   while (nbytes > 0) {
     const ssize_t got = ::pread(fd, cursor, std::min(nbytes, kMaxChunkBytes), static_cast<off_t>(offset));
     if (got < 0 && errno == EINTR) continue;
@@ -282,85 +246,7 @@ bool read_exactly(int fd, void* data, size_t nbytes, uint64_t offset, const std:
 // Where a view of zero bytes points: not null, never read.
 const uint8_t kNoBytes[1] = {0};
 
-// Writes all of [data, data + nbytes), retrying short writes and EINTR.
-void write_all(int fd, const void* data, size_t nbytes, const std::string& tmp_path) {
-  const auto* cursor = static_cast<const uint8_t*>(data);
-  // Linux transfers at most ~2 GiB per write(); ask for 1 GiB at a time.
-  constexpr size_t kMaxChunkBytes = size_t{1} << 30;
-  while (nbytes > 0) {
-    const ssize_t written = ::write(fd, cursor, std::min(nbytes, kMaxChunkBytes));
-    if (written < 0 && errno == EINTR) continue;
-    if (written < 0) FP4MOE_THROW(tmp_path, ": write failed: ", errno_message(errno));
-    FP4MOE_CHECK(written > 0, tmp_path, ": write made no progress");
-    cursor += written;
-    nbytes -= static_cast<size_t>(written);
-  }
-}
-
-// Makes a rename durable. Best effort: some filesystems refuse fsync on a
-// directory, and the file itself is already complete and synced.
-void sync_parent_directory(const std::string& path) {
-  std::filesystem::path parent = std::filesystem::path(path).parent_path();
-  if (parent.empty()) parent = ".";
-  const int dir_fd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd < 0) return;
-  ::fsync(dir_fd);
-  ::close(dir_fd);
-}
-
 }  // namespace
-
-size_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::BF16: return 2;
-    case DType::F16: return 2;
-    case DType::F32: return 4;
-    case DType::F8_E4M3: return 1;
-    case DType::U8: return 1;
-    case DType::I32: return 4;
-    case DType::I64: return 8;
-  }
-  FP4MOE_THROW("dtype_size: invalid DType value ", static_cast<int>(dtype));
-}
-
-std::string_view dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::BF16: return "BF16";
-    case DType::F16: return "F16";
-    case DType::F32: return "F32";
-    case DType::F8_E4M3: return "F8_E4M3";
-    case DType::U8: return "U8";
-    case DType::I32: return "I32";
-    case DType::I64: return "I64";
-  }
-  FP4MOE_THROW("dtype_name: invalid DType value ", static_cast<int>(dtype));
-}
-
-DType parse_dtype(std::string_view name) {
-  const std::optional<DType> dtype = find_dtype(name);
-  FP4MOE_CHECK(dtype.has_value(), "unsupported dtype '", name, "' (supported: ", kSupportedDTypes,
-               ")");
-  return *dtype;
-}
-
-int64_t shape_numel(std::span<const int64_t> shape) {
-  for (int64_t dim : shape) {
-    FP4MOE_CHECK(dim >= 0, "shape ", shape_to_string(shape), " has a negative dimension");
-  }
-  const std::optional<uint64_t> numel = checked_nbytes(shape, 1);
-  FP4MOE_CHECK(numel.has_value(), "shape ", shape_to_string(shape),
-               " has more elements than fit in 64 bits");
-  return static_cast<int64_t>(*numel);
-}
-
-std::string shape_to_string(std::span<const int64_t> shape) {
-  std::string text = "[";
-  for (size_t dim_idx = 0; dim_idx < shape.size(); ++dim_idx) {
-    if (dim_idx > 0) text += ", ";
-    text += std::to_string(shape[dim_idx]);
-  }
-  return text + "]";
-}
 
 // ---------------------------------------------------------------------------
 // SafetensorsFile
@@ -526,166 +412,6 @@ void SafetensorsFile::release(std::string_view name) const {
   const std::lock_guard<std::mutex> lock(*mutex_);
   stored.bytes.reset();
   stored.view.data = nullptr;
-}
-
-// ---------------------------------------------------------------------------
-// SafetensorsWriter
-
-namespace {
-
-// Checks one tensor's name, dtype and shape for a writer (`who` prefixes the
-// messages) and returns its byte count.
-uint64_t checked_spec_bytes(std::string_view who, const std::string& name, DType dtype,
-                            const std::vector<int64_t>& shape) {
-  FP4MOE_CHECK(name != kMetadataKey, who, ": a tensor cannot be named '", kMetadataKey,
-               "' (the key is reserved for metadata)");
-  for (int64_t dim : shape) {
-    FP4MOE_CHECK(dim >= 0, who, ": tensor '", name, "': shape ", shape_to_string(shape),
-                 " has a negative dimension");
-  }
-  const std::optional<uint64_t> expected_bytes = checked_nbytes(shape, dtype_size(dtype));
-  FP4MOE_CHECK(expected_bytes.has_value(), who, ": tensor '", name, "': shape ",
-               shape_to_string(shape), " of ", dtype_name(dtype), " overflows a 64-bit byte count");
-  return *expected_bytes;
-}
-
-}  // namespace
-
-// ---------------------------------------------------------------------------
-// SafetensorsStreamWriter
-
-SafetensorsStreamWriter::SafetensorsStreamWriter(std::string path, std::vector<TensorSpec> tensors,
-                                                 const std::map<std::string, std::string>& metadata)
-    : path_(std::move(path)), tensors_(std::move(tensors)) {
-  std::set<std::string_view> names;
-  nbytes_.reserve(tensors_.size());
-  for (const TensorSpec& spec : tensors_) {
-    nbytes_.push_back(checked_spec_bytes("SafetensorsStreamWriter", spec.name, spec.dtype, spec.shape));
-    FP4MOE_CHECK(names.insert(spec.name).second, "SafetensorsStreamWriter: tensor '", spec.name,
-                 "' is listed twice");
-  }
-
-  // ordered_json keeps "__metadata__" first and the tensors in the given
-  // order, matching the data layout.
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  if (!metadata.empty()) {
-    nlohmann::ordered_json meta = nlohmann::ordered_json::object();
-    for (const auto& [key, value] : metadata) meta[key] = value;
-    header[std::string(kMetadataKey)] = std::move(meta);
-  }
-  uint64_t offset = 0;
-  for (size_t i = 0; i < tensors_.size(); ++i) {
-    nlohmann::ordered_json info = nlohmann::ordered_json::object();
-    info["dtype"] = std::string(dtype_name(tensors_[i].dtype));
-    info["shape"] = tensors_[i].shape;
-    info["data_offsets"] = nlohmann::ordered_json::array({offset, offset + nbytes_[i]});
-    header[tensors_[i].name] = std::move(info);
-    offset += nbytes_[i];
-  }
-  std::string header_text;
-  try {
-    header_text = header.dump();
-  } catch (const nlohmann::ordered_json::exception& e) {
-    FP4MOE_THROW(path_, ": cannot write: a tensor name or metadata string is not valid UTF-8 (",
-                 e.what(), ")");
-  }
-  header_text.append((kHeaderAlignment - header_text.size() % kHeaderAlignment) % kHeaderAlignment,
-                     ' ');
-  uint8_t length_prefix[kLengthPrefixBytes];
-  for (size_t byte_idx = 0; byte_idx < kLengthPrefixBytes; ++byte_idx) {
-    length_prefix[byte_idx] = static_cast<uint8_t>(uint64_t{header_text.size()} >> (8 * byte_idx));
-  }
-  file_bytes_ = kLengthPrefixBytes + header_text.size() + offset;
-
-  tmp_path_ = path_ + ".tmp." + std::to_string(::getpid());
-  fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd_ < 0) {
-    FP4MOE_THROW(path_, ": cannot create temporary file '", tmp_path_, "': ", errno_message(errno));
-  }
-  try {
-    write_all(fd_, length_prefix, sizeof(length_prefix), tmp_path_);
-    write_all(fd_, header_text.data(), header_text.size(), tmp_path_);
-  } catch (...) {
-    ::close(fd_);
-    ::unlink(tmp_path_.c_str());
-    throw;
-  }
-}
-
-SafetensorsStreamWriter::~SafetensorsStreamWriter() {
-  if (committed_) return;
-  if (fd_ >= 0) ::close(fd_);
-  ::unlink(tmp_path_.c_str());
-}
-
-std::string_view SafetensorsStreamWriter::next_name() const {
-  return next_ < tensors_.size() ? std::string_view(tensors_[next_].name) : std::string_view();
-}
-
-void SafetensorsStreamWriter::write(std::string_view name, const void* data, size_t nbytes) {
-  FP4MOE_CHECK(!committed_, "SafetensorsStreamWriter: ", path_, ": write of '", name, "' after commit()");
-  FP4MOE_CHECK(next_ < tensors_.size(), "SafetensorsStreamWriter: ", path_, ": tensor '", name,
-               "' written but all ", tensors_.size(), " listed tensors are already written");
-  const TensorSpec& spec = tensors_[next_];
-  FP4MOE_CHECK(name == spec.name, "SafetensorsStreamWriter: ", path_, ": tensor '", name,
-               "' written where the header lists '", spec.name, "' next");
-  FP4MOE_CHECK(nbytes == nbytes_[next_], "SafetensorsStreamWriter: tensor '", name, "': ", nbytes,
-               " bytes given but shape ", shape_to_string(spec.shape), " of ", dtype_name(spec.dtype),
-               " needs ", nbytes_[next_], " bytes");
-  FP4MOE_CHECK(data != nullptr || nbytes == 0, "SafetensorsStreamWriter: tensor '", name,
-               "': data is null");
-  write_all(fd_, data, nbytes, tmp_path_);
-  ++next_;
-}
-
-void SafetensorsStreamWriter::commit() {
-  FP4MOE_CHECK(!committed_, "SafetensorsStreamWriter: ", path_, ": commit() called twice");
-  FP4MOE_CHECK(next_ == tensors_.size(), "SafetensorsStreamWriter: ", path_, ": commit() after ", next_,
-               " of ", tensors_.size(), " tensors; '", tensors_[next_].name, "' was not written");
-  if (::fsync(fd_) != 0) FP4MOE_THROW(tmp_path_, ": fsync failed: ", errno_message(errno));
-  // close() can report a deferred write error (NFS, quotas).
-  if (::close(std::exchange(fd_, -1)) != 0) {
-    FP4MOE_THROW(tmp_path_, ": close failed: ", errno_message(errno));
-  }
-  if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
-    FP4MOE_THROW(path_, ": cannot rename '", tmp_path_, "' over it: ", errno_message(errno));
-  }
-  committed_ = true;
-  sync_parent_directory(path_);
-}
-
-// ---------------------------------------------------------------------------
-// SafetensorsWriter
-
-void SafetensorsWriter::add(const std::string& name, DType dtype, std::vector<int64_t> shape,
-                            const void* data, size_t nbytes) {
-  FP4MOE_CHECK(!names_.contains(name), "SafetensorsWriter: tensor '", name,
-               "' was already added");
-  const uint64_t expected_bytes = checked_spec_bytes("SafetensorsWriter", name, dtype, shape);
-  FP4MOE_CHECK(nbytes == expected_bytes, "SafetensorsWriter: tensor '", name, "': ", nbytes,
-               " bytes given but shape ", shape_to_string(shape), " of ", dtype_name(dtype),
-               " needs ", expected_bytes, " bytes");
-  FP4MOE_CHECK(data != nullptr || nbytes == 0, "SafetensorsWriter: tensor '", name,
-               "': data is null");
-
-  const auto* first = static_cast<const uint8_t*>(data);
-  tensors_.push_back(Entry{name, dtype, std::move(shape),
-                           nbytes == 0 ? std::vector<uint8_t>{}
-                                       : std::vector<uint8_t>(first, first + nbytes)});
-  names_.insert(name);
-}
-
-void SafetensorsWriter::set_metadata(const std::string& key, const std::string& value) {
-  metadata_[key] = value;
-}
-
-void SafetensorsWriter::write(const std::string& path) const {
-  std::vector<TensorSpec> specs;
-  specs.reserve(tensors_.size());
-  for (const Entry& entry : tensors_) specs.push_back(TensorSpec{entry.name, entry.dtype, entry.shape});
-  SafetensorsStreamWriter stream(path, std::move(specs), metadata_);
-  for (const Entry& entry : tensors_) stream.write(entry.name, entry.bytes.data(), entry.bytes.size());
-  stream.commit();
 }
 
 }  // namespace fp4moe

@@ -1,33 +1,21 @@
-// Tests for safetensors reading and writing (src/format/safetensors.cpp).
-//
-// Round trips cover every dtype with 0-d, zero-size and n-d shapes, metadata
-// and the exact byte layout. The reader is attacked three ways: a table of
-// hand-written malformed headers (one per validation rule, checking the
-// message), deterministic fuzzing of a valid file's bytes (every truncation,
-// every single-bit flip of the length prefix and header, seeded random byte
-// and token mutations), and length prefixes that lie. Every corrupt input
-// must raise fp4moe::Error and nothing else; a mutant that still opens must
-// describe consistent, readable tensors. Writes that fail (missing
-// directory, failed rename, file size limit) must leave neither the target
-// nor a temporary file. The same file is also built with ASan/UBSan as
+// Tests of src/format/safetensors_reader.cpp. Round trips cover every
+// dtype with 0-d, zero-size and n-d shapes, metadata, hand-written and
+// empty files. The reader is attacked three ways: a table of hand-written
+// malformed headers (one per validation rule, checking the message),
+// deterministic fuzzing of a valid file's bytes (every truncation, every
+// single-bit flip of the length prefix and header, seeded random byte and
+// token mutations), and length prefixes that lie. Every corrupt input must
+// raise fp4moe::Error and nothing else; a mutant that still opens must
+// describe consistent, readable tensors. Also built with ASan/UBSan as
 // test_safetensors_asan, so an out-of-bounds read fails there too.
-#include "fp4moe/safetensors.hpp"
-
 #include <gtest/gtest.h>
-#include <sys/resource.h>
+
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
-#include <cerrno>
-#include <csignal>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <functional>
-#include <iterator>
-#include <limits>
 #include <map>
 #include <random>
 #include <string>
@@ -35,169 +23,13 @@
 
 #include "expect_error.hpp"
 #include "fp4moe/error.hpp"
+#include "fp4moe/safetensors.hpp"
+#include "safetensors_fixture.hpp"
 
 namespace fp4moe {
 namespace {
 
-namespace fs = std::filesystem;
 using namespace std::string_literals;
-
-constexpr DType kAllDTypes[] = {DType::BF16, DType::F16, DType::F32, DType::F8_E4M3,
-                                DType::U8,   DType::I32, DType::I64};
-
-std::string read_file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-void write_file_bytes(const std::string& path, const std::string& bytes) {
-  // NOTE: a fresh file rather than a truncated one: ext4 flushes a file that
-  // was truncated and rewritten when it is closed, which made the fuzz loops
-  // wait on the disk for milliseconds per input.
-  fs::remove(path);
-  std::ofstream out(path, std::ios::binary);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(out.good()) << "cannot write test input " << path;
-}
-
-std::string length_prefix(uint64_t header_bytes) {
-  std::string prefix(8, '\0');
-  for (int byte_idx = 0; byte_idx < 8; ++byte_idx) {
-    prefix[byte_idx] = static_cast<char>(header_bytes >> (8 * byte_idx));
-  }
-  return prefix;
-}
-
-// A file image: length prefix, header text as given, data section.
-std::string file_image(const std::string& header, const std::string& data) {
-  return length_prefix(header.size()) + header + data;
-}
-
-std::vector<uint8_t> random_bytes(std::mt19937_64& rng, size_t nbytes) {
-  std::vector<uint8_t> bytes(nbytes);
-  for (uint8_t& byte : bytes) byte = static_cast<uint8_t>(rng());
-  return bytes;
-}
-
-enum class OpenOutcome { kOpened, kRejected };
-
-// Where open_untrusted() stores what it read, so the reads cannot be elided.
-volatile unsigned g_checksum_sink = 0;
-
-// Opens a possibly corrupt file. Rejection must be an fp4moe::Error; a file
-// that opens must hold self-consistent, disjoint tensors whose every byte can
-// be read (ASan and the MMU check the reads).
-OpenOutcome open_untrusted(const std::string& path, const std::string& what) {
-  try {
-    const SafetensorsFile file = SafetensorsFile::open(path);
-    std::vector<const TensorView*> views;
-    for (const std::string& name : file.names()) views.push_back(&file.get(name));
-    EXPECT_EQ(views.size(), file.names().size()) << what;
-    unsigned checksum = 0;
-    for (const TensorView* view : views) {
-      EXPECT_EQ(view->nbytes, static_cast<size_t>(view->numel()) * dtype_size(view->dtype))
-          << what << ": tensor '" << view->name << "'";
-      for (size_t byte_idx = 0; byte_idx < view->nbytes; ++byte_idx) checksum += view->data[byte_idx];
-    }
-    // Each view owns its bytes (the reader copies them out with pread), so
-    // overlapping ranges in the file are what open() must refuse; it does, in
-    // the malformed-header table.
-    g_checksum_sink = checksum;
-    return OpenOutcome::kOpened;
-  } catch (const Error& e) {
-    EXPECT_NE(e.message().find(path), std::string::npos)
-        << what << ": error does not name the file: " << e.message();
-    return OpenOutcome::kRejected;
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << what << ": threw a std::exception that is not fp4moe::Error: " << e.what();
-  } catch (...) {
-    ADD_FAILURE() << what << ": threw something that is not a std::exception";
-  }
-  return OpenOutcome::kRejected;
-}
-
-class SafetensorsTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("fp4moe-test-" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    std::error_code ignored;
-    fs::remove_all(dir_, ignored);
-  }
-
-  std::string path_in_dir(const std::string& file_name) const { return (dir_ / file_name).string(); }
-
-  std::vector<std::string> temp_files_left() const {
-    std::vector<std::string> left;
-    for (const auto& entry : fs::directory_iterator(dir_)) {
-      const std::string name = entry.path().filename().string();
-      if (name.find(".tmp.") != std::string::npos) left.push_back(name);
-    }
-    return left;
-  }
-
-  // A valid file with metadata, a 0-d scalar, a zero-size tensor and data in
-  // several dtypes: the seed of the fuzz tests.
-  std::string write_seed_file(const std::string& path) const {
-    std::mt19937_64 rng(7);
-    SafetensorsWriter writer;
-    const auto weight = random_bytes(rng, 4 * 6);
-    const auto scale = random_bytes(rng, 4 * 2);
-    const auto global_scale = random_bytes(rng, 4);
-    const auto bias = random_bytes(rng, 2 * 3);
-    writer.add("experts.0.up_proj.weight", DType::U8, {4, 6}, weight.data(), weight.size());
-    writer.add("experts.0.up_proj.weight_scale", DType::F8_E4M3, {4, 2}, scale.data(), scale.size());
-    writer.add("experts.0.up_proj.weight_scale_2", DType::F32, {}, global_scale.data(), 4);
-    writer.add("experts.0.empty", DType::I64, {0, 3}, nullptr, 0);
-    writer.add("experts.0.bias", DType::BF16, {3}, bias.data(), bias.size());
-    writer.set_metadata("format", "pt");
-    writer.set_metadata("quant_algo", "NVFP4");
-    writer.write(path);
-    return read_file_bytes(path);
-  }
-
-  fs::path dir_;
-};
-
-// ---------------------------------------------------------------------------
-// dtype and shape helpers
-
-TEST(SafetensorsHelpers, DTypeNamesSizesAndParsing) {
-  const std::pair<DType, size_t> expected_sizes[] = {
-      {DType::BF16, 2}, {DType::F16, 2}, {DType::F32, 4}, {DType::F8_E4M3, 1},
-      {DType::U8, 1},   {DType::I32, 4}, {DType::I64, 8}};
-  for (const auto& [dtype, size] : expected_sizes) {
-    EXPECT_EQ(dtype_size(dtype), size) << dtype_name(dtype);
-    EXPECT_EQ(parse_dtype(dtype_name(dtype)), dtype);
-  }
-  EXPECT_EQ(dtype_name(DType::F8_E4M3), "F8_E4M3");
-  for (const char* unsupported : {"F64", "f32", "", "F8_E5M2", "BOOL", "BF16 "}) {
-    const std::string message = error_of([&] { parse_dtype(unsupported); });
-    EXPECT_NE(message.find(std::string("unsupported dtype '") + unsupported + "'"), std::string::npos)
-        << message;
-  }
-}
-
-TEST(SafetensorsHelpers, ShapeNumelAndToString) {
-  EXPECT_EQ(shape_numel(std::vector<int64_t>{}), 1);
-  EXPECT_EQ(shape_numel(std::vector<int64_t>{7}), 7);
-  EXPECT_EQ(shape_numel(std::vector<int64_t>{2, 3, 4}), 24);
-  EXPECT_EQ(shape_numel(std::vector<int64_t>{2, 0, 4}), 0);
-  // A zero dimension wins even over dimensions whose product would overflow.
-  EXPECT_EQ(shape_numel(std::vector<int64_t>{int64_t{1} << 40, int64_t{1} << 40, 0}), 0);
-  EXPECT_NE(error_of([] { shape_numel(std::vector<int64_t>{3, -1}); }).find("negative"),
-            std::string::npos);
-  EXPECT_NE(error_of([] {
-              shape_numel(std::vector<int64_t>{int64_t{1} << 32, int64_t{1} << 32});
-            }).find("64 bits"),
-            std::string::npos);
-  EXPECT_EQ(shape_to_string(std::vector<int64_t>{}), "[]");
-  EXPECT_EQ(shape_to_string(std::vector<int64_t>{5}), "[5]");
-  EXPECT_EQ(shape_to_string(std::vector<int64_t>{2, 3}), "[2, 3]");
-}
 
 // ---------------------------------------------------------------------------
 // Round trips
@@ -249,46 +81,6 @@ TEST_F(SafetensorsTest, RoundTripsEveryDTypeAndShape) {
   EXPECT_EQ(file.metadata(), expected_metadata);
   EXPECT_FALSE(file.contains("layers.F32"));
   EXPECT_TRUE(temp_files_left().empty());
-}
-
-TEST_F(SafetensorsTest, WritesTheReferenceByteLayout) {
-  // What the reference implementation writes for
-  // save_file({"a": tensor([1., 2.])}, metadata={"format": "pt"}):
-  // compact JSON, metadata first, header padded with spaces to 8 bytes.
-  const float values[] = {1.0f, 2.0f};
-  SafetensorsWriter writer;
-  writer.add("a", DType::F32, {2}, values, sizeof(values));
-  writer.set_metadata("format", "pt");
-  const std::string path = path_in_dir("a.safetensors");
-  writer.write(path);
-
-  std::string header =
-      R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
-  ASSERT_EQ(header.size(), 85u);
-  header += "   ";
-  const std::string data = {0, 0, '\x80', '\x3f', 0, 0, 0, '\x40'};  // 1.0f, 2.0f little-endian
-  EXPECT_EQ(read_file_bytes(path), file_image(header, data));
-}
-
-TEST_F(SafetensorsTest, WritesTensorsContiguouslyInInsertionOrder) {
-  SafetensorsWriter writer;
-  const uint8_t three_bytes[] = {1, 2, 3};
-  const int64_t one_i64 = -5;
-  writer.add("z_first", DType::U8, {3}, three_bytes, 3);
-  writer.add("a_second", DType::I64, {}, &one_i64, 8);
-  const std::string path = path_in_dir("order.safetensors");
-  writer.write(path);
-
-  const SafetensorsFile file = SafetensorsFile::open(path);
-  EXPECT_EQ(file.names(), (std::vector<std::string>{"z_first", "a_second"}));
-  int64_t read_back = 0;
-  std::memcpy(&read_back, file.get("a_second").data, 8);  // may be unaligned
-  EXPECT_EQ(read_back, -5);
-  const std::string bytes = read_file_bytes(path);
-  // The data section ends with z_first's 3 bytes, then a_second's 8.
-  EXPECT_EQ(bytes.substr(bytes.size() - 11, 3), std::string("\x01\x02\x03"));
-  EXPECT_EQ(std::memcmp(bytes.data() + bytes.size() - 8, &one_i64, 8), 0);
-  EXPECT_EQ((bytes.size() - 3 - 8) % 8, 0u) << "header not padded to 8 bytes";
 }
 
 TEST_F(SafetensorsTest, ReadsHandWrittenFiles) {
@@ -380,222 +172,6 @@ TEST_F(SafetensorsTest, MovesKeepViewsValid) {
   assigned = std::move(moved);  // closes assigned's own file
   EXPECT_EQ(assigned.path(), path);
   EXPECT_TRUE(std::equal(view->data, view->data + view->nbytes, expected.begin()));
-}
-
-// ---------------------------------------------------------------------------
-// Writer input validation and failing writes
-
-TEST_F(SafetensorsTest, WriterRejectsBadTensors) {
-  const std::vector<uint8_t> bytes(64);
-  SafetensorsWriter writer;
-  writer.add("w", DType::BF16, {2, 3}, bytes.data(), 12);
-
-  std::string message = error_of([&] { writer.add("x", DType::F32, {2, 3}, bytes.data(), 12); });
-  EXPECT_NE(message.find("tensor 'x': 12 bytes given but shape [2, 3] of F32 needs 24 bytes"),
-            std::string::npos)
-      << message;
-  message = error_of([&] { writer.add("w", DType::BF16, {2, 3}, bytes.data(), 12); });
-  EXPECT_NE(message.find("tensor 'w' was already added"), std::string::npos) << message;
-  message = error_of([&] { writer.add("n", DType::U8, {-1, 2}, bytes.data(), 0); });
-  EXPECT_NE(message.find("negative dimension"), std::string::npos) << message;
-  message = error_of(
-      [&] { writer.add("o", DType::F32, {int64_t{1} << 31, int64_t{1} << 31}, bytes.data(), 0); });
-  EXPECT_NE(message.find("overflows"), std::string::npos) << message;
-  message = error_of([&] { writer.add("null", DType::U8, {4}, nullptr, 4); });
-  EXPECT_NE(message.find("data is null"), std::string::npos) << message;
-  message = error_of([&] { writer.add("__metadata__", DType::U8, {1}, bytes.data(), 1); });
-  EXPECT_NE(message.find("reserved"), std::string::npos) << message;
-  // The rejected adds left the writer as it was.
-  EXPECT_EQ(writer.num_tensors(), 1u);
-}
-
-TEST_F(SafetensorsTest, WriterRejectsInvalidUtf8Names) {
-  const uint8_t byte = 1;
-  SafetensorsWriter writer;
-  writer.add("bad \xff name", DType::U8, {1}, &byte, 1);
-  const std::string path = path_in_dir("utf8.safetensors");
-  const std::string message = error_of([&] { writer.write(path); });
-  EXPECT_NE(message.find("not valid UTF-8"), std::string::npos) << message;
-  EXPECT_FALSE(fs::exists(path));
-  EXPECT_TRUE(temp_files_left().empty());
-}
-
-TEST_F(SafetensorsTest, WriteReplacesAnExistingFile) {
-  const std::string path = path_in_dir("replace.safetensors");
-  write_seed_file(path);
-  const uint8_t byte = 42;
-  SafetensorsWriter writer;
-  writer.add("only", DType::U8, {}, &byte, 1);
-  writer.write(path);
-  const SafetensorsFile file = SafetensorsFile::open(path);
-  EXPECT_EQ(file.names(), std::vector<std::string>{"only"});
-  EXPECT_EQ(file.get("only").data[0], 42);
-  EXPECT_TRUE(temp_files_left().empty());
-}
-
-TEST_F(SafetensorsTest, WriteIntoAMissingDirectoryThrowsAndLeavesNoFile) {
-  const uint8_t byte = 1;
-  SafetensorsWriter writer;
-  writer.add("t", DType::U8, {1}, &byte, 1);
-  const std::string path = path_in_dir("no/such/dir/out.safetensors");
-  const std::string message = error_of([&] { writer.write(path); });
-  EXPECT_NE(message.find(path), std::string::npos) << message;
-  EXPECT_NE(message.find("No such file"), std::string::npos) << message;
-  EXPECT_FALSE(fs::exists(path));
-  EXPECT_FALSE(fs::exists(path_in_dir("no")));
-  EXPECT_TRUE(temp_files_left().empty());
-}
-
-TEST_F(SafetensorsTest, FailedRenameRemovesTheTempFile) {
-  // The temporary file is written in full, then rename() fails because the
-  // target is a non-empty directory.
-  const std::string path = path_in_dir("target_dir");
-  fs::create_directories(fs::path(path) / "occupied");
-  const uint8_t byte = 1;
-  SafetensorsWriter writer;
-  writer.add("t", DType::U8, {1}, &byte, 1);
-  const std::string message = error_of([&] { writer.write(path); });
-  EXPECT_NE(message.find("cannot rename"), std::string::npos) << message;
-  EXPECT_TRUE(fs::is_directory(path));
-  EXPECT_TRUE(temp_files_left().empty());
-}
-
-// Lowers the file size limit so that write() fails midway with EFBIG,
-// restoring the limit and SIGXFSZ's disposition afterwards.
-class FileSizeLimit {
- public:
-  explicit FileSizeLimit(rlim_t max_bytes) {
-    getrlimit(RLIMIT_FSIZE, &saved_limit_);
-    saved_handler_ = std::signal(SIGXFSZ, SIG_IGN);  // else the process is killed
-    rlimit limit = saved_limit_;
-    limit.rlim_cur = max_bytes;
-    setrlimit(RLIMIT_FSIZE, &limit);
-  }
-  ~FileSizeLimit() {
-    setrlimit(RLIMIT_FSIZE, &saved_limit_);
-    std::signal(SIGXFSZ, saved_handler_);
-  }
-
- private:
-  rlimit saved_limit_{};
-  void (*saved_handler_)(int) = nullptr;
-};
-
-TEST_F(SafetensorsTest, FailedWriteRemovesTheTempFileAndKeepsTheOldFile) {
-  const std::string path = path_in_dir("limited.safetensors");
-  const std::string old_bytes = write_seed_file(path);
-  const std::vector<uint8_t> big(4096, 7);
-  SafetensorsWriter writer;
-  writer.add("big", DType::U8, {4096}, big.data(), big.size());
-  std::string message;
-  {
-    const FileSizeLimit limit(1000);
-    message = error_of([&] { writer.write(path); });
-  }
-  EXPECT_NE(message.find("write failed"), std::string::npos) << message;
-  EXPECT_EQ(read_file_bytes(path), old_bytes);
-  EXPECT_TRUE(temp_files_left().empty());
-}
-
-// ---------------------------------------------------------------------------
-// Streaming writer
-
-// The header goes out first, the data tensor by tensor, and the result is
-// byte for byte what SafetensorsWriter writes for the same tensors.
-TEST_F(SafetensorsTest, StreamWriterWritesWhatTheCollectingWriterWrites) {
-  std::mt19937_64 rng(11);
-  const auto weight = random_bytes(rng, 8 * 3);
-  const auto scale = random_bytes(rng, 2 * 8);
-  const float global_scale = 0.125f;
-  const std::map<std::string, std::string> metadata = {{"format", "pt"}, {"quant_algo", "W4A16_NVFP4"}};
-
-  SafetensorsWriter collecting;
-  collecting.add("a.weight", DType::U8, {8, 3}, weight.data(), weight.size());
-  collecting.add("a.weight_scale", DType::F8_E4M3, {2, 8}, scale.data(), scale.size());
-  collecting.add("a.weight_scale_2", DType::F32, {}, &global_scale, 4);
-  collecting.add("empty", DType::I64, {0, 5}, nullptr, 0);
-  for (const auto& [key, value] : metadata) collecting.set_metadata(key, value);
-  collecting.write(path_in_dir("collected.safetensors"));
-
-  const std::string path = path_in_dir("streamed.safetensors");
-  SafetensorsStreamWriter stream(path,
-                                 {{"a.weight", DType::U8, {8, 3}},
-                                  {"a.weight_scale", DType::F8_E4M3, {2, 8}},
-                                  {"a.weight_scale_2", DType::F32, {}},
-                                  {"empty", DType::I64, {0, 5}}},
-                                 metadata);
-  // Nothing at the final path until commit(); the header is already out.
-  EXPECT_FALSE(fs::exists(path));
-  ASSERT_EQ(temp_files_left().size(), 1u);
-  EXPECT_GT(fs::file_size(dir_ / temp_files_left()[0]), 8u);
-  EXPECT_EQ(stream.next_name(), "a.weight");
-  stream.write("a.weight", weight.data(), weight.size());
-  stream.write("a.weight_scale", scale.data(), scale.size());
-  stream.write("a.weight_scale_2", &global_scale, 4);
-  stream.write("empty", nullptr, 0);
-  EXPECT_EQ(stream.next_name(), "");
-  EXPECT_EQ(stream.num_written(), 4u);
-  stream.commit();
-  EXPECT_EQ(read_file_bytes(path), read_file_bytes(path_in_dir("collected.safetensors")));
-  EXPECT_EQ(stream.file_bytes(), read_file_bytes(path).size());
-  EXPECT_TRUE(temp_files_left().empty());
-  const SafetensorsFile file = SafetensorsFile::open(path);
-  EXPECT_EQ(file.metadata(), metadata);
-  EXPECT_EQ(file.get("a.weight_scale_2").shape, std::vector<int64_t>{});
-}
-
-// Out-of-order tensors, wrong sizes, duplicates and a commit before the last
-// tensor are refused; an uncommitted writer leaves nothing behind.
-TEST_F(SafetensorsTest, StreamWriterRefusesMisuseAndLeavesNothingUncommitted) {
-  const std::string path = path_in_dir("stream.safetensors");
-  const std::vector<uint8_t> bytes(16, 3);
-  EXPECT_NE(error_of([&] {
-              SafetensorsStreamWriter w(path, {{"x", DType::U8, {4}}, {"x", DType::U8, {2}}});
-            }).find("listed twice"),
-            std::string::npos);
-  EXPECT_NE(error_of([&] { SafetensorsStreamWriter w(path, {{"__metadata__", DType::U8, {1}}}); }).find("reserved"),
-            std::string::npos);
-  EXPECT_NE(error_of([&] { SafetensorsStreamWriter w(path, {{"n", DType::U8, {-1}}}); }).find("negative"),
-            std::string::npos);
-  EXPECT_TRUE(temp_files_left().empty());
-  {
-    SafetensorsStreamWriter w(path, {{"first", DType::U8, {4}}, {"second", DType::F32, {2}}});
-    const std::string order = error_of([&] { w.write("second", bytes.data(), 8); });
-    EXPECT_NE(order.find("where the header lists 'first' next"), std::string::npos) << order;
-    const std::string size = error_of([&] { w.write("first", bytes.data(), 5); });
-    EXPECT_NE(size.find("needs 4 bytes"), std::string::npos) << size;
-    w.write("first", bytes.data(), 4);
-    const std::string early = error_of([&] { w.commit(); });
-    EXPECT_NE(early.find("'second' was not written"), std::string::npos) << early;
-    EXPECT_EQ(temp_files_left().size(), 1u);
-  }
-  EXPECT_FALSE(fs::exists(path));
-  EXPECT_TRUE(temp_files_left().empty()) << "the destructor removes an uncommitted file";
-  {
-    SafetensorsStreamWriter w(path, {{"only", DType::U8, {4}}});
-    w.write("only", bytes.data(), 4);
-    EXPECT_NE(error_of([&] { w.write("more", bytes.data(), 1); }).find("already written"), std::string::npos);
-    w.commit();
-  }
-  EXPECT_EQ(SafetensorsFile::open(path).names(), std::vector<std::string>{"only"});
-  EXPECT_TRUE(temp_files_left().empty());
-}
-
-// A write that fails midway (file size limit) throws and, once the writer is
-// gone, leaves neither the file nor its temporary.
-TEST_F(SafetensorsTest, StreamWriterFailedWriteLeavesNothing) {
-  const std::string path = path_in_dir("limited_stream.safetensors");
-  const std::vector<uint8_t> big(4096, 7);
-  std::string message;
-  {
-    const FileSizeLimit limit(1000);
-    SafetensorsStreamWriter w(path, {{"small", DType::U8, {16}}, {"big", DType::U8, {4096}}});
-    w.write("small", big.data(), 16);
-    message = error_of([&] { w.write("big", big.data(), big.size()); });
-  }
-  EXPECT_NE(message.find("write failed"), std::string::npos) << message;
-  EXPECT_FALSE(fs::exists(path));
-  EXPECT_TRUE(temp_files_left().empty());
 }
 
 // ---------------------------------------------------------------------------
