@@ -43,9 +43,8 @@
 #include <optional>
 #include <string>
 
-#include "fp4moe/modelopt.hpp"
-#include "fp4moe/plan.hpp"
-#include "fp4moe/reference.hpp"
+#include "fp4moe/plan.hpp"   // TileConfig, GemmPlan
+#include "fp4moe/types.hpp"  // MoeWeights, RoutingParams, Activation, ActivationNumerics
 
 namespace fp4moe {
 

@@ -37,6 +37,8 @@
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
+#include "fp4moe/modelopt.hpp"
+#include "fp4moe/reference.hpp"
 #include "kernels/device_info.hpp"
 #include "kernels/grouped_gemm.hpp"
 #include "kernels/moe_ops.hpp"

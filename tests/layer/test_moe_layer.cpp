@@ -48,6 +48,7 @@
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/moe_layer.hpp"
+#include "fp4moe/reference.hpp"
 #include "fp4moe/safetensors.hpp"
 #include "gpu_test_util.hpp"
 #include "layer/moe_layer_internals.hpp"
