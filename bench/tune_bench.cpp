@@ -11,6 +11,7 @@
 #include "fp4moe/nvfp4.hpp"
 #include "kernels/moe_ops.hpp"
 #include "layer/moe_layer_internals.hpp"
+#include "plan/planner.hpp"
 
 namespace fp4moe::bench {
 

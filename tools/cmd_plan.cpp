@@ -15,6 +15,7 @@
 #include "fp4moe/error.hpp"
 #include "fp4moe/plan.hpp"
 #include "models.hpp"
+#include "plan/planner.hpp"
 #include "tune/tune.hpp"
 
 namespace fp4moe::cli {

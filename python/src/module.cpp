@@ -54,6 +54,7 @@
 #include "fp4moe/reference.hpp"
 #include "kernels/grouped_gemm.hpp"
 #include "kernels/stacked_layout.hpp"
+#include "plan/planner.hpp"
 
 namespace nb = nanobind;
 

@@ -20,6 +20,7 @@
 #include "kernels/launch.cuh"
 #include "kernels/portable_grouped_gemm.cuh"
 #include "plan/compiled_configs.hpp"
+#include "plan/planner.hpp"
 
 namespace fp4moe {
 

@@ -44,6 +44,7 @@
 #include "kernels/moe_ops.hpp"
 #include "kernels/prepare_device.hpp"
 #include "layer/plan_cache.hpp"
+#include "plan/planner.hpp"
 #include "plan/smem_model.hpp"
 #include "tune/tune.hpp"
 #include "util/device_buffer.hpp"

@@ -21,6 +21,7 @@
 #include "fp4moe/nvfp4_activation.hpp"
 #include "fp4moe/plan.hpp"
 #include "gpu_test_util.hpp"
+#include "plan/planner.hpp"
 #include "plan/smem_model.hpp"
 
 namespace fp4moe {

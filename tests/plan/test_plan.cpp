@@ -9,6 +9,7 @@
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/plan.hpp"
+#include "plan/planner.hpp"
 #include "plan/smem_model.hpp"
 
 namespace fp4moe {
