@@ -139,7 +139,7 @@ struct GemmPlan {
   // first forward of each token count, and workspace_bytes() plans many).
   std::string reason() const;
   // The figures the planner weighed (plan_gemm_with), and what later steps
-  // changed (limit_split_k, with_row_stage), for reason().
+  // changed (limit_split_k, with_row_class), for reason().
   struct Rationale {
     bool no_rows = false;           // nothing to plan for: reason() is "no rows"
     int block_m = 0;
@@ -153,31 +153,31 @@ struct GemmPlan {
     int64_t k_tiles = 0;
     // Appended in order: split-K turned off, a row class added.
     struct Note {
-      enum class Kind { kSplitKOffBatchInvariant, kSplitKOffTileCounters, kRowStage } kind;
-      TileConfig config;   // kRowStage: the class's config
-      int first_rows = 0;  // kRowStage: its experts' rows, first_rows .. max_rows
+      enum class Kind { kSplitKOffBatchInvariant, kSplitKOffTileCounters, kRowClass } kind;
+      TileConfig config;   // kRowClass: the class's config
+      int first_rows = 0;  // kRowClass: its experts' rows, first_rows .. max_rows
       int max_rows = 0;
     };
     std::vector<Note> notes;
   };
   Rationale why;
   // Row classes (empty: one launch of `config` over every expert). Launch i
-  // runs row_stages[i].config, unsplit, over the experts with more rows than
-  // row_stages[i - 1].max_rows (0 for the first) and at most its own
+  // runs row_classes[i].config, unsplit, over the experts with more rows than
+  // row_classes[i - 1].max_rows (0 for the first) and at most its own
   // max_rows; then `config` (split_k) runs over the experts above the last.
   // Every launch filters the device-side offsets by row count, so which
   // expert goes where is decided on the GPU (graph-capturable).
-  struct RowStage {
+  struct RowClass {
     TileConfig config;
     int max_rows = 0;
     int64_t max_tiles = 0;  // upper bound of config's tiles
   };
-  std::vector<RowStage> row_stages;
+  std::vector<RowClass> row_classes;
 };
 
 // "A (<= 16 rows), B (<= 48 rows), then " for a plan's row classes; "" for
 // none.
-std::string describe_row_stages(const GemmPlan& plan);
+std::string describe_row_classes(const GemmPlan& plan);
 
 // Whether a family's kernels run on a GPU of compute capability `cc`
 // (e.g. 90): the portable family from 80 on, the SM90 family on 90 only.

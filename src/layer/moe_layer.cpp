@@ -87,9 +87,9 @@ std::string PlanOrigin::note() const {
 std::string MoeLayerPlan::describe() const {
   std::ostringstream os;
   os << num_tokens << " tokens -> " << num_rows << " routed rows\n"
-     << "  GEMM1 + SwiGLU  " << describe_row_stages(gemm1) << gemm1.config.to_string() << " split_k "
+     << "  GEMM1 + SwiGLU  " << describe_row_classes(gemm1) << gemm1.config.to_string() << " split_k "
      << gemm1.split_k << " [" << gemm1_origin.describe() << "]: " << gemm1.reason() << "\n"
-     << "  GEMM2 + finalize " << describe_row_stages(gemm2) << gemm2.config.to_string() << " split_k "
+     << "  GEMM2 + finalize " << describe_row_classes(gemm2) << gemm2.config.to_string() << " split_k "
      << gemm2.split_k << " ["
      << gemm2_origin.describe() << "]: " << gemm2.reason() << "\n";
   return os.str();

@@ -174,7 +174,7 @@ std::string GemmPlan::reason() const {
       case Rationale::Note::Kind::kSplitKOffTileCounters:
         os << "; split-K off (more tiles than the workspace's counters)";
         break;
-      case Rationale::Note::Kind::kRowStage:
+      case Rationale::Note::Kind::kRowClass:
         os << "; experts of " << note.first_rows << "-" << note.max_rows << " rows first on " << note.config.to_string();
         break;
     }
@@ -318,27 +318,27 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
     const auto heavy = pick->block_m >= 128 ? fitting.begin() + (pick - fitting.data()) : find(128, 0);
     if (heavy != fitting.end()) {
       if (pick->block_m < 128)
-        return with_row_stage(plan_gemm_with(p, *heavy, num_sms, blocks_per_sm), p, *pick, pick->block_m);
+        return with_row_class(plan_gemm_with(p, *heavy, num_sms, blocks_per_sm), p, *pick, pick->block_m);
       const auto light = find(kSm90LightMaxRows, 2);
       if ((rows_per_expert <= kSm90LightMaxRows || pick->block_m == 160) && light != fitting.end())
-        return with_row_stage(plan_gemm_with(p, *heavy, num_sms, blocks_per_sm), p, *light, kSm90LightMaxRows);
+        return with_row_class(plan_gemm_with(p, *heavy, num_sms, blocks_per_sm), p, *light, kSm90LightMaxRows);
     }
   }
   return plan_gemm_with(p, *pick, num_sms, blocks_per_sm);
 }
 
-GemmPlan with_row_stage(GemmPlan plan, const GemmProblem& p, const TileConfig& config, int max_rows) {
-  const int above = plan.row_stages.empty() ? 0 : plan.row_stages.back().max_rows;
-  FP4MOE_CHECK(config.epilogue == plan.config.epilogue && max_rows > above, "with_row_stage: ", config.to_string(),
+GemmPlan with_row_class(GemmPlan plan, const GemmProblem& p, const TileConfig& config, int max_rows) {
+  const int above = plan.row_classes.empty() ? 0 : plan.row_classes.back().max_rows;
+  FP4MOE_CHECK(config.epilogue == plan.config.epilogue && max_rows > above, "with_row_class: ", config.to_string(),
                " for ", plan.config.to_string(), " over experts of ", above + 1, " to ", max_rows, " rows");
-  plan.row_stages.push_back({config, max_rows, max_tiles(p, config)});
-  plan.why.notes.push_back({GemmPlan::Rationale::Note::Kind::kRowStage, config, above + 1, max_rows});
+  plan.row_classes.push_back({config, max_rows, max_tiles(p, config)});
+  plan.why.notes.push_back({GemmPlan::Rationale::Note::Kind::kRowClass, config, above + 1, max_rows});
   return plan;
 }
 
-std::string describe_row_stages(const GemmPlan& plan) {
+std::string describe_row_classes(const GemmPlan& plan) {
   std::string out;
-  for (const GemmPlan::RowStage& s : plan.row_stages)
+  for (const GemmPlan::RowClass& s : plan.row_classes)
     out += s.config.to_string() + " (<= " + std::to_string(s.max_rows) + " rows), ";
   return out.empty() ? out : out + "then ";
 }

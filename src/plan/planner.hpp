@@ -15,7 +15,7 @@ namespace fp4moe {
 // The architectures the planner knows (arch_limits() looks names up here).
 const std::vector<ArchLimits>& arch_table();
 
-// The SM90 row classes (GemmPlan::row_stages): where the planner picks an
+// The SM90 row classes (GemmPlan::row_classes): where the planner picks an
 // SM90 tile of 16 or 32 rows, it runs over the experts of at most its width and
 // the 128-row tile over the rest; where it picks the 128-row tile for at
 // most kSm90LightMaxRows expected rows, the two-block m48 tile runs first
@@ -28,7 +28,7 @@ inline constexpr int kSm90LightMaxRows = 48;
 // `plan` with one more row class: `config` (same epilogue) over the experts
 // of more rows than the last class's and at most max_rows, before
 // plan.config.
-GemmPlan with_row_stage(GemmPlan plan, const GemmProblem& problem, const TileConfig& config, int max_rows);
+GemmPlan with_row_class(GemmPlan plan, const GemmProblem& problem, const TileConfig& config, int max_rows);
 
 // Where the SM90 family takes over from the portable one: above
 // kSm90MinRowsPerExpert rows per active expert, at every K

@@ -894,9 +894,9 @@ TEST(MoeLayerBatchInvariance, TokenOutputsDoNotDependOnTheBatch) {
   }
   // The tiles a plan runs: its row classes' and its main config's.
   const auto same_tiles = [](const GemmPlan& a, const GemmPlan& b) {
-    if (!same_tile(a.config, b.config) || a.row_stages.size() != b.row_stages.size()) return false;
-    for (size_t i = 0; i < a.row_stages.size(); ++i)
-      if (!same_tile(a.row_stages[i].config, b.row_stages[i].config)) return false;
+    if (!same_tile(a.config, b.config) || a.row_classes.size() != b.row_classes.size()) return false;
+    for (size_t i = 0; i < a.row_classes.size(); ++i)
+      if (!same_tile(a.row_classes[i].config, b.row_classes[i].config)) return false;
     return true;
   };
   EXPECT_FALSE(same_tiles(invariant.plan(1).gemm1, invariant.plan(kTokens).gemm1) &&
