@@ -219,8 +219,8 @@ MoeForwardArgs LayerTimer::args(int64_t tokens) const {
 }
 
 void LayerTimer::forward(int64_t tokens, const MoeStageEvents* events) const {
-  layer_.forward(args(tokens), buffers_->output.get(), buffers_->workspace.get(), buffers_->workspace.size(), stream_,
-                 events);
+  MoeLayerInternals::forward(layer_, args(tokens), buffers_->output.get(), buffers_->workspace.get(),
+                             buffers_->workspace.size(), stream_, events ? *events : MoeStageEvents{});
 }
 
 double LayerTimer::time_forward_us(int64_t tokens, int iterations, const L2Flusher& flusher) {
