@@ -30,7 +30,7 @@
 // (`fp4moe tune`; MoeLayerOptions::use_tune_cache), else the planner's
 // heuristic; MoeLayerPlan says which.
 //
-// Tested in tests/layer/test_moe_layer.cpp (GPU) against the CPU reference
+// Tested in tests/layer/test_moe_layer_*.cpp (GPU) against the CPU reference
 // (fp4moe::moe_reference), in tests/layer/test_moe_layer_args.cpp (host
 // validation, no GPU needed) and, with a tune cache, in
 // tests/tune/test_tune_gpu.cpp.
