@@ -548,7 +548,7 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
                            {"n", n},
                            {"k", k},
                            {"config", plan.config.to_string()},
-                           {"row_stages", describe_row_stages(plan)},
+                           {"row_stages", describe_row_classes(plan)},
                            {"family", to_string(plan.config.family)},
                            {"split_k", plan.split_k},
                            {"time_us", t_us},

@@ -285,8 +285,8 @@ MoeForwardArgs LayerTimer::args(int64_t tokens) const {
 }
 
 void LayerTimer::forward(int64_t tokens, const MoeStageEvents* events) const {
-  layer_.forward(args(tokens), buffers_->output.get(), buffers_->workspace.get(), buffers_->workspace.size(), stream_,
-                 events);
+  MoeLayerInternals::forward(layer_, args(tokens), buffers_->output.get(), buffers_->workspace.get(),
+                             buffers_->workspace.size(), stream_, events ? *events : MoeStageEvents{});
 }
 
 double LayerTimer::time_forward_us(int64_t tokens, int iterations, const L2Flusher& flusher) {
@@ -566,10 +566,10 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                            {"activations", to_string(layer.activation_numerics())},
                            {"gemm1_config", plan.gemm1.config.to_string()},
                            {"gemm1_split_k", plan.gemm1.split_k},
-                           {"gemm1_row_stages", describe_row_stages(plan.gemm1)},
+                           {"gemm1_row_stages", describe_row_classes(plan.gemm1)},
                            {"gemm2_config", plan.gemm2.config.to_string()},
                            {"gemm2_split_k", plan.gemm2.split_k},
-                           {"gemm2_row_stages", describe_row_stages(plan.gemm2)},
+                           {"gemm2_row_stages", describe_row_classes(plan.gemm2)},
                            {"time_us", m.time_us},
                            {"graph_us", with_graph ? nlohmann::json(m.graph_us) : nlohmann::json(nullptr)},
                            {"graph_eager_us", with_graph ? nlohmann::json(m.graph_eager_us) : nlohmann::json(nullptr)},

@@ -49,6 +49,7 @@
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/reference.hpp"
 #include "gemm_bench.hpp"
+#include "layer/moe_layer_internals.hpp"  // MoeStageEvents
 
 namespace fp4moe::bench {
 

@@ -11,6 +11,7 @@
 #include "fp4moe/nvfp4.hpp"
 #include "kernels/ops/moe_ops.hpp"
 #include "layer/moe_layer_internals.hpp"
+#include "plan/planner.hpp"
 
 namespace fp4moe::bench {
 
@@ -275,7 +276,7 @@ BucketResult tune_bucket(GemmTuneBench& bench, int64_t num_tokens, const TuneSet
     if (progress) progress(iterations + 1);
   };
   // The heuristic's own candidate is timed as the layer runs it, row classes
-  // (GemmPlan::row_stages) included: a layer whose tuned choice is the
+  // (GemmPlan::row_classes) included: a layer whose tuned choice is the
   // heuristic's config and split runs the heuristic's plan.
   for (const tune::Candidate& c : candidates)
     timed.push_back({c, c == result.heuristic ? heuristic_plan : plan_grouped_gemm(result.problem, c.config, c.split_k),

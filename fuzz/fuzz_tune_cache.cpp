@@ -25,6 +25,7 @@
 #include "fp4moe/error.hpp"
 #include "fp4moe/plan.hpp"
 #include "fuzz_util.hpp"
+#include "plan/planner.hpp"
 #include "tune/tune.hpp"
 #include "tune/tune_cache.hpp"
 

@@ -15,6 +15,7 @@
 #include "fp4moe/error.hpp"
 #include "fp4moe/plan.hpp"
 #include "models.hpp"
+#include "plan/planner.hpp"
 #include "tune/tune.hpp"
 
 namespace fp4moe::cli {
@@ -152,12 +153,12 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
     }
     const GemmProblem g1 = moe_gemm_problem(1, experts, topk, hidden, inter, t);
     auto name = [](const GemmPlan& p) {
-      return describe_row_stages(p) + p.config.to_string() + " sk" + std::to_string(p.split_k);
+      return describe_row_classes(p) + p.config.to_string() + " sk" + std::to_string(p.split_k);
     };
     auto plan_json = [](const GemmPlan& p, const std::string& source) {
       nlohmann::json out{{"config", p.config.to_string()}, {"split_k", p.split_k}, {"reason", p.reason()},
                          {"source", source}};
-      for (const GemmPlan::RowStage& s : p.row_stages)
+      for (const GemmPlan::RowClass& s : p.row_classes)
         out["row_stages"].push_back({{"config", s.config.to_string()}, {"max_rows", s.max_rows}});
       return out;
     };

@@ -35,7 +35,7 @@
 
 #include "fp4moe/expert_parallel.hpp"
 #include "fp4moe/moe_layer.hpp"
-#include "fp4moe/modelopt.hpp"
+#include "fp4moe/types.hpp"
 
 namespace fp4moe {
 

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "fp4moe/reference.hpp"
+#include "fp4moe/types.hpp"
 
 namespace fp4moe {
 

@@ -1,7 +1,9 @@
 // NVFP4 matrices and MoE expert weights in NVIDIA ModelOpt's checkpoint layout
-// (docs/design.md §3): quantisation of float weights, dequantisation, and loading
-// an MoE layer's experts from a safetensors file or a sharded checkpoint
-// directory. Tested in tests/format/test_modelopt_quantize.cpp,
+// NVFP4 matrices and MoE expert weights in NVIDIA ModelOpt's checkpoint layout
+// (docs/design.md §3; the types themselves in fp4moe/types.hpp): quantisation
+// of float weights, dequantisation, and loading an MoE layer's experts from a
+// safetensors file or a sharded checkpoint directory. Tested in
+// tests/format/test_modelopt_quantize.cpp,
 // tests/format/test_moe_weights_reader.cpp and
 // tests/format/test_checkpoint_writer.cpp.
 #pragma once
@@ -12,33 +14,9 @@
 #include <vector>
 
 #include "fp4moe/safetensors.hpp"
+#include "fp4moe/types.hpp"
 
 namespace fp4moe {
-
-// One NVFP4 weight matrix W [rows = N, cols = K] in ModelOpt layout.
-struct Nvfp4Matrix {
-  int64_t rows = 0;                 // N (output features)
-  int64_t cols = 0;                 // K (input features), a multiple of 16
-  std::vector<uint8_t> packed;      // [rows, cols/2]; even element in the low nibble
-  std::vector<uint8_t> scales;      // [rows, cols/16] float8 e4m3fn block scales
-  float global_scale = 1.0f;        // weight_scale_2
-  // The calibrated activation scale (amax / 2688 of this matrix's input),
-  // used by W4A4 activation numerics only (fp4moe::ActivationNumerics);
-  // has_input_scale says whether the checkpoint carries one.
-  float input_scale = 1.0f;
-  bool has_input_scale = false;
-
-  uint8_t code(int64_t r, int64_t c) const {
-    const uint8_t byte = packed[static_cast<size_t>(r * (cols / 2) + c / 2)];
-    return (c & 1) ? (byte >> 4) : (byte & 0xF);
-  }
-  uint8_t scale(int64_t r, int64_t c) const {
-    return scales[static_cast<size_t>(r * (cols / 16) + c / 16)];
-  }
-  float value(int64_t r, int64_t c) const;  // dequantised element
-  // The whole matrix dequantised to float, row-major [rows, cols].
-  std::vector<float> dequantize() const;
-};
 
 // Rows [begin, begin + count) of an NVFP4 matrix; its global and input
 // scales are the matrix's.
@@ -70,56 +48,6 @@ float abs_max(const float* data, size_t count);
 // up share one: pass the one computed from both). cols % 16 != 0 throws.
 Nvfp4Matrix quantize_nvfp4(const float* weights, int64_t rows, int64_t cols,
                            std::optional<float> global_scale = std::nullopt);
-
-// The three projections of one expert. gate and up have the same
-// global_scale (ModelOpt shares weight_scale_2 between them).
-struct ExpertWeights {
-  Nvfp4Matrix gate;  // [inter, hidden]
-  Nvfp4Matrix up;    // [inter, hidden]
-  Nvfp4Matrix down;  // [hidden, inter]
-  // Optional biases (gpt-oss): empty when the checkpoint has none.
-  std::vector<float> gate_bias;  // [inter]
-  std::vector<float> up_bias;    // [inter]
-  std::vector<float> down_bias;  // [hidden]
-};
-
-// A shared expert: an MLP every token runs beside its routed experts
-// (DeepSeek-V3/GLM/Kimi "shared_experts", n_shared_experts of them fused into
-// one MLP n_shared_experts * moe_intermediate_size wide; Qwen2-MoE
-// "shared_expert", shared_expert_intermediate_size wide, with a gate).
-// Its output is added to the routed experts' weighted sum with weight 1 (no
-// routed_scaling_factor: that scales the routed experts only) or, with a
-// gate, sigmoid(gate · x).
-struct SharedExpertWeights {
-  int64_t inter = 0;        // its intermediate width, a multiple of 16
-  ExpertWeights mlp;        // gate/up [inter, hidden], down [hidden, inter]; no biases
-  std::vector<float> gate;  // Qwen2-MoE shared_expert_gate.weight [hidden]; empty: weight 1
-  // A shared expert the checkpoint leaves unquantised (ModelOpt's
-  // experts-only configs): its weights as floats, row-major, with `mlp`
-  // empty — dense_gate_up [2 * inter, hidden] (gate rows, then up rows) and
-  // dense_down [hidden, inter]. It runs with unquantised activations. The
-  // CPU reference runs it; the GPU layer, which runs shared experts as NVFP4
-  // experts of its grouped GEMMs, refuses it.
-  std::vector<float> dense_gate_up;
-  std::vector<float> dense_down;
-  bool dense() const { return !dense_down.empty(); }
-};
-
-struct MoeWeights {
-  int64_t num_experts = 0;
-  int64_t hidden = 0;  // H
-  int64_t inter = 0;   // I (moe_intermediate_size)
-  std::vector<ExpertWeights> experts;
-  // The layer's shared expert, when the checkpoint has one.
-  std::optional<SharedExpertWeights> shared_expert;
-  // The format the checkpoint declares for the layer (hf_quant_config.json,
-  // or config.json's quantization_config): "NVFP4" (W4A4: its input_scale
-  // quantises activations, ActivationNumerics::kCheckpoint follows it) or
-  // "W4A16_NVFP4"; empty when the checkpoint declares none.
-  std::string checkpoint_format;
-
-  bool has_bias() const { return !experts.empty() && !experts[0].gate_bias.empty(); }
-};
 
 // The ModelOpt tensor name of expert `expert_idx`'s projection `proj`
 // ("gate_proj", "up_proj", "down_proj") field ("weight", "weight_scale",

@@ -30,7 +30,7 @@
 // (`fp4moe tune`; MoeLayerOptions::use_tune_cache), else the planner's
 // heuristic; MoeLayerPlan says which.
 //
-// Tested in tests/layer/test_moe_layer.cpp (GPU) against the CPU reference
+// Tested in tests/layer/test_moe_layer_*.cpp (GPU) against the CPU reference
 // (fp4moe::moe_reference), in tests/layer/test_moe_layer_args.cpp (host
 // validation, no GPU needed) and, with a tune cache, in
 // tests/tune/test_tune_gpu.cpp.
@@ -43,9 +43,8 @@
 #include <optional>
 #include <string>
 
-#include "fp4moe/modelopt.hpp"
-#include "fp4moe/plan.hpp"
-#include "fp4moe/reference.hpp"
+#include "fp4moe/plan.hpp"   // TileConfig, GemmPlan
+#include "fp4moe/types.hpp"  // MoeWeights, RoutingParams, Activation, ActivationNumerics
 
 namespace fp4moe {
 
@@ -186,22 +185,6 @@ struct MoeForwardArgs {
   const float* topk_weights = nullptr;     // fp32 [num_tokens, top_k]
 };
 
-// Optional events recorded on the stream between the stages of a forward, for
-// benchmarks that split the layer's time; null members are skipped. Stages
-// that do not run (routing with caller-given ids, the gather in fused mode)
-// leave their two events back to back. Routing on the device includes the
-// permutation (one kernel at small batches): `routed` and `sorted` are then
-// back to back.
-struct MoeStageEvents {
-  cudaEvent_t start = nullptr;     // before routing
-  cudaEvent_t routed = nullptr;    // after routing (+ the permutation, for device routing)
-  cudaEvent_t sorted = nullptr;    // after the permutation
-  cudaEvent_t gathered = nullptr;  // after the separate gather
-  cudaEvent_t gemm1 = nullptr;     // after GEMM1 + SwiGLU
-  cudaEvent_t gemm2 = nullptr;     // after GEMM2 + finalize scatter
-  cudaEvent_t end = nullptr;       // after the finalize reduction
-};
-
 class MoeLayer {
  public:
   // Validates the weights (shapes, finite global scales, biases) and
@@ -268,7 +251,7 @@ class MoeLayer {
   // Other expert ids out of range are reported by device_errors(); their
   // slots contribute nothing either.
   void forward(const MoeForwardArgs& args, void* output, void* workspace, size_t workspace_bytes,
-               cudaStream_t stream, const MoeStageEvents* events = nullptr) const;
+               cudaStream_t stream) const;
 
   // The forward without its last step, for callers that sum the top-k rows
   // themselves (expert parallelism): pair_rows, fp32 [num_tokens * top_k,
@@ -290,9 +273,6 @@ class MoeLayer {
   struct Impl;
   friend class MoeLayerInternals;  // src/layer/moe_layer_internals.hpp: benchmark-only variants
   explicit MoeLayer(std::unique_ptr<Impl> impl);
-  // forward() (output set) or forward_pair_rows() (pair_rows set).
-  void run(const MoeForwardArgs& args, void* output, float* pair_rows, void* workspace,
-           size_t workspace_bytes, cudaStream_t stream, const MoeStageEvents* events) const;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -3,7 +3,9 @@
 //
 // Every byte of shared memory a kernel uses is described by SmemLayout; the
 // kernels carve their shared memory from the same description (see
-// src/plan/smem_model.hpp), so what `fp4moe plan` prints is what runs.
+// src/plan/smem_model.hpp), so what `fp4moe plan` prints is what runs. The
+// planner's measured constants and its internal steps (split-K limits, row
+// classes) are not part of this API: src/plan/planner.hpp.
 // Tested in tests/plan/test_plan.cpp and, against the compiled kernels, in
 // tests/kernels/test_grouped_gemm.cpp.
 #pragma once
@@ -137,7 +139,7 @@ struct GemmPlan {
   // first forward of each token count, and workspace_bytes() plans many).
   std::string reason() const;
   // The figures the planner weighed (plan_gemm_with), and what later steps
-  // changed (limit_split_k, with_row_stage), for reason().
+  // changed (limit_split_k, with_row_class), for reason().
   struct Rationale {
     bool no_rows = false;           // nothing to plan for: reason() is "no rows"
     int block_m = 0;
@@ -151,99 +153,51 @@ struct GemmPlan {
     int64_t k_tiles = 0;
     // Appended in order: split-K turned off, a row class added.
     struct Note {
-      enum class Kind { kSplitKOffBatchInvariant, kSplitKOffTileCounters, kRowStage } kind;
-      TileConfig config;   // kRowStage: the class's config
-      int first_rows = 0;  // kRowStage: its experts' rows, first_rows .. max_rows
+      enum class Kind { kSplitKOffBatchInvariant, kSplitKOffTileCounters, kRowClass } kind;
+      TileConfig config;   // kRowClass: the class's config
+      int first_rows = 0;  // kRowClass: its experts' rows, first_rows .. max_rows
       int max_rows = 0;
     };
     std::vector<Note> notes;
   };
   Rationale why;
   // Row classes (empty: one launch of `config` over every expert). Launch i
-  // runs row_stages[i].config, unsplit, over the experts with more rows than
-  // row_stages[i - 1].max_rows (0 for the first) and at most its own
+  // runs row_classes[i].config, unsplit, over the experts with more rows than
+  // row_classes[i - 1].max_rows (0 for the first) and at most its own
   // max_rows; then `config` (split_k) runs over the experts above the last.
   // Every launch filters the device-side offsets by row count, so which
   // expert goes where is decided on the GPU (graph-capturable).
-  struct RowStage {
+  struct RowClass {
     TileConfig config;
     int max_rows = 0;
     int64_t max_tiles = 0;  // upper bound of config's tiles
   };
-  std::vector<RowStage> row_stages;
+  std::vector<RowClass> row_classes;
 };
-
-// The SM90 row classes (GemmPlan::row_stages): where the planner picks an
-// SM90 tile of 16 or 32 rows, it runs over the experts of at most its width and
-// the 128-row tile over the rest; where it picks the 128-row tile for at
-// most kSm90LightMaxRows expected rows, the two-block m48 tile runs first
-// over the experts of at most 48 rows. Routed experts are far from equally
-// loaded (the layer bench's T = 256: 12 rows on average, the largest 68),
-// and a tile sized for the mean reads and dequantises a heavy expert's
-// weights once per m-tile (docs/performance.md §5.11, "Row classes").
-inline constexpr int kSm90LightMaxRows = 48;
-
-// `plan` with one more row class: `config` (same epilogue) over the experts
-// of more rows than the last class's and at most max_rows, before
-// plan.config.
-GemmPlan with_row_stage(GemmPlan plan, const GemmProblem& problem, const TileConfig& config, int max_rows);
 
 // "A (<= 16 rows), B (<= 48 rows), then " for a plan's row classes; "" for
 // none.
-std::string describe_row_stages(const GemmPlan& plan);
+std::string describe_row_classes(const GemmPlan& plan);
 
 // Whether a family's kernels run on a GPU of compute capability `cc`
 // (e.g. 90): the portable family from 80 on, the SM90 family on 90 only.
 bool family_runs_on(KernelFamily family, int compute_capability);
-// Where the SM90 family takes over from the portable one: above
-// kSm90MinRowsPerExpert rows per active expert, at every K
-// (docs/performance.md §5.3). With its m8 ... m32 tiles at two
-// blocks per SM it beats the portable tiles from 8 rows per expert on the
-// GEMM2s of K = 1536-2880 too (T = 256), and its m128 tile beat the portable
-// m64 one on Qwen3-30B's GEMM2 (K = 768) at 64 and 256 rows per expert
-// (1.55-1.68x in one run); at ~5 rows (Kimi K2 at T = 256) the portable m8
-// tile is still ahead.
-inline constexpr double kSm90MinRowsPerExpert = 7;
 
 // Picks a config for `problem` among those with its epilogue fitting
 // `smem_budget_bytes` whose family runs on `compute_capability` (0: the
-// portable family only). On SM90 the SM90 family takes the problems past the
-// boundary above (or every problem with single_family), the portable family
-// the rest: below it the portable kernel's mma.sync tiles measured faster.
+// portable family only). On SM90 the SM90 family takes the problems of more
+// rows per active expert than a measured boundary (docs/performance.md §5.3),
+// or every problem with single_family, the portable family the rest: below it
+// the portable kernel's mma.sync tiles measured faster.
 // num_sms and blocks_per_sm size the split-K choice (it only fills block
 // slots the tiles leave idle); the SM90 family always runs one block per SM.
 GemmPlan plan_gemm(const GemmProblem& problem, int64_t smem_budget_bytes, int num_sms,
                    int compute_capability = 0, int blocks_per_sm = 2);
 
-// (m-tile, n-tile) pairs of `problem` with `config` that the planner expects
-// (the active experts' mean rows each, rounded up to whole m-tiles).
-double expected_tiles(const GemmProblem& problem, const TileConfig& config);
-
-// Upper bound of (m-tile, n-tile) pairs of `problem` with `config` over any
-// routing of its rows (what a plan's workspace and split-K counters cover).
-int64_t max_tiles(const GemmProblem& problem, const TileConfig& config);
-
-// The most K slices the planner (and the autotuner) splits a tile into.
-inline constexpr int kMaxSplitK = 8;
-// The planner's split-K keeps at least this much of K per slice.
-inline constexpr int64_t kMinSplitKSliceK = 2048;
-// Whether `split_k` is one the planner could pick for `config`: 1, or up to
-// kMaxSplitK slices of at least two k-tiles each.
-bool split_k_allowed(const GemmProblem& problem, const TileConfig& config, int split_k);
-
 // Plans with a given config; split_k 0 lets the planner choose the split,
 // otherwise it is used as given (1 .. the config's k-tiles of problem.k).
 GemmPlan plan_gemm_with(const GemmProblem& problem, const TileConfig& config, int num_sms,
                         int blocks_per_sm = 2, int split_k = 0);
-
-// Split-K needs one tile counter per (m-tile, n-tile) in the layer's
-// workspace header, which holds this many per GEMM: plans with more tiles
-// run unsplit (split-K only pays while tiles are few anyway).
-inline constexpr int64_t kMaxSplitKTiles = 4096;
-// The plan as MoeLayer runs it: split-K turned off for a batch-invariant
-// layer (docs/design.md §3) and for plans with more than kMaxSplitKTiles
-// tiles; the reason then says so.
-GemmPlan limit_split_k(GemmPlan plan, bool batch_invariant);
 
 // The grouped GEMMs of an MoE layer (docs/design.md §4.5) as MoeLayer plans
 // them for num_tokens tokens: gemm 1 is [rows, hidden] x [2 inter, hidden]^T
@@ -252,9 +206,5 @@ GemmPlan limit_split_k(GemmPlan plan, bool batch_invariant);
 // uniform routing, one kernel family when batch_invariant.
 GemmProblem moe_gemm_problem(int gemm, int64_t num_experts, int top_k, int64_t hidden, int64_t inter,
                              int64_t num_tokens, bool batch_invariant = false);
-
-// Expected number of experts that receive at least one of `num_tokens`
-// tokens with uniform top-k routing.
-double expected_active_experts(int64_t num_experts, int top_k, int64_t num_tokens);
 
 }  // namespace fp4moe

@@ -8,36 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "fp4moe/modelopt.hpp"
+#include "fp4moe/types.hpp"
 
 namespace fp4moe {
-
-enum class RoutingMode {
-  kSoftmaxTopK,  // softmax over experts, top-k, optional renormalisation
-  kNoauxTc,      // DeepSeek-V3/GLM: sigmoid, grouped selection with correction bias
-  kGptOss,       // top-k of the logits, softmax over the k selected
-};
-
-struct RoutingParams {
-  RoutingMode mode = RoutingMode::kSoftmaxTopK;
-  int top_k = 8;
-  bool renormalize = true;             // kSoftmaxTopK only (kNoauxTc always renormalises)
-  int num_groups = 1;                  // kNoauxTc: n_group
-  int topk_groups = 1;                 // kNoauxTc: topk_group
-  float routed_scaling_factor = 1.0f;  // kNoauxTc: multiplies the final weights
-};
-
-// Per-token expert choice: ids and weights [num_tokens, top_k], row-major.
-struct Routing {
-  int64_t num_tokens = 0;
-  int top_k = 0;
-  std::vector<int32_t> topk_ids;
-  std::vector<float> topk_weights;
-  // Set by route(): tokens with at least one non-finite logit (their
-  // experts were excluded, see route()). The GPU reports the same event as
-  // a device error bit (MoeLayer::device_errors).
-  int64_t tokens_with_nonfinite_logits = 0;
-};
 
 // Routes router_logits [num_tokens, num_experts]. correction_bias
 // [num_experts] is used by kNoauxTc only (may be null: zeros). All scores are
@@ -84,15 +57,8 @@ Routing route(const float* router_logits, int64_t num_tokens, int64_t num_expert
 // throws with the first offence.
 void validate_routing(const Routing& routing, int64_t num_experts);
 
-enum class Activation {
-  kSwiGLU,  // silu(gate) * up
-  kGptOss,  // g = min(gate, 7), l = clamp(up, -7, 7), g * sigmoid(1.702 g) * (l + 1)
-};
 // act(gate, up) in double, as above: the reference of the SwiGLU epilogue.
 double activate(Activation activation, double gate, double up);
-
-std::string to_string(RoutingMode mode);
-RoutingMode parse_routing_mode(const std::string& name);  // "softmax", "noaux_tc", "gptoss"
 
 // output [num_tokens, hidden] = sum_j w_j * down_e(act(gate_e x, up_e x)) for the
 // token's top-k experts e with weights w_j; biases added where present; plus,
@@ -111,17 +77,6 @@ enum class Intermediate {
   kBf16,   // rounded to bf16 (nearest even), as the GPU layer stores it: the
            // contract is W4A16, so GEMM2's input activations are bf16 too
 };
-
-// The precision of the two expert GEMMs' input activations (docs/design.md §3).
-enum class ActivationNumerics {
-  kCheckpoint,  // what the checkpoint declares: kFp4 for an "NVFP4" (W4A4) checkpoint whose
-                // every expert matrix has an input_scale, kBf16 otherwise (W4A16_NVFP4 or none)
-  kBf16,        // W4A16: activations as given (bf16 on the GPU)
-  kFp4,         // W4A4: GEMM1's input quantised per 16-block against gate/up's input_scale,
-                // GEMM2's input (the activation output) against down_proj's (nvfp4_activation.hpp)
-};
-std::string to_string(ActivationNumerics numerics);
-ActivationNumerics parse_activation_numerics(const std::string& name);  // "checkpoint", "bf16", "fp4"
 
 // kCheckpoint resolved for `weights` (kBf16 or kFp4); kBf16 and kFp4 as they
 // are. kFp4 on weights without an input_scale on every expert matrix throws,
@@ -144,12 +99,8 @@ float gemm1_input_scale(float gate_input_scale, float up_input_scale);
 // below turn them into what a checkpoint's per-matrix input_scale tensors
 // give (ExpertWeights), so that both sources run the same W4A4 numerics.
 
-// How many values a stacked input_scale tensor holds.
-enum class InputScaleExtent {
-  kPerExpert,        // [E]: w13's applies to gate and up alike
-  kPerExpertGateUp,  // [E, 2] = {gate, up} of each expert (w13_input_scale only)
-  kPerLayer,         // one value for every expert (0-d or [1])
-};
+// How many values a stacked tensor of `extent` holds (InputScaleExtent,
+// fp4moe/types.hpp).
 int64_t input_scale_count(InputScaleExtent extent, int64_t num_experts);
 
 struct ExpertInputScales {

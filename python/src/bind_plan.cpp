@@ -9,6 +9,7 @@
 #include "fp4moe/error.hpp"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/plan.hpp"
+#include "plan/planner.hpp"
 
 namespace fp4moe::python {
 namespace {

@@ -20,6 +20,7 @@
 #include "kernels/launch.cuh"
 #include "kernels/portable_grouped_gemm.cuh"
 #include "plan/compiled_configs.hpp"
+#include "plan/planner.hpp"
 
 namespace fp4moe {
 
@@ -238,8 +239,8 @@ GemmPlan plan_grouped_gemm(const GemmProblem& problem, const std::optional<TileC
       plan_gemm(problem, dev.smem_per_block, dev.num_sms, kernels::compute_capability(dev));
   const KernelEntry& entry = find_kernel(first.config);
   GemmPlan plan = plan_gemm_with(problem, first.config, dev.num_sms, occupancy(entry, dev.device));
-  for (const GemmPlan::RowStage& stage : first.row_stages)
-    plan = with_row_stage(plan, problem, stage.config, stage.max_rows);
+  for (const GemmPlan::RowClass& stage : first.row_classes)
+    plan = with_row_class(plan, problem, stage.config, stage.max_rows);
   return plan;
 }
 
@@ -262,7 +263,7 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   const int64_t tiles_needed = max_tiles(problem_of(args, epilogue), plan.config);
   FP4MOE_CHECK(plan.max_tiles >= tiles_needed, "grouped_gemm: the plan covers ", plan.max_tiles,
                " tiles but ", args.num_rows, " rows may need ", tiles_needed, "; plan again for this problem");
-  for (const GemmPlan::RowStage& stage : plan.row_stages) {
+  for (const GemmPlan::RowClass& stage : plan.row_classes) {
     FP4MOE_CHECK(stage.config.epilogue == epilogue, "grouped_gemm: the row class config ", stage.config.to_string(),
                  " has another epilogue than ", plan.config.to_string());
     check_fits_device(find_kernel(stage.config), dev);
@@ -335,7 +336,7 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   // the last (each launch waits for the one before: programmatic launches
   // wait for their predecessor's grid).
   int min_rows = 0;
-  for (const GemmPlan::RowStage& stage : plan.row_stages) {
+  for (const GemmPlan::RowClass& stage : plan.row_classes) {
     launch(stage.config, 1, stage.max_tiles, min_rows, stage.max_rows);
     min_rows = stage.max_rows + 1;
   }

@@ -62,7 +62,7 @@ struct GroupedGemmParams {
   int num_rows;
   int split_k;                    // k-slices per tile
   // Experts whose row count lies outside [min_expert_rows, max_expert_rows]
-  // get no tiles in this launch (GemmPlan::row_stages); 0 and
+  // get no tiles in this launch (GemmPlan::row_classes); 0 and
   // INT32_MAX take every expert.
   int min_expert_rows;
   int max_expert_rows;

@@ -2,7 +2,7 @@
 // fragment-ordered layout (see fragment_layout.hpp for the layout and why).
 // Tested in tests/kernels/test_grouped_gemm_args.cpp (every element round-trips,
 // bad input refused) and, on the GPU, tests/kernels/test_grouped_gemm.cpp and
-// tests/layer/test_moe_layer.cpp (interleave_gate_up through the SwiGLU epilogue).
+// tests/layer/test_moe_layer_*.cpp (interleave_gate_up through the SwiGLU epilogue).
 #include <algorithm>
 #include <cmath>
 #include <cstring>

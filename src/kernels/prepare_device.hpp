@@ -3,7 +3,7 @@
 // layout, by GPU kernels, without a round trip through the host. The index
 // mapping is stacked_layout.hpp's; the source tensors are only read.
 // Tested in tests/kernels/test_stacked_layout.cpp (the mapping on the CPU,
-// against the host packer) and tests/layer/test_moe_layer.cpp (GPU:
+// against the host packer) and tests/layer/test_moe_layer_weights.cpp (GPU:
 // MoeLayer::prepare_device against MoeLayer::prepare).
 #pragma once
 

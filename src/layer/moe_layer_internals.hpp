@@ -1,11 +1,14 @@
 // Layer variants kept for measurement, outside the public API: how GEMM1
-// reads the activation rows. Users get kAuto: the separate gather pass where
-// GEMM1's tile then copies its activations by tensor map (SM90, m128 and
-// m256 tiles: faster than gathering through cp.async), the gather fused into
-// GEMM1's loads elsewhere (where the separate pass measured never faster;
-// both in docs/performance.md §5.19). The layer benchmark and
-// the tests run the forced modes too.
+// reads the activation rows, and events between the stages of a forward.
+// Users get kAuto: the separate gather pass where GEMM1's tile then copies
+// its activations by tensor map (SM90, m128 and m256 tiles: faster than
+// gathering through cp.async), the gather fused into GEMM1's loads elsewhere
+// (where the separate pass measured never faster; both in
+// docs/performance.md §5.19). The layer benchmark and the tests run the
+// forced modes too; the benchmark splits a forward's time by stage.
 #pragma once
+
+#include <cuda_runtime_api.h>
 
 #include <string>
 
@@ -30,6 +33,22 @@ std::string to_string(GatherMode mode);
 // with that pass, as the layer runs them.
 bool auto_gather_is_separate(const TileConfig& gemm1);
 
+// Optional events recorded on the stream between the stages of a forward, for
+// benchmarks that split the layer's time; null members are skipped. Stages
+// that do not run (routing with caller-given ids, the gather in fused mode)
+// leave their two events back to back. Routing on the device includes the
+// permutation (one kernel at small batches): `routed` and `sorted` are then
+// back to back.
+struct MoeStageEvents {
+  cudaEvent_t start = nullptr;     // before routing
+  cudaEvent_t routed = nullptr;    // after routing (+ the permutation, for device routing)
+  cudaEvent_t sorted = nullptr;    // after the permutation
+  cudaEvent_t gathered = nullptr;  // after the separate gather
+  cudaEvent_t gemm1 = nullptr;     // after GEMM1 + SwiGLU
+  cudaEvent_t gemm2 = nullptr;     // after GEMM2 + finalize scatter
+  cudaEvent_t end = nullptr;       // after the finalize reduction
+};
+
 class MoeLayerInternals {
  public:
   // MoeLayer::prepare() with the given gather mode.
@@ -41,6 +60,9 @@ class MoeLayerInternals {
   // The fewest workspace bytes a forward of num_tokens runs in: a forward
   // is refused exactly when it is given fewer.
   static size_t min_forward_bytes(const MoeLayer& layer, int64_t num_tokens);
+  // MoeLayer::forward() with `events` recorded between its stages.
+  static void forward(const MoeLayer& layer, const MoeForwardArgs& args, void* output, void* workspace,
+                      size_t workspace_bytes, cudaStream_t stream, const MoeStageEvents& events);
 };
 
 }  // namespace fp4moe

@@ -50,7 +50,7 @@
 // where m128 adds a second, mostly empty one that reads and dequantises the
 // whole weight tile again (half of DeepSeek-V3's experts at T = 4096 under
 // uniform routing); the planner takes it where its expected units, each
-// costing kSm90M160UnitCost m128 units, cost less than m128's (plan.cpp,
+// costing kSm90M160UnitCost m128 units, cost less than m128's (planner.cpp,
 // sm90_m160_saves_units). Steps of 32 (five mainloop copies) and an m192 tile
 // spilled.
 #define FP4MOE_SM90_TILES(X, EPI) \

@@ -5,7 +5,7 @@
 // Each kernel (src/kernels/portable_grouped_gemm.cuh, sm90_grouped_gemm.cuh)
 // carves its dynamic shared memory from its family's layout function and
 // nothing else, and static_asserts the total against the smallest per-block
-// limit it must run on; the host planner (src/plan/plan.cpp) builds the
+// limit it must run on; the host planner (src/plan/configs.cpp) builds the
 // printed layout from the same structs, so the table `fp4moe plan` shows is
 // the one the kernel uses. The GPU test checks the compiled kernels'
 // attributes against it.

@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "fp4moe/error.hpp"
+#include "fp4moe/modelopt.hpp"  // valid_input_scale, input_scale_rule
 #include "fp4moe/nvfp4.hpp"
 #include "fp4moe/nvfp4_activation.hpp"
 #include "fp4moe/reference.hpp"

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "fp4moe/error.hpp"
+#include "plan/planner.hpp"
 
 namespace fp4moe::tune {
 

@@ -25,6 +25,7 @@
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/expert_parallel_layer.hpp"
 #include "fp4moe/moe_layer.hpp"
+#include "fp4moe/reference.hpp"
 #include "gpu_test_util.hpp"
 
 namespace fp4moe {

@@ -21,6 +21,7 @@
 #include "fp4moe/nvfp4_activation.hpp"
 #include "fp4moe/plan.hpp"
 #include "gpu_test_util.hpp"
+#include "plan/planner.hpp"
 #include "plan/smem_model.hpp"
 
 namespace fp4moe {
@@ -190,7 +191,7 @@ const std::vector<GemmCase>& enumerated_cases() {
   return cases;
 }
 
-// Row classes (GemmPlan::row_stages): each launch takes the experts whose
+// Row classes (GemmPlan::row_classes): each launch takes the experts whose
 // row count falls in its class, the main config the experts above the last,
 // for every enumerated case (their row counts straddle the classes),
 // against the reference; the main launch also split in K where K allows.
@@ -201,7 +202,7 @@ TEST(GroupedGemmGpu, RowClassesInSeveralLaunchesMatchReference) {
   const TileConfig m48 = TileConfig::parse("sm90n128m48k128s4w12");
   if (!runs_here(heavy)) GTEST_SKIP() << "the SM90 family does not run on this GPU";
   struct Classes {
-    std::vector<std::pair<TileConfig, int>> stages;  // (config, max_rows)
+    std::vector<std::pair<TileConfig, int>> row_classes;  // (config, max_rows)
     int split_k;
   };
   const Classes classes[] = {{{{m48, 1}}, 1},  {{{m48, 8}}, 1},           {{{m48, 48}}, 1},
@@ -216,8 +217,8 @@ TEST(GroupedGemmGpu, RowClassesInSeveralLaunchesMatchReference) {
       if (!split_k_allowed(problem, heavy, cl.split_k)) continue;
       GemmPlan plan = plan_grouped_gemm(problem, heavy, cl.split_k);
       std::string what = describe(c, heavy, cl.split_k) + ", classes";
-      for (const auto& [config, max_rows] : cl.stages) {
-        plan = with_row_stage(plan, problem, config, max_rows);
+      for (const auto& [config, max_rows] : cl.row_classes) {
+        plan = with_row_class(plan, problem, config, max_rows);
         what += " " + config.to_string() + " <= " + std::to_string(max_rows);
       }
       run_and_check(prob, plan, ref, what);

@@ -27,6 +27,7 @@
 #include "expect_error.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/moe_layer.hpp"
+#include "fp4moe/reference.hpp"
 #include "gpu_test_util.hpp"
 #include "layer/moe_layer_internals.hpp"
 #include "util/parallel.hpp"

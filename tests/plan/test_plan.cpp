@@ -9,6 +9,7 @@
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/plan.hpp"
+#include "plan/planner.hpp"
 #include "plan/smem_model.hpp"
 
 namespace fp4moe {
@@ -281,19 +282,19 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
     const std::string what = std::to_string(c.rows_per_expert) + " rows per expert: " + plan.reason();
     EXPECT_EQ(plan.config.block_m, c.block_m) << what;
     if (c.light_block_m == 0) {
-      EXPECT_TRUE(plan.row_stages.empty()) << what;
+      EXPECT_TRUE(plan.row_classes.empty()) << what;
       continue;
     }
-    ASSERT_EQ(plan.row_stages.size(), 1u) << what;
-    const GemmPlan::RowStage& stage = plan.row_stages[0];
-    EXPECT_EQ(stage.max_rows, c.light_block_m) << what;
-    EXPECT_EQ(stage.config.block_m, c.light_block_m) << what;
-    EXPECT_EQ(stage.config.family, KernelFamily::kSm90) << what;
-    EXPECT_EQ(stage.config.epilogue, plan.config.epilogue) << what;
-    EXPECT_EQ(stage.max_tiles, max_tiles(q, stage.config)) << what;
-    EXPECT_NE(plan.reason().find(stage.config.to_string()), std::string::npos) << what;
-    EXPECT_EQ(describe_row_stages(plan),
-              stage.config.to_string() + " (<= " + std::to_string(c.light_block_m) + " rows), then ");
+    ASSERT_EQ(plan.row_classes.size(), 1u) << what;
+    const GemmPlan::RowClass& light = plan.row_classes[0];
+    EXPECT_EQ(light.max_rows, c.light_block_m) << what;
+    EXPECT_EQ(light.config.block_m, c.light_block_m) << what;
+    EXPECT_EQ(light.config.family, KernelFamily::kSm90) << what;
+    EXPECT_EQ(light.config.epilogue, plan.config.epilogue) << what;
+    EXPECT_EQ(light.max_tiles, max_tiles(q, light.config)) << what;
+    EXPECT_NE(plan.reason().find(light.config.to_string()), std::string::npos) << what;
+    EXPECT_EQ(describe_row_classes(plan),
+              light.config.to_string() + " (<= " + std::to_string(c.light_block_m) + " rows), then ");
   }
   // Where the 160-row tile does not fit the budget, the 128-row one.
   {
@@ -309,10 +310,10 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
     GemmProblem q = prefill;
     q.num_rows = 32 * 256;
     const GemmPlan plan = plan_gemm(q, 232448, 132, 90);
-    EXPECT_THROW(with_row_stage(plan, q, plan.row_stages[0].config, plan.row_stages[0].max_rows), Error);
-    TileConfig other = plan.row_stages[0].config;
+    EXPECT_THROW(with_row_class(plan, q, plan.row_classes[0].config, plan.row_classes[0].max_rows), Error);
+    TileConfig other = plan.row_classes[0].config;
     other.epilogue = plan.config.epilogue == Epilogue::kNone ? Epilogue::kSwiglu : Epilogue::kNone;
-    EXPECT_THROW(with_row_stage(plan, q, other, 64), Error);
+    EXPECT_THROW(with_row_class(plan, q, other, 64), Error);
   }
   for (int cc : {0, 80, 89, 100, 120})
     EXPECT_EQ(plan_gemm(prefill, 232448, 132, cc).config.family, KernelFamily::kPortable) << cc;

@@ -22,6 +22,7 @@
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/plan.hpp"
+#include "plan/planner.hpp"
 #include "temp_dir.hpp"
 #include "tune/tune.hpp"
 #include "tune/tune_cache.hpp"

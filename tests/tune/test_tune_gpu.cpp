@@ -33,6 +33,7 @@
 #include "gpu_test_util.hpp"
 #include "kernels/device_info.hpp"
 #include "kernels/grouped_gemm.hpp"
+#include "plan/planner.hpp"
 #include "temp_dir.hpp"
 #include "tune/tune.hpp"
 #include "tune/tune_cache.hpp"
