@@ -4,7 +4,7 @@
 // activation numerics). Plain data and the names of its enums: the loader
 // (fp4moe/modelopt.hpp), the CPU reference (fp4moe/reference.hpp) and the GPU
 // layer (fp4moe/moe_layer.hpp) take and return these types. Tested with
-// them, in tests/format/test_modelopt.cpp and tests/ref/test_reference.cpp.
+// them, in tests/format/test_moe_weights_reader.cpp and tests/ref/test_reference.cpp.
 #pragma once
 
 #include <cstdint>
