@@ -89,8 +89,7 @@ void run_ep_bench(const EpBenchOptions& opt, std::ostream& table, std::ostream* 
     cudaGetLastError();
     num_gpus = 0;
   }
-  FP4MOE_CHECK(num_gpus >= P, "fp4moe bench --layer --ep ", P, " needs ", P, " CUDA GPUs; this machine has ",
-               num_gpus);
+  FP4MOE_CHECK(num_gpus >= P, "fp4moe bench --layer --ep ", P, " needs ", P, " CUDA GPUs; this machine has ", num_gpus);
   FP4MOE_CUDA_CHECK(cudaSetDevice(0));
   const L2Flusher flusher;
   const Ceilings ceil = measure_ceilings(flusher);
@@ -105,18 +104,21 @@ void run_ep_bench(const EpBenchOptions& opt, std::ostream& table, std::ostream* 
                 "rank's device; L2 flushed before each forward; medians of %d per rank, the slowest rank shown; "
                 "ms; roof/P = the one-GPU layer roofline spread over P GPUs; 1gpu = the single-GPU layer, same "
                 "tokens\n",
-                gpu.c_str(), P, date.c_str(), ceil.describe().c_str(), a2a_gbps,
-                opt.iterations);
+                gpu.c_str(), P, date.c_str(), ceil.describe().c_str(), a2a_gbps, opt.iterations);
   table << line
         << "model          P      T   total   route dispatch experts  return combine  a2a%  MB/rank  a2a GB/s  "
            "roof/P   eff    1gpu\n"
         << std::flush;
   if (json) {
-    const nlohmann::json j{{"kind", "ceilings"}, {"gpu", gpu}, {"date", date}, {"num_ranks", P},
+    const nlohmann::json j{{"kind", "ceilings"},
+                           {"gpu", gpu},
+                           {"date", date},
+                           {"num_ranks", P},
                            {"copy_tbps", ceil.copy_bytes_per_s / 1e12},
                            {"read_tbps", ceil.read_bytes_per_s / 1e12},
                            {"memory_tbps", ceil.memory_bytes_per_s() / 1e12},
-                           {"bf16_tflops", ceil.bf16_flops_per_s / 1e12}, {"all_to_all_gbps", a2a_gbps}};
+                           {"bf16_tflops", ceil.bf16_flops_per_s / 1e12},
+                           {"all_to_all_gbps", a2a_gbps}};
     *json << j.dump() << std::endl;
   }
 
@@ -213,12 +215,11 @@ void run_ep_bench(const EpBenchOptions& opt, std::ostream& table, std::ostream* 
       const double roof_per_rank_ms = roof.roof_us / 1e3 / P;
       std::snprintf(line, sizeof line,
                     "%-13s %2d %6lld %7.3f %7.3f %8.3f %7.3f %7.3f %7.3f %4.0f%% %8.2f %9.1f %7.3f %5.2f %7.3f\n",
-                    shape.name.c_str(), P, static_cast<long long>(t), total,
-                    slowest(&ExpertParallelTimes::route_ms), slowest(&ExpertParallelTimes::dispatch_ms),
-                    slowest(&ExpertParallelTimes::experts_ms), slowest(&ExpertParallelTimes::return_ms),
-                    slowest(&ExpertParallelTimes::combine_ms), 100.0 * a2a / total, bytes / 1e6,
-                    a2a > 0 ? bytes / (a2a * 1e-3) / 1e9 : 0.0, roof_per_rank_ms, roof_per_rank_ms / total,
-                    single_ms[t]);
+                    shape.name.c_str(), P, static_cast<long long>(t), total, slowest(&ExpertParallelTimes::route_ms),
+                    slowest(&ExpertParallelTimes::dispatch_ms), slowest(&ExpertParallelTimes::experts_ms),
+                    slowest(&ExpertParallelTimes::return_ms), slowest(&ExpertParallelTimes::combine_ms),
+                    100.0 * a2a / total, bytes / 1e6, a2a > 0 ? bytes / (a2a * 1e-3) / 1e9 : 0.0, roof_per_rank_ms,
+                    roof_per_rank_ms / total, single_ms[t]);
       table << line;
       if (nonfinite > 0) table << "  WARNING: " << nonfinite << " output elements are NaN or infinite\n";
       table << std::flush;

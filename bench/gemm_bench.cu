@@ -29,9 +29,9 @@ namespace fp4moe::bench {
 
 namespace {
 
-#define BENCH_CUBLAS_CHECK(expr)                                                  \
-  do {                                                                            \
-    const cublasStatus_t s_ = (expr);                                             \
+#define BENCH_CUBLAS_CHECK(expr)                                                              \
+  do {                                                                                        \
+    const cublasStatus_t s_ = (expr);                                                         \
     if (s_ != CUBLAS_STATUS_SUCCESS) FP4MOE_THROW(#expr, " failed: cuBLAS status ", int(s_)); \
   } while (0)
 
@@ -68,8 +68,8 @@ __global__ void fill_random_bf16_kernel(__nv_bfloat16* out, size_t n, uint64_t s
 
 // Prepared weights -> bf16 W[e][n][k] (times the global scale), for cuBLAS.
 __global__ void dequantize_prepared(const uint8_t* weights, const uint8_t* scales, const float* global_scales,
-                                    __nv_bfloat16* out, int64_t num_experts, int64_t n, int64_t k,
-                                    int64_t n_groups, int64_t k_frags) {
+                                    __nv_bfloat16* out, int64_t num_experts, int64_t n, int64_t k, int64_t n_groups,
+                                    int64_t k_frags) {
   const int64_t words = num_experts * n_groups * k_frags * 128;  // 32 lanes x 4 k-steps per fragment
   for (int64_t w = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; w < words; w += int64_t{gridDim.x} * blockDim.x) {
     const int64_t frag_seq = w / 128;  // (e, group, kf) in row-major order
@@ -138,8 +138,7 @@ std::vector<int32_t> random_routing_counts(int64_t num_experts, int top_k, int64
 }  // namespace
 
 std::vector<int32_t> random_topk_ids(int64_t num_experts, int top_k, int64_t tokens, std::mt19937_64& rng) {
-  FP4MOE_CHECK(top_k >= 1 && top_k <= num_experts, "random_topk_ids: top_k = ", top_k, "; expected 1 .. ",
-               num_experts);
+  FP4MOE_CHECK(top_k >= 1 && top_k <= num_experts, "random_topk_ids: top_k = ", top_k, "; expected 1 .. ", num_experts);
   std::vector<int32_t> out;
   out.reserve(static_cast<size_t>(tokens * top_k));
   std::vector<int32_t> ids(static_cast<size_t>(num_experts));
@@ -158,8 +157,7 @@ std::vector<int32_t> skewed_topk_ids(int64_t num_experts, int top_k, int64_t tok
                                      std::mt19937_64& rng) {
   FP4MOE_CHECK(std::isfinite(skew) && skew >= 0, "skewed_topk_ids: skew = ", skew, "; expected a finite value >= 0");
   if (skew == 0) return random_topk_ids(num_experts, top_k, tokens, rng);
-  FP4MOE_CHECK(top_k >= 1 && top_k <= num_experts, "skewed_topk_ids: top_k = ", top_k, "; expected 1 .. ",
-               num_experts);
+  FP4MOE_CHECK(top_k >= 1 && top_k <= num_experts, "skewed_topk_ids: top_k = ", top_k, "; expected 1 .. ", num_experts);
   std::normal_distribution<double> normal(0.0, 1.0);
   std::vector<double> log_popularity(static_cast<size_t>(num_experts));
   for (double& l : log_popularity) l = skew * normal(rng);
@@ -205,8 +203,8 @@ L2Flusher::L2Flusher(size_t bytes) : buffer_(bytes) {
 }
 
 void L2Flusher::flush(cudaStream_t stream) const {
-  read_to_evict_l2<<<kFillGrid, kFillBlock, 0, stream>>>(reinterpret_cast<const uint4*>(buffer_.get()),
-                                                         buffer_.size() / 16, reinterpret_cast<uint32_t*>(buffer_.get()));
+  read_to_evict_l2<<<kFillGrid, kFillBlock, 0, stream>>>(
+      reinterpret_cast<const uint4*>(buffer_.get()), buffer_.size() / 16, reinterpret_cast<uint32_t*>(buffer_.get()));
   FP4MOE_CHECK_LAUNCH();
 }
 
@@ -249,8 +247,7 @@ Ceilings measure_ceilings(const L2Flusher& flusher) {
   DeviceBuffer<uint8_t> a(copy_bytes), b(copy_bytes);
   fill_random_bytes(a.get(), copy_bytes, 1);
   const double copy_us = time_median_us(
-      [&] { FP4MOE_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), copy_bytes, cudaMemcpyDeviceToDevice)); }, 10,
-      flusher);
+      [&] { FP4MOE_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), copy_bytes, cudaMemcpyDeviceToDevice)); }, 10, flusher);
   c.copy_bytes_per_s = 2.0 * copy_bytes / (copy_us * 1e-6);  // read + write
   int device = 0, num_sms = 0;
   FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -291,8 +288,9 @@ Ceilings measure_ceilings(const L2Flusher& flusher) {
 
 GemmCost grouped_gemm_cost(int64_t active_experts, int64_t rows, int64_t n, int64_t k) {
   GemmCost cost;
-  cost.bytes = static_cast<double>(active_experts) * static_cast<double>(n) * static_cast<double>(k) * (0.5 + 1.0 / 16) +
-               static_cast<double>(rows) * static_cast<double>(k) * 2 + static_cast<double>(rows) * static_cast<double>(n) * 2;
+  cost.bytes =
+      static_cast<double>(active_experts) * static_cast<double>(n) * static_cast<double>(k) * (0.5 + 1.0 / 16) +
+      static_cast<double>(rows) * static_cast<double>(k) * 2 + static_cast<double>(rows) * static_cast<double>(n) * 2;
   cost.flops = 2.0 * static_cast<double>(rows) * static_cast<double>(n) * static_cast<double>(k);
   return cost;
 }
@@ -304,8 +302,7 @@ double roofline_us(const GemmCost& cost, const Ceilings& ceilings) {
 std::string Ceilings::describe() const {
   char buf[160];
   std::snprintf(buf, sizeof buf, "memory %.2f TB/s (copy %.2f, read %.2f), cuBLAS bf16 %.0f TFLOP/s (8192^3)",
-                memory_bytes_per_s() / 1e12, copy_bytes_per_s / 1e12, read_bytes_per_s / 1e12,
-                bf16_flops_per_s / 1e12);
+                memory_bytes_per_s() / 1e12, copy_bytes_per_s / 1e12, read_bytes_per_s / 1e12, bf16_flops_per_s / 1e12);
   return buf;
 }
 
@@ -348,7 +345,8 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
   const std::string gpu = gpu_name();
   const std::string date = today();
   table << "# " << gpu << ", " << date << ": " << ceil.describe() << "\n";
-  table << "model         gemm      T    rows act     N     K config                   sk   time_us   TB/s  TFLOP/s  eff   "
+  table << "model         gemm      T    rows act     N     K config                   sk   time_us   TB/s  TFLOP/s  "
+           "eff   "
            "cublas_us cub_eff  speedup rel_err  other family              other_us other_eff  read_us read_eff\n";
   int num_sms = 0, device = 0;
   FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -358,9 +356,13 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
   FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, device));
   const int compute_capability = cc_major * 10 + cc_minor;
   if (json) {
-    nlohmann::json j{{"kind", "ceilings"}, {"gpu", gpu}, {"date", date},
-                     {"copy_tbps", ceil.copy_bytes_per_s / 1e12}, {"read_tbps", ceil.read_bytes_per_s / 1e12},
-                     {"memory_tbps", ceil.memory_bytes_per_s() / 1e12}, {"bf16_tflops", ceil.bf16_flops_per_s / 1e12}};
+    nlohmann::json j{{"kind", "ceilings"},
+                     {"gpu", gpu},
+                     {"date", date},
+                     {"copy_tbps", ceil.copy_bytes_per_s / 1e12},
+                     {"read_tbps", ceil.read_bytes_per_s / 1e12},
+                     {"memory_tbps", ceil.memory_bytes_per_s() / 1e12},
+                     {"bf16_tflops", ceil.bf16_flops_per_s / 1e12}};
     *json << j.dump() << std::endl;
   }
   std::mt19937_64 rng(opt.seed);
@@ -525,15 +527,16 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
         }
         const double eff = roof_us / t_us;
         char line[704];
-        std::snprintf(line, sizeof line,
-                      "%-13s gemm%d %6lld %7lld %3lld %5lld %5lld %-24s %2d %9.1f %6.2f %8.1f %5.2f %9.1f %6.2f %7.2fx %.1e"
-                      "  %-26s %8.1f %6.2f %8.1f %6.2f\n",
-                      model.name.c_str(), gemm, static_cast<long long>(tokens), static_cast<long long>(rows),
-                      static_cast<long long>(active), static_cast<long long>(n), static_cast<long long>(k),
-                      plan.config.to_string().c_str(), plan.split_k, t_us, bytes / (t_us * 1e-6) / 1e12,
-                      flops / (t_us * 1e-6) / 1e12, eff, cublas_us, cublas_us > 0 ? roof_us / cublas_us : 0.0,
-                      cublas_us > 0 ? cublas_us / t_us : 0.0, rel_err, other_config.c_str(), other_us,
-                      other_us > 0 ? roof_us / other_us : 0.0, read_us, read_us > 0 ? roof_us / read_us : 0.0);
+        std::snprintf(
+            line, sizeof line,
+            "%-13s gemm%d %6lld %7lld %3lld %5lld %5lld %-24s %2d %9.1f %6.2f %8.1f %5.2f %9.1f %6.2f %7.2fx %.1e"
+            "  %-26s %8.1f %6.2f %8.1f %6.2f\n",
+            model.name.c_str(), gemm, static_cast<long long>(tokens), static_cast<long long>(rows),
+            static_cast<long long>(active), static_cast<long long>(n), static_cast<long long>(k),
+            plan.config.to_string().c_str(), plan.split_k, t_us, bytes / (t_us * 1e-6) / 1e12,
+            flops / (t_us * 1e-6) / 1e12, eff, cublas_us, cublas_us > 0 ? roof_us / cublas_us : 0.0,
+            cublas_us > 0 ? cublas_us / t_us : 0.0, rel_err, other_config.c_str(), other_us,
+            other_us > 0 ? roof_us / other_us : 0.0, read_us, read_us > 0 ? roof_us / read_us : 0.0);
         table << line << std::flush;
         if (json) {
           nlohmann::json j{{"kind", "grouped_gemm"},

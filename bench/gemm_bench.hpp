@@ -117,8 +117,7 @@ std::vector<int32_t> random_topk_ids(int64_t num_experts, int top_k, int64_t tok
 // gives rows per expert with a coefficient of variation of about 1.3 at 128
 // rows per expert (DeepSeek-V3's shape), about the imbalance of the layer
 // bench's noaux_tc routing (1.5).
-std::vector<int32_t> skewed_topk_ids(int64_t num_experts, int top_k, int64_t tokens, double skew,
-                                     std::mt19937_64& rng);
+std::vector<int32_t> skewed_topk_ids(int64_t num_experts, int top_k, int64_t tokens, double skew, std::mt19937_64& rng);
 
 std::string gpu_name();  // of the current device
 std::string today();     // YYYY-MM-DD (UTC)
@@ -139,7 +138,7 @@ struct Options {
   std::vector<int> gemms = {1, 2};
   int iterations = 20;
   bool with_cublas = true;
-  bool with_other_family = true;  // also time the other kernel family's own choice (where it runs)
+  bool with_other_family = true;     // also time the other kernel family's own choice (where it runs)
   std::optional<TileConfig> config;  // force a config instead of the planner's
   uint64_t seed = 1;
 };

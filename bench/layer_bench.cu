@@ -78,8 +78,7 @@ struct Variant {
 std::string variant_name(const MoeLayerOptions& options, GatherMode gather) {
   return to_string(options.finalize) + "/" + to_string(gather) +
          (options.activations == ActivationNumerics::kFp4 ? "/w4a4" : "") +
-         (options.programmatic_launch ? "" : "/plain") +
-         (options.batch_invariant ? "/batch-invariant" : "");
+         (options.programmatic_launch ? "" : "/plain") + (options.batch_invariant ? "/batch-invariant" : "");
 }
 
 }  // namespace
@@ -87,10 +86,10 @@ std::string variant_name(const MoeLayerOptions& options, GatherMode gather) {
 // ---------------------------------------------------------------- weights
 
 MoeWeights random_moe_weights(const LayerShape& shape, uint64_t seed) {
-  FP4MOE_CHECK(shape.num_experts >= 1 && shape.hidden % 16 == 0 && shape.inter % 16 == 0 && shape.hidden > 0 &&
-                   shape.inter > 0,
-               "random_moe_weights: ", shape.name, " has ", shape.num_experts, " experts, hidden ", shape.hidden,
-               ", inter ", shape.inter, "; expected >= 1 expert and positive multiples of 16");
+  FP4MOE_CHECK(
+      shape.num_experts >= 1 && shape.hidden % 16 == 0 && shape.inter % 16 == 0 && shape.hidden > 0 && shape.inter > 0,
+      "random_moe_weights: ", shape.name, " has ", shape.num_experts, " experts, hidden ", shape.hidden, ", inter ",
+      shape.inter, "; expected >= 1 expert and positive multiples of 16");
   MoeWeights weights;
   weights.num_experts = shape.num_experts;
   weights.hidden = shape.hidden;
@@ -123,8 +122,8 @@ MoeWeights random_moe_weights(const LayerShape& shape, uint64_t seed) {
 
 // --------------------------------------------------------------- roofline
 
-LayerRoofline layer_roofline(int64_t hidden, int64_t inter, int64_t num_tokens, int64_t rows,
-                             int64_t active_experts, const Ceilings& ceilings) {
+LayerRoofline layer_roofline(int64_t hidden, int64_t inter, int64_t num_tokens, int64_t rows, int64_t active_experts,
+                             const Ceilings& ceilings) {
   LayerRoofline roof;
   roof.rows = rows;
   roof.active_experts = active_experts;
@@ -158,9 +157,12 @@ struct LayerTimer::Buffers {
 
 std::string to_string(RouterLoad load) {
   switch (load) {
-    case RouterLoad::kUniform: return "uniform";
-    case RouterLoad::kRealistic: return "realistic";
-    case RouterLoad::kSkewed: return "skewed";
+    case RouterLoad::kUniform:
+      return "uniform";
+    case RouterLoad::kRealistic:
+      return "realistic";
+    case RouterLoad::kSkewed:
+      return "skewed";
   }
   return "?";
 }
@@ -186,8 +188,8 @@ double hottest_over_mean(const std::vector<float>& logits, int64_t tokens, int64
 
 }  // namespace
 
-RouterInputs random_router_inputs(int64_t max_tokens, int64_t num_experts, const RoutingParams& routing,
-                                  uint64_t seed, RouterLoad load) {
+RouterInputs random_router_inputs(int64_t max_tokens, int64_t num_experts, const RoutingParams& routing, uint64_t seed,
+                                  RouterLoad load) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   RouterInputs r;
@@ -218,8 +220,8 @@ RouterInputs random_router_inputs(int64_t max_tokens, int64_t num_experts, const
       return hottest_over_mean(shifted, cal_tokens, num_experts, r.bias, routing);
     };
     double lo = 0.0, hi = 4.0;
-    FP4MOE_CHECK(hot_share(hi) >= kRealisticHotShare, "the realistic routing load cannot reach ",
-                 kRealisticHotShare, "x the mean rows with ", num_experts, " experts and top-", routing.top_k);
+    FP4MOE_CHECK(hot_share(hi) >= kRealisticHotShare, "the realistic routing load cannot reach ", kRealisticHotShare,
+                 "x the mean rows with ", num_experts, " experts and top-", routing.top_k);
     for (int i = 0; i < 30; ++i) {  // the share grows with s
       const double mid = 0.5 * (lo + hi);
       (hot_share(mid) < kRealisticHotShare ? lo : hi) = mid;
@@ -274,8 +276,7 @@ LayerTimer::ExpertLoad LayerTimer::expert_load(int64_t tokens) const {
 }
 
 MoeForwardArgs LayerTimer::args(int64_t tokens) const {
-  FP4MOE_CHECK(tokens >= 1 && tokens <= max_tokens_, "LayerTimer: ", tokens, " tokens; expected 1 .. ",
-               max_tokens_);
+  FP4MOE_CHECK(tokens >= 1 && tokens <= max_tokens_, "LayerTimer: ", tokens, " tokens; expected 1 .. ", max_tokens_);
   MoeForwardArgs a;
   a.hidden_states = buffers_->hidden_states.get();
   a.num_tokens = tokens;
@@ -409,7 +410,8 @@ double LayerTimer::host_us_per_forward(int64_t tokens, int calls) {
 
 int64_t LayerTimer::count_nonfinite_outputs(int64_t tokens) const {
   std::vector<uint16_t> out(static_cast<size_t>(tokens * layer_.hidden()));
-  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), buffers_->output.get(), out.size() * 2, cudaMemcpyDeviceToHost, stream_));
+  FP4MOE_CUDA_CHECK(
+      cudaMemcpyAsync(out.data(), buffers_->output.get(), out.size() * 2, cudaMemcpyDeviceToHost, stream_));
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return std::count_if(out.begin(), out.end(), [](uint16_t v) { return !std::isfinite(bf16_to_float(v)); });
 }
@@ -421,8 +423,8 @@ LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t
   LayerMeasurement m;
   m.tokens = tokens;
   m.expert_load = timer.expert_load(tokens);
-  m.roofline = layer_roofline(layer.hidden(), layer.inter(), tokens, tokens * layer.top_k(), m.expert_load.active,
-                              ceilings);
+  m.roofline =
+      layer_roofline(layer.hidden(), layer.inter(), tokens, tokens * layer.top_k(), m.expert_load.active, ceilings);
   m.time_us = timer.time_forward_us(tokens, iterations, flusher);
   m.stages = timer.time_stages(tokens, iterations, flusher);
   if (with_graph) {
@@ -455,17 +457,21 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
   const std::string gpu = gpu_name();
   const std::string date = today();
   table << "# " << gpu << ", " << date << ": " << ceil.describe() << "\n"
-        << "# whole MoE layer (routing on the device), L2 flushed before each forward, medians of "
-        << opt.iterations << "; roof = GEMM1 + GEMM2 + combine rooflines; stages in us; out% = time outside the GEMMs\n";
+        << "# whole MoE layer (routing on the device), L2 flushed before each forward, medians of " << opt.iterations
+        << "; roof = GEMM1 + GEMM2 + combine rooflines; stages in us; out% = time outside the GEMMs\n";
   table << "# routing load (--routing): uniform = random top-k; realistic = a fixed per-expert popularity, the "
            "hottest expert 2.5x the mean rows at T = 4096; skewed = N(0, 1) logits with a 0.1 N(0, 1) correction "
            "bias; hot = rows of the hottest expert / the mean, med = the median active expert's / the mean\n";
   table << "model         variant                routing      T act   hot  med   time_us  graph_us   roof_us   eff | "
            "route+sort gather    gemm1    gemm2  final |  out%\n";
   if (json) {
-    nlohmann::json j{{"kind", "ceilings"}, {"gpu", gpu}, {"date", date},
-                     {"copy_tbps", ceil.copy_bytes_per_s / 1e12}, {"read_tbps", ceil.read_bytes_per_s / 1e12},
-                     {"memory_tbps", ceil.memory_bytes_per_s() / 1e12}, {"bf16_tflops", ceil.bf16_flops_per_s / 1e12}};
+    nlohmann::json j{{"kind", "ceilings"},
+                     {"gpu", gpu},
+                     {"date", date},
+                     {"copy_tbps", ceil.copy_bytes_per_s / 1e12},
+                     {"read_tbps", ceil.read_bytes_per_s / 1e12},
+                     {"memory_tbps", ceil.memory_bytes_per_s() / 1e12},
+                     {"bf16_tflops", ceil.bf16_flops_per_s / 1e12}};
     *json << j.dump() << std::endl;
   }
 
@@ -507,97 +513,97 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                               options.batch_invariant == defaults.batch_invariant;
       const MoeLayer layer = MoeLayerInternals::prepare(weights, options, variant.gather);
       for (RouterLoad load : opt.loads) {
-      LayerTimer timer(layer, max_tokens, opt.seed, load);
-      if (load == RouterLoad::kRealistic)
-        table << "# " << shape.name << " realistic routing: logits N(0, 1) + " << timer.popularity_scale()
-              << " z_e, z_e ~ N(0, 1) per expert\n";
-      for (int64_t tokens : opt.tokens) {
-        const bool with_graph = opt.with_graph && is_default;
-        const LayerMeasurement m = measure_layer(timer, layer, tokens, opt.iterations, with_graph, ceil, flusher);
-        const StageTimes& s = m.stages;
-        char graph_text[32] = "-";
-        if (with_graph) std::snprintf(graph_text, sizeof graph_text, "%.1f", m.graph_us);
-        const std::string graph_us = graph_text;
-        char line[512];
-        const LayerTimer::ExpertLoad& el = m.expert_load;
-        std::snprintf(line, sizeof line,
-                      "%-13s %-22s %-9s %6lld %3lld %5.2f %4.2f %9.1f %9s %9.1f %5.2f | %10.1f %6.1f %8.1f %8.1f "
-                      "%6.1f | %4.0f%%\n",
-                      shape.name.c_str(), variant_name(options, variant.gather).c_str(), to_string(load).c_str(),
-                      static_cast<long long>(tokens), static_cast<long long>(m.roofline.active_experts),
-                      static_cast<double>(el.max_rows) / el.mean_rows,
-                      static_cast<double>(el.median_rows) / el.mean_rows, m.time_us, graph_us.c_str(),
-                      m.roofline.roof_us, m.efficiency, s.route_sort_us, s.gather_us, s.gemm1_us, s.gemm2_us,
-                      s.finalize_us, 100.0 * s.outside_gemm_share());
-        table << line;
-        if (with_graph)
-          table << "  graph replay " << m.graph_us << " us against eager forwards taken in turn with it "
-                << m.graph_eager_us << " us (" << m.graph_us / m.graph_eager_us << "x)\n"
-                << "  host time of one eager forward() call: " << m.host_us << " us (its 4 kernel launches alone, "
-                << "empty kernels: " << m.launch_floor_us << " us); of one graph replay: " << m.graph_launch_host_us
-                << " us\n";
-        if (m.nonfinite_outputs > 0)
-          table << "  WARNING: " << m.nonfinite_outputs << " output elements are NaN or infinite\n";
-        table << std::flush;
-        if (json) {
-          const MoeLayerPlan plan = layer.plan(tokens);
-          nlohmann::json j{{"kind", "moe_layer"},
-                           {"gpu", gpu},
-                           {"date", date},
-                           {"model", shape.name},
-                           {"num_experts", shape.num_experts},
-                           {"top_k", shape.routing.top_k},
-                           {"hidden", shape.hidden},
-                           {"inter", shape.inter},
-                           {"routing", to_string(shape.routing.mode)},
-                           {"router_load", to_string(load)},
-                           {"popularity_scale", timer.popularity_scale()},
-                           {"expert_rows_mean", el.mean_rows},
-                           {"tokens", tokens},
-                           {"rows", m.roofline.rows},
-                           {"active_experts", m.roofline.active_experts},
-                           {"expert_rows_max", m.expert_load.max_rows},
-                           {"expert_rows_median", m.expert_load.median_rows},
-                           {"variant", variant_name(options, variant.gather)},
-                           {"finalize", to_string(options.finalize)},
-                           {"gather", to_string(variant.gather)},
-                           {"programmatic_launch", options.programmatic_launch},
-                           {"batch_invariant", options.batch_invariant},
-                           {"activations", to_string(layer.activation_numerics())},
-                           {"gemm1_config", plan.gemm1.config.to_string()},
-                           {"gemm1_split_k", plan.gemm1.split_k},
-                           {"gemm1_row_stages", describe_row_classes(plan.gemm1)},
-                           {"gemm2_config", plan.gemm2.config.to_string()},
-                           {"gemm2_split_k", plan.gemm2.split_k},
-                           {"gemm2_row_stages", describe_row_classes(plan.gemm2)},
-                           {"time_us", m.time_us},
-                           {"graph_us", with_graph ? nlohmann::json(m.graph_us) : nlohmann::json(nullptr)},
-                           {"graph_eager_us", with_graph ? nlohmann::json(m.graph_eager_us) : nlohmann::json(nullptr)},
-                           {"host_us_per_forward", with_graph ? nlohmann::json(m.host_us) : nlohmann::json(nullptr)},
-                           {"graph_launch_host_us",
-                            with_graph ? nlohmann::json(m.graph_launch_host_us) : nlohmann::json(nullptr)},
-                           {"launch_floor_us", with_graph ? nlohmann::json(m.launch_floor_us) : nlohmann::json(nullptr)},
-                           {"roof_us", m.roofline.roof_us},
-                           {"gemm1_roof_us", m.roofline.gemm1_roof_us},
-                           {"gemm2_roof_us", m.roofline.gemm2_roof_us},
-                           {"combine_roof_us", m.roofline.combine_roof_us},
-                           {"efficiency", m.efficiency},
-                           {"stage_us",
-                            {{"route_sort", s.route_sort_us},
-                             {"gather", s.gather_us},
-                             {"gemm1", s.gemm1_us},
-                             {"gemm2", s.gemm2_us},
-                             {"finalize", s.finalize_us},
-                             {"total", s.total_us}}},
-                           {"outside_gemm_share", s.outside_gemm_share()},
-                           {"nonfinite_outputs", m.nonfinite_outputs},
-                           {"copy_tbps", ceil.copy_bytes_per_s / 1e12},
-                           {"memory_tbps", ceil.memory_bytes_per_s() / 1e12},
-                           {"bf16_tflops", ceil.bf16_flops_per_s / 1e12},
-                           {"iterations", opt.iterations}};
-          *json << j.dump() << std::endl;
+        LayerTimer timer(layer, max_tokens, opt.seed, load);
+        if (load == RouterLoad::kRealistic)
+          table << "# " << shape.name << " realistic routing: logits N(0, 1) + " << timer.popularity_scale()
+                << " z_e, z_e ~ N(0, 1) per expert\n";
+        for (int64_t tokens : opt.tokens) {
+          const bool with_graph = opt.with_graph && is_default;
+          const LayerMeasurement m = measure_layer(timer, layer, tokens, opt.iterations, with_graph, ceil, flusher);
+          const StageTimes& s = m.stages;
+          char graph_text[32] = "-";
+          if (with_graph) std::snprintf(graph_text, sizeof graph_text, "%.1f", m.graph_us);
+          const std::string graph_us = graph_text;
+          char line[512];
+          const LayerTimer::ExpertLoad& el = m.expert_load;
+          std::snprintf(line, sizeof line,
+                        "%-13s %-22s %-9s %6lld %3lld %5.2f %4.2f %9.1f %9s %9.1f %5.2f | %10.1f %6.1f %8.1f %8.1f "
+                        "%6.1f | %4.0f%%\n",
+                        shape.name.c_str(), variant_name(options, variant.gather).c_str(), to_string(load).c_str(),
+                        static_cast<long long>(tokens), static_cast<long long>(m.roofline.active_experts),
+                        static_cast<double>(el.max_rows) / el.mean_rows,
+                        static_cast<double>(el.median_rows) / el.mean_rows, m.time_us, graph_us.c_str(),
+                        m.roofline.roof_us, m.efficiency, s.route_sort_us, s.gather_us, s.gemm1_us, s.gemm2_us,
+                        s.finalize_us, 100.0 * s.outside_gemm_share());
+          table << line;
+          if (with_graph)
+            table << "  graph replay " << m.graph_us << " us against eager forwards taken in turn with it "
+                  << m.graph_eager_us << " us (" << m.graph_us / m.graph_eager_us << "x)\n"
+                  << "  host time of one eager forward() call: " << m.host_us << " us (its 4 kernel launches alone, "
+                  << "empty kernels: " << m.launch_floor_us << " us); of one graph replay: " << m.graph_launch_host_us
+                  << " us\n";
+          if (m.nonfinite_outputs > 0)
+            table << "  WARNING: " << m.nonfinite_outputs << " output elements are NaN or infinite\n";
+          table << std::flush;
+          if (json) {
+            const MoeLayerPlan plan = layer.plan(tokens);
+            nlohmann::json j{
+                {"kind", "moe_layer"},
+                {"gpu", gpu},
+                {"date", date},
+                {"model", shape.name},
+                {"num_experts", shape.num_experts},
+                {"top_k", shape.routing.top_k},
+                {"hidden", shape.hidden},
+                {"inter", shape.inter},
+                {"routing", to_string(shape.routing.mode)},
+                {"router_load", to_string(load)},
+                {"popularity_scale", timer.popularity_scale()},
+                {"expert_rows_mean", el.mean_rows},
+                {"tokens", tokens},
+                {"rows", m.roofline.rows},
+                {"active_experts", m.roofline.active_experts},
+                {"expert_rows_max", m.expert_load.max_rows},
+                {"expert_rows_median", m.expert_load.median_rows},
+                {"variant", variant_name(options, variant.gather)},
+                {"finalize", to_string(options.finalize)},
+                {"gather", to_string(variant.gather)},
+                {"programmatic_launch", options.programmatic_launch},
+                {"batch_invariant", options.batch_invariant},
+                {"activations", to_string(layer.activation_numerics())},
+                {"gemm1_config", plan.gemm1.config.to_string()},
+                {"gemm1_split_k", plan.gemm1.split_k},
+                {"gemm1_row_stages", describe_row_classes(plan.gemm1)},
+                {"gemm2_config", plan.gemm2.config.to_string()},
+                {"gemm2_split_k", plan.gemm2.split_k},
+                {"gemm2_row_stages", describe_row_classes(plan.gemm2)},
+                {"time_us", m.time_us},
+                {"graph_us", with_graph ? nlohmann::json(m.graph_us) : nlohmann::json(nullptr)},
+                {"graph_eager_us", with_graph ? nlohmann::json(m.graph_eager_us) : nlohmann::json(nullptr)},
+                {"host_us_per_forward", with_graph ? nlohmann::json(m.host_us) : nlohmann::json(nullptr)},
+                {"graph_launch_host_us", with_graph ? nlohmann::json(m.graph_launch_host_us) : nlohmann::json(nullptr)},
+                {"launch_floor_us", with_graph ? nlohmann::json(m.launch_floor_us) : nlohmann::json(nullptr)},
+                {"roof_us", m.roofline.roof_us},
+                {"gemm1_roof_us", m.roofline.gemm1_roof_us},
+                {"gemm2_roof_us", m.roofline.gemm2_roof_us},
+                {"combine_roof_us", m.roofline.combine_roof_us},
+                {"efficiency", m.efficiency},
+                {"stage_us",
+                 {{"route_sort", s.route_sort_us},
+                  {"gather", s.gather_us},
+                  {"gemm1", s.gemm1_us},
+                  {"gemm2", s.gemm2_us},
+                  {"finalize", s.finalize_us},
+                  {"total", s.total_us}}},
+                {"outside_gemm_share", s.outside_gemm_share()},
+                {"nonfinite_outputs", m.nonfinite_outputs},
+                {"copy_tbps", ceil.copy_bytes_per_s / 1e12},
+                {"memory_tbps", ceil.memory_bytes_per_s() / 1e12},
+                {"bf16_tflops", ceil.bf16_flops_per_s / 1e12},
+                {"iterations", opt.iterations}};
+            *json << j.dump() << std::endl;
+          }
         }
-      }
       }
     }
   }

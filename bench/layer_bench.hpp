@@ -57,8 +57,8 @@ namespace fp4moe::bench {
 struct LayerShape {
   std::string name;
   int64_t num_experts = 0;
-  int64_t hidden = 0;  // H
-  int64_t inter = 0;   // I (moe_intermediate_size)
+  int64_t hidden = 0;     // H
+  int64_t inter = 0;      // I (moe_intermediate_size)
   RoutingParams routing;  // routing.top_k is the layer's top-k
   Activation activation = Activation::kSwiGLU;
   bool has_bias = false;  // gate/up/down biases (gpt-oss)
@@ -101,8 +101,8 @@ struct RouterInputs {
   std::vector<float> logits, bias;
   double popularity_scale = 0.0;
 };
-RouterInputs random_router_inputs(int64_t max_tokens, int64_t num_experts, const RoutingParams& routing,
-                                  uint64_t seed, RouterLoad load = RouterLoad::kSkewed);
+RouterInputs random_router_inputs(int64_t max_tokens, int64_t num_experts, const RoutingParams& routing, uint64_t seed,
+                                  RouterLoad load = RouterLoad::kSkewed);
 inline constexpr uint64_t kHiddenSeedOffset = 17;
 
 // The layer roofline of one forward (see the file comment).
@@ -113,8 +113,8 @@ struct LayerRoofline {
   double gemm1_roof_us = 0, gemm2_roof_us = 0, combine_roof_us = 0;
   double roof_us = 0;  // the sum
 };
-LayerRoofline layer_roofline(int64_t hidden, int64_t inter, int64_t num_tokens, int64_t rows,
-                             int64_t active_experts, const Ceilings& ceilings);
+LayerRoofline layer_roofline(int64_t hidden, int64_t inter, int64_t num_tokens, int64_t rows, int64_t active_experts,
+                             const Ceilings& ceilings);
 
 // Medians over the timed forwards, in us, of each stage between two
 // consecutive MoeStageEvents, and of the whole (start -> end). Routing and
@@ -200,12 +200,12 @@ class LayerTimer {
 struct LayerMeasurement {
   int64_t tokens = 0;
   LayerRoofline roofline;
-  double time_us = 0;   // plain forward
-  double graph_us = 0;  // CUDA-graph replay; 0 when not measured
-  double graph_eager_us = 0;  // eager forwards interleaved with the replays
-  double host_us = 0;   // host time of one forward() call; measured with the graph
+  double time_us = 0;               // plain forward
+  double graph_us = 0;              // CUDA-graph replay; 0 when not measured
+  double graph_eager_us = 0;        // eager forwards interleaved with the replays
+  double host_us = 0;               // host time of one forward() call; measured with the graph
   double graph_launch_host_us = 0;  // host time of one replay's cudaGraphLaunch
-  double launch_floor_us = 0;  // host time of the forward's 4 launches of an empty kernel
+  double launch_floor_us = 0;       // host time of the forward's 4 launches of an empty kernel
   StageTimes stages;
   LayerTimer::ExpertLoad expert_load;
   double efficiency = 0;  // roof_us / time_us
@@ -223,7 +223,7 @@ struct LayerBenchOptions {
   std::vector<int64_t> tokens = {1, 16, 64, 256, 1024};
   std::vector<RouterLoad> loads = {RouterLoad::kRealistic};
   int iterations = 20;
-  bool with_graph = true;  // graph replay of the default variant
+  bool with_graph = true;     // graph replay of the default variant
   bool default_only = false;  // skip the other variants (plain launches, w4a4, batch invariant, ...)
   uint64_t seed = 1;
 };

@@ -31,14 +31,14 @@ struct GemmTuneBench::State {
     DeviceBuffer<int32_t> offsets, token_of_row, pair_of_row;
   };
   std::vector<Routing> routings;
-  DeviceBuffer<uint16_t> x;            // bf16: GEMM 1 [T, hidden], GEMM 2 [rows, inter]
-  DeviceBuffer<uint16_t> x_sorted;     // GEMM 1 with the separate gather: bf16 [rows, hidden], grown
-  DeviceBuffer<float> row_weights;     // [rows]
-  DeviceBuffer<uint16_t> y;            // GEMM 1: bf16 [rows, inter]
-  DeviceBuffer<float> out_f32;         // GEMM 2: fp32 [rows, hidden]
-  DeviceBuffer<int32_t> error_flags;   // [4]: the GEMM's error word
+  DeviceBuffer<uint16_t> x;              // bf16: GEMM 1 [T, hidden], GEMM 2 [rows, inter]
+  DeviceBuffer<uint16_t> x_sorted;       // GEMM 1 with the separate gather: bf16 [rows, hidden], grown
+  DeviceBuffer<float> row_weights;       // [rows]
+  DeviceBuffer<uint16_t> y;              // GEMM 1: bf16 [rows, inter]
+  DeviceBuffer<float> out_f32;           // GEMM 2: fp32 [rows, hidden]
+  DeviceBuffer<int32_t> error_flags;     // [4]: the GEMM's error word
   DeviceBuffer<int32_t> split_counters;  // [kMaxSplitKTiles], zero between launches
-  DeviceBuffer<uint8_t> workspace;     // split-K partials, grown to the largest plan
+  DeviceBuffer<uint8_t> workspace;       // split-K partials, grown to the largest plan
 
   int64_t rows() const { return num_tokens * shape.top_k; }
 
@@ -119,8 +119,8 @@ void GemmTuneBench::set_tokens(int64_t num_tokens, int num_routings, double rout
   s.routings.clear();
   for (int i = 0; i < num_routings; ++i) {
     ids.upload(skewed_topk_ids(s.shape.num_experts, s.shape.top_k, num_tokens, routing_skew, rng));
-    State::Routing r{DeviceBuffer<int32_t>(static_cast<size_t>(s.shape.num_experts + 1)),
-                     DeviceBuffer<int32_t>(rows), DeviceBuffer<int32_t>(rows)};
+    State::Routing r{DeviceBuffer<int32_t>(static_cast<size_t>(s.shape.num_experts + 1)), DeviceBuffer<int32_t>(rows),
+                     DeviceBuffer<int32_t>(rows)};
     kernels::launch_sort_by_expert(ids.get(), num_tokens, s.shape.top_k, s.shape.num_experts, r.offsets.get(),
                                    r.token_of_row.get(), r.pair_of_row.get(), sort_errors.get(), sort_scratch.get(),
                                    nullptr);
@@ -164,8 +164,8 @@ void GemmTuneBench::launch(const GemmPlan& plan, int routing_idx, cudaStream_t s
     // order first, then read contiguously (by tensor map).
     const State::Routing& r = s.routings.at(static_cast<size_t>(routing_idx));
     s.x_sorted.grow(static_cast<size_t>(s.rows() * s.k));
-    kernels::launch_gather_rows(s.x.get(), r.token_of_row.get(), r.offsets.get(), s.shape.num_experts, s.rows(),
-                                s.k, s.x_sorted.get(), stream);
+    kernels::launch_gather_rows(s.x.get(), r.token_of_row.get(), r.offsets.get(), s.shape.num_experts, s.rows(), s.k,
+                                s.x_sorted.get(), stream);
     args.x = s.x_sorted.get();
     args.gather_rows = nullptr;
     args.x_rows = s.rows();
@@ -247,9 +247,9 @@ double estimate_bucket_us(const GemmProblem& problem, int num_candidates, const 
 
 BucketResult tune_bucket(GemmTuneBench& bench, int64_t num_tokens, const TuneSettings& settings,
                          const L2Flusher& flusher, const std::function<void(int64_t launches)>& progress) {
-  FP4MOE_CHECK(settings.iterations >= 1 && settings.routings >= 1 && settings.finalists >= 1 &&
-                   settings.confirm_rounds >= 1,
-               "tune_bucket: iterations, routings, finalists and confirm_rounds must be >= 1");
+  FP4MOE_CHECK(
+      settings.iterations >= 1 && settings.routings >= 1 && settings.finalists >= 1 && settings.confirm_rounds >= 1,
+      "tune_bucket: iterations, routings, finalists and confirm_rounds must be >= 1");
   bench.set_tokens(num_tokens, settings.routings, settings.routing_skew);
   BucketResult result;
   result.problem = bench.problem(settings.batch_invariant);
@@ -262,8 +262,7 @@ BucketResult tune_bucket(GemmTuneBench& bench, int64_t num_tokens, const TuneSet
   // What MoeLayer plans for this bucket without a tuned choice.
   const GemmPlan heuristic_plan = limit_split_k(plan_grouped_gemm(result.problem), settings.batch_invariant);
   result.heuristic = {heuristic_plan.config, heuristic_plan.split_k};
-  result.heuristic_is_candidate =
-      std::find(candidates.begin(), candidates.end(), result.heuristic) != candidates.end();
+  result.heuristic_is_candidate = std::find(candidates.begin(), candidates.end(), result.heuristic) != candidates.end();
   struct Timed {
     tune::Candidate candidate;
     GemmPlan plan;
@@ -279,8 +278,8 @@ BucketResult tune_bucket(GemmTuneBench& bench, int64_t num_tokens, const TuneSet
   // (GemmPlan::row_classes) included: a layer whose tuned choice is the
   // heuristic's config and split runs the heuristic's plan.
   for (const tune::Candidate& c : candidates)
-    timed.push_back({c, c == result.heuristic ? heuristic_plan : plan_grouped_gemm(result.problem, c.config, c.split_k),
-                     0.0});
+    timed.push_back(
+        {c, c == result.heuristic ? heuristic_plan : plan_grouped_gemm(result.problem, c.config, c.split_k), 0.0});
   if (!result.heuristic_is_candidate) timed.push_back({result.heuristic, heuristic_plan, 0.0});
 
   // Pass 1, the heuristic's choice first (a good first best). A candidate

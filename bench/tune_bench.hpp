@@ -89,10 +89,10 @@ class GemmTuneBench {
 
   // What the last launches computed from, for checks on the host.
   struct HostCopy {
-    PreparedGemmWeights weights;    // this GEMM's [E][n, k], global scales included
-    std::vector<float> bias;        // [E][n], empty without biases
-    std::vector<uint16_t> x;        // bf16: GEMM 1 [T, hidden], GEMM 2 [rows, inter]
-    std::vector<int32_t> offsets;   // [E + 1] of the routing
+    PreparedGemmWeights weights;        // this GEMM's [E][n, k], global scales included
+    std::vector<float> bias;            // [E][n], empty without biases
+    std::vector<uint16_t> x;            // bf16: GEMM 1 [T, hidden], GEMM 2 [rows, inter]
+    std::vector<int32_t> offsets;       // [E + 1] of the routing
     std::vector<int32_t> token_of_row;  // [rows]: GEMM 1's gather rows
     std::vector<int32_t> pair_of_row;   // [rows]: GEMM 2's scatter rows
     std::vector<float> row_weights;     // [rows] router weight per (token, slot) pair
@@ -110,10 +110,10 @@ class GemmTuneBench {
 };
 
 struct TuneSettings {
-  int iterations = 10;   // pass 1: timed launches per candidate (median)
-  int routings = 4;      // routings rotated over
-  double routing_skew = 0;  // 0: uniform routings; > 0: skewed (skewed_topk_ids)
-  int finalists = 3;     // pass 2: re-timed with the heuristic's choice, 2x the launches
+  int iterations = 10;                  // pass 1: timed launches per candidate (median)
+  int routings = 4;                     // routings rotated over
+  double routing_skew = 0;              // 0: uniform routings; > 0: skewed (skewed_topk_ids)
+  int finalists = 3;                    // pass 2: re-timed with the heuristic's choice, 2x the launches
   double keep_heuristic_within = 0.01;  // the heuristic's choice stays unless beaten by more
   double prune_slower_than = 2.0;       // pass 1: stop timing a candidate this much slower than the best (0: never)
   int confirm_rounds = 3;               // pass 3: alternating rounds of the winner and the heuristic's choice

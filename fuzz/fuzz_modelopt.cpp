@@ -60,19 +60,17 @@ void check_matrix(const Nvfp4Matrix& m, int64_t rows, int64_t cols) {
 }
 
 void check_weights(const MoeWeights& weights) {
-  FP4MOE_FUZZ_ASSERT(weights.num_experts > 0 &&
-                         static_cast<size_t>(weights.num_experts) == weights.experts.size(),
+  FP4MOE_FUZZ_ASSERT(weights.num_experts > 0 && static_cast<size_t>(weights.num_experts) == weights.experts.size(),
                      "num_experts differs from the experts loaded");
-  FP4MOE_FUZZ_ASSERT(weights.hidden > 0 && weights.hidden % kNvfp4BlockSize == 0 &&
-                         weights.inter > 0 && weights.inter % kNvfp4BlockSize == 0,
+  FP4MOE_FUZZ_ASSERT(weights.hidden > 0 && weights.hidden % kNvfp4BlockSize == 0 && weights.inter > 0 &&
+                         weights.inter % kNvfp4BlockSize == 0,
                      "hidden or inter is not a positive multiple of 16");
   const bool has_bias = weights.has_bias();
   for (const ExpertWeights& expert : weights.experts) {
     check_matrix(expert.gate, weights.inter, weights.hidden);
     check_matrix(expert.up, weights.inter, weights.hidden);
     check_matrix(expert.down, weights.hidden, weights.inter);
-    FP4MOE_FUZZ_ASSERT(expert.gate.global_scale == expert.up.global_scale,
-                       "gate and up global scales differ");
+    FP4MOE_FUZZ_ASSERT(expert.gate.global_scale == expert.up.global_scale, "gate and up global scales differ");
     const size_t bias_rows[3] = {static_cast<size_t>(weights.inter), static_cast<size_t>(weights.inter),
                                  static_cast<size_t>(weights.hidden)};
     const std::vector<float>* biases[3] = {&expert.gate_bias, &expert.up_bias, &expert.down_bias};
@@ -93,15 +91,14 @@ void check_round_trip(const MoeWeights& weights, const std::string& prefix) {
   const std::string path = (scratch_dir() / "round_trip.safetensors").string();
   writer.write(path);
   const MoeWeights again = load_moe_weights(path, prefix);
-  FP4MOE_FUZZ_ASSERT(again.num_experts == weights.num_experts && again.hidden == weights.hidden &&
-                         again.inter == weights.inter,
-                     "layer dimensions changed in a round trip");
+  FP4MOE_FUZZ_ASSERT(
+      again.num_experts == weights.num_experts && again.hidden == weights.hidden && again.inter == weights.inter,
+      "layer dimensions changed in a round trip");
   for (size_t e = 0; e < weights.experts.size(); ++e) {
     const ExpertWeights& x = weights.experts[e];
     const ExpertWeights& y = again.experts[e];
-    FP4MOE_FUZZ_ASSERT(same_matrix(x.gate, y.gate) && same_matrix(x.up, y.up) &&
-                           same_matrix(x.down, y.down) && x.gate_bias == y.gate_bias &&
-                           x.up_bias == y.up_bias && x.down_bias == y.down_bias,
+    FP4MOE_FUZZ_ASSERT(same_matrix(x.gate, y.gate) && same_matrix(x.up, y.up) && same_matrix(x.down, y.down) &&
+                           x.gate_bias == y.gate_bias && x.up_bias == y.up_bias && x.down_bias == y.down_bias,
                        "an expert changed in a round trip");
   }
 }
@@ -143,9 +140,9 @@ void run(const uint8_t* data, size_t size) {
   FP4MOE_FUZZ_ASSERT(names.has_value(), "load_moe_weights accepted a checkpoint that checkpoint_tensor_names refused");
   for (int64_t e = 0; e < weights.num_experts; ++e) {
     const std::string expert = prefix + "experts." + std::to_string(e) + ".";
-    FP4MOE_FUZZ_ASSERT(std::any_of(names->begin(), names->end(),
-                                   [&](const std::string& n) { return n.rfind(expert, 0) == 0; }),
-                       "an expert the loader returned has no tensor in checkpoint_tensor_names");
+    FP4MOE_FUZZ_ASSERT(
+        std::any_of(names->begin(), names->end(), [&](const std::string& n) { return n.rfind(expert, 0) == 0; }),
+        "an expert the loader returned has no tensor in checkpoint_tensor_names");
   }
   check_weights(weights);
   try {

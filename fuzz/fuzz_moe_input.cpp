@@ -51,8 +51,13 @@ namespace {
 
 constexpr size_t kConfigBytes = 4;
 constexpr int64_t kInter = 16;
-constexpr float kScalingFactors[8] = {1.0f, 2.5f, 0.0f, -1.0f, 1e-30f,
-                                      1e30f, std::numeric_limits<float>::infinity(),
+constexpr float kScalingFactors[8] = {1.0f,
+                                      2.5f,
+                                      0.0f,
+                                      -1.0f,
+                                      1e-30f,
+                                      1e30f,
+                                      std::numeric_limits<float>::infinity(),
                                       std::numeric_limits<float>::quiet_NaN()};
 // The reference runs only on small inputs: its cost is what it is, not a finding.
 constexpr int64_t kMaxReferenceSlots = 256;  // tokens * top_k
@@ -83,8 +88,7 @@ const MoeWeights& layer(int64_t hidden, int64_t num_experts, bool with_bias) {
     ExpertWeights expert;
     const std::vector<float> gate = matrix(kInter, hidden);
     const std::vector<float> up = matrix(kInter, hidden);
-    const float shared = nvfp4_global_scale(std::max(abs_max(gate.data(), gate.size()),
-                                                     abs_max(up.data(), up.size())));
+    const float shared = nvfp4_global_scale(std::max(abs_max(gate.data(), gate.size()), abs_max(up.data(), up.size())));
     expert.gate = quantize_nvfp4(gate.data(), kInter, hidden, shared);
     expert.up = quantize_nvfp4(up.data(), kInter, hidden, shared);
     const std::vector<float> down = matrix(hidden, kInter);

@@ -59,8 +59,7 @@ void check_views(const SafetensorsFile& file, std::string_view input) {
     const uint64_t end = entry.at("data_offsets").at(1).get<uint64_t>();
     FP4MOE_FUZZ_ASSERT(end - begin == view.nbytes, "view byte count differs from data_offsets");
     FP4MOE_FUZZ_ASSERT(data_begin + end <= input.size(), "accepted data_offsets past the end");
-    FP4MOE_FUZZ_ASSERT(view.nbytes == 0 || std::memcmp(view.data, bytes + data_begin + begin,
-                                                       view.nbytes) == 0,
+    FP4MOE_FUZZ_ASSERT(view.nbytes == 0 || std::memcmp(view.data, bytes + data_begin + begin, view.nbytes) == 0,
                        "view bytes differ from the file's bytes at data_offsets");
   }
   FP4MOE_FUZZ_ASSERT(file.names().size() == num_tensors, "names() differs from the header's tensors");
@@ -79,8 +78,7 @@ void check_round_trip(const SafetensorsFile& file) {
   for (const std::string& name : file.names()) {
     const TensorView& before = file.get(name);
     const TensorView& after = again.get(name);
-    FP4MOE_FUZZ_ASSERT(before.dtype == after.dtype && before.shape == after.shape &&
-                           before.nbytes == after.nbytes &&
+    FP4MOE_FUZZ_ASSERT(before.dtype == after.dtype && before.shape == after.shape && before.nbytes == after.nbytes &&
                            (before.nbytes == 0 || std::memcmp(before.data, after.data, before.nbytes) == 0),
                        "a tensor changed in a round trip");
   }

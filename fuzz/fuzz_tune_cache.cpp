@@ -88,10 +88,9 @@ void check_round_trip(const tune::CacheFile& cache) {
   size_t unique = 0;
   for (size_t i = 0; i < cache.entries.size(); ++i) {
     const tune::CacheEntry& e = cache.entries[i];
-    const bool last_of_key = std::none_of(cache.entries.begin() + static_cast<std::ptrdiff_t>(i) + 1,
-                                          cache.entries.end(), [&](const tune::CacheEntry& later) {
-                                            return later.same_key(e);
-                                          });
+    const bool last_of_key =
+        std::none_of(cache.entries.begin() + static_cast<std::ptrdiff_t>(i) + 1, cache.entries.end(),
+                     [&](const tune::CacheEntry& later) { return later.same_key(e); });
     if (!last_of_key) continue;
     ++unique;
     FP4MOE_FUZZ_ASSERT(std::any_of(again.entries.begin(), again.entries.end(),

@@ -21,12 +21,12 @@
 namespace fp4moe::fuzz {
 
 // Aborts (a crash to libFuzzer) when a property the library promises fails.
-#define FP4MOE_FUZZ_ASSERT(cond, what)                                                      \
-  do {                                                                                      \
-    if (!(cond)) {                                                                          \
+#define FP4MOE_FUZZ_ASSERT(cond, what)                                                         \
+  do {                                                                                         \
+    if (!(cond)) {                                                                             \
       std::fprintf(stderr, "fuzz property violated at %s:%d: %s\n", __FILE__, __LINE__, what); \
-      std::abort();                                                                         \
-    }                                                                                       \
+      std::abort();                                                                            \
+    }                                                                                          \
   } while (0)
 
 // With FP4MOE_FUZZ_VERBOSE=1 set, targets print why the library refused an
@@ -69,8 +69,7 @@ inline void write_file(const std::filesystem::path& path, std::string_view bytes
 
 // Splits `input` at each `separator`, into at most max_parts parts (the
 // last part keeps any further separators). Missing parts are empty.
-inline std::vector<std::string_view> split(std::string_view input, std::string_view separator,
-                                           size_t max_parts) {
+inline std::vector<std::string_view> split(std::string_view input, std::string_view separator, size_t max_parts) {
   std::vector<std::string_view> parts;
   while (parts.size() + 1 < max_parts) {
     const size_t at = input.find(separator);

@@ -20,12 +20,10 @@ inline void expect_error(const std::function<void()>& fn, const std::vector<std:
     fn();
   } catch (const Error& e) {
     for (const std::string& s : snippets)
-      EXPECT_NE(e.message().find(s), std::string::npos)
-          << "message '" << e.message() << "' lacks '" << s << "'";
+      EXPECT_NE(e.message().find(s), std::string::npos) << "message '" << e.message() << "' lacks '" << s << "'";
     return;
   }
-  ADD_FAILURE() << "expected fp4moe::Error mentioning '" << (snippets.empty() ? "" : snippets[0])
-                << "'";
+  ADD_FAILURE() << "expected fp4moe::Error mentioning '" << (snippets.empty() ? "" : snippets[0]) << "'";
 }
 
 // Runs fn and returns the message of the fp4moe::Error it throws, for

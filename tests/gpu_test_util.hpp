@@ -34,8 +34,7 @@ inline std::string gpu_unavailable_reason() {
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
     cudaGetLastError();
-    return std::string("cudaGetDeviceCount failed: ") + cudaGetErrorName(err) + " (" +
-           cudaGetErrorString(err) + ")";
+    return std::string("cudaGetDeviceCount failed: ") + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
   }
   return count > 0 ? std::string() : std::string("cudaGetDeviceCount counts 0 devices");
 }
@@ -52,14 +51,14 @@ inline bool gpu_expected() {
 
 // Skips the current test, visibly and with the CUDA error, where no GPU can
 // be used; fails it instead under FP4MOE_EXPECT_GPU=1.
-#define FP4MOE_REQUIRE_GPU()                                                                     \
-  do {                                                                                           \
-    const std::string fp4moe_gpu_why = ::fp4moe::testing::gpu_unavailable_reason();              \
-    if (!fp4moe_gpu_why.empty()) {                                                               \
-      if (::fp4moe::testing::gpu_expected())                                                     \
-        FAIL() << "FP4MOE_EXPECT_GPU is set but no GPU can be used: " << fp4moe_gpu_why;          \
-      GTEST_SKIP() << "GPU test skipped: " << fp4moe_gpu_why;                                    \
-    }                                                                                            \
+#define FP4MOE_REQUIRE_GPU()                                                             \
+  do {                                                                                   \
+    const std::string fp4moe_gpu_why = ::fp4moe::testing::gpu_unavailable_reason();      \
+    if (!fp4moe_gpu_why.empty()) {                                                       \
+      if (::fp4moe::testing::gpu_expected())                                             \
+        FAIL() << "FP4MOE_EXPECT_GPU is set but no GPU can be used: " << fp4moe_gpu_why; \
+      GTEST_SKIP() << "GPU test skipped: " << fp4moe_gpu_why;                            \
+    }                                                                                    \
   } while (0)
 
 // A random NVFP4 matrix drawn in the quantised domain: every fp4 code, block
@@ -73,8 +72,8 @@ inline Nvfp4Matrix random_nvfp4(int64_t rows, int64_t cols, float global_scale, 
   m.packed.resize(static_cast<size_t>(rows * cols / 2));
   m.scales.resize(static_cast<size_t>(rows * cols / 16));
   std::uniform_int_distribution<int> byte(0, 255);
-  std::uniform_int_distribution<int> mid_scale(0x28, 0x48);   // 0.125 .. 2.0
-  std::uniform_int_distribution<int> any_scale(0x01, 0x7E);   // every finite positive code
+  std::uniform_int_distribution<int> mid_scale(0x28, 0x48);  // 0.125 .. 2.0
+  std::uniform_int_distribution<int> any_scale(0x01, 0x7E);  // every finite positive code
   for (auto& b : m.packed) b = static_cast<uint8_t>(byte(rng));
   for (auto& s : m.scales) s = static_cast<uint8_t>(byte(rng) < 32 ? any_scale(rng) : mid_scale(rng));
   return m;
@@ -141,17 +140,17 @@ inline std::vector<uint16_t> random_bf16(size_t count, std::mt19937& rng, float 
 }
 
 struct Comparison {
-  double rel_err = 0.0;        // ||out - ref|| / ||ref||
-  int64_t num_bad = 0;         // elements outside atol + rtol |ref|
-  int64_t num_unwritten = 0;   // NaN (poisoned and never written)
-  int64_t num_bad_rows = 0;    // rows holding at least one bad element
+  double rel_err = 0.0;            // ||out - ref|| / ||ref||
+  int64_t num_bad = 0;             // elements outside atol + rtol |ref|
+  int64_t num_unwritten = 0;       // NaN (poisoned and never written)
+  int64_t num_bad_rows = 0;        // rows holding at least one bad element
   double worst_row_rel_err = 0.0;  // the largest ||out - ref|| / ||ref|| of one row
-  std::string first_bad;       // the first few mismatches with indices
+  std::string first_bad;           // the first few mismatches with indices
 };
 
 // out/ref are [rows, cols]; atol is relative to the rms of ref.
-inline Comparison compare(const std::vector<float>& out, const std::vector<double>& ref,
-                          int64_t cols, double rtol = 2e-2, double atol_rms = 2e-2) {
+inline Comparison compare(const std::vector<float>& out, const std::vector<double>& ref, int64_t cols,
+                          double rtol = 2e-2, double atol_rms = 2e-2) {
   Comparison c;
   double num = 0.0, den = 0.0;
   for (size_t i = 0; i < ref.size(); ++i) den += ref[i] * ref[i];
@@ -165,8 +164,8 @@ inline Comparison compare(const std::vector<float>& out, const std::vector<doubl
     if (std::isnan(out[i])) {
       ++c.num_unwritten;
       if (shown++ < 5)
-        c.first_bad += "  [" + std::to_string(i / cols) + ", " + std::to_string(i % cols) +
-                       "] unwritten (NaN), ref " + std::to_string(ref[i]) + "\n";
+        c.first_bad += "  [" + std::to_string(i / cols) + ", " + std::to_string(i % cols) + "] unwritten (NaN), ref " +
+                       std::to_string(ref[i]) + "\n";
       continue;
     }
     const double d = out[i] - ref[i];
@@ -182,8 +181,8 @@ inline Comparison compare(const std::vector<float>& out, const std::vector<doubl
         bad_row = row;
       }
       if (shown++ < 5)
-        c.first_bad += "  [" + std::to_string(i / cols) + ", " + std::to_string(i % cols) +
-                       "] got " + std::to_string(out[i]) + ", ref " + std::to_string(ref[i]) + "\n";
+        c.first_bad += "  [" + std::to_string(i / cols) + ", " + std::to_string(i % cols) + "] got " +
+                       std::to_string(out[i]) + ", ref " + std::to_string(ref[i]) + "\n";
     }
   }
   c.rel_err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);

@@ -76,10 +76,10 @@ std::string layer_prefix(const std::string& path, int layer) {
   }
   if (matches.empty() && found.stacked && found.stacked->find(marker) != std::string::npos)
     return *found.stacked;  // the loader says why it cannot use stacked experts
-  FP4MOE_CHECK(!matches.empty(), path, ": no experts of layer ", layer, " (no expert tensor under a prefix holding '",
-               marker, "')",
-               found.per_expert.empty() ? std::string()
-                                        : "; its first expert layer is '" + *found.per_expert.begin() + "'");
+  FP4MOE_CHECK(
+      !matches.empty(), path, ": no experts of layer ", layer, " (no expert tensor under a prefix holding '", marker,
+      "')",
+      found.per_expert.empty() ? std::string() : "; its first expert layer is '" + *found.per_expert.begin() + "'");
   FP4MOE_CHECK(matches.size() == 1, path, ": several expert prefixes hold '", marker, "': '", matches[0], "', '",
                matches[1], "'; choose one with --prefix");
   return matches[0];
@@ -91,7 +91,8 @@ std::string detect_prefix(const std::string& path) {
   const std::optional<std::string>& stack_prefix = found.stacked;
   if (prefixes.empty()) {
     // The loader says why it cannot use stacked experts.
-    FP4MOE_CHECK(stack_prefix, path, ": no expert tensors named '<prefix>experts.<e>.gate_proj.weight' "
+    FP4MOE_CHECK(stack_prefix, path,
+                 ": no expert tensors named '<prefix>experts.<e>.gate_proj.weight' "
                  "(or Mixtral's '<prefix>experts.<e>.w1.weight')");
     return *stack_prefix;
   }
@@ -201,17 +202,16 @@ GpuInfo probe_gpu() {
     return info;
   }
   if (status != cudaSuccess) {
-    info.description = std::string("none usable (") + cudaGetErrorName(status) + ": " +
-                       cudaGetErrorString(status) + ")";
+    info.description =
+        std::string("none usable (") + cudaGetErrorName(status) + ": " + cudaGetErrorString(status) + ")";
     return info;
   }
   info.num_devices = count;
   cudaDeviceProp prop{};
   if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) {
     const double memory_gib = static_cast<double>(prop.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0);
-    info.description = std::string(prop.name) + " (SM" + std::to_string(prop.major) +
-                       std::to_string(prop.minor) + ", " +
-                       std::to_string(static_cast<int>(std::lround(memory_gib))) + " GiB)";
+    info.description = std::string(prop.name) + " (SM" + std::to_string(prop.major) + std::to_string(prop.minor) +
+                       ", " + std::to_string(static_cast<int>(std::lround(memory_gib))) + " GiB)";
     if (count > 1) info.description += " and " + std::to_string(count - 1) + " more";
   } else {
     info.description = std::to_string(count) + " CUDA device(s)";
@@ -227,8 +227,8 @@ Device resolve_device(Device requested) {
       return probe_gpu().num_devices > 0 ? Device::kCuda : Device::kCpu;
     case Device::kCuda: {
       const GpuInfo gpu = probe_gpu();
-      FP4MOE_CHECK(gpu.num_devices > 0, "--device cuda needs a CUDA GPU, and this machine has ",
-                   gpu.description, "; use --device cpu (or auto) for the CPU reference backend");
+      FP4MOE_CHECK(gpu.num_devices > 0, "--device cuda needs a CUDA GPU, and this machine has ", gpu.description,
+                   "; use --device cpu (or auto) for the CPU reference backend");
       return Device::kCuda;
     }
   }
@@ -333,9 +333,8 @@ MoeRunStats run_moe_layer_cuda(const MoeWeights& weights, const float* hidden_st
 
 }  // namespace
 
-MoeRunStats run_moe_layer(Device device, const MoeWeights& weights, const float* hidden_states,
-                          const Routing& routing, const MoeLayerOptions& layer_options, float* output,
-                          Progress* progress) {
+MoeRunStats run_moe_layer(Device device, const MoeWeights& weights, const float* hidden_states, const Routing& routing,
+                          const MoeLayerOptions& layer_options, float* output, Progress* progress) {
   FP4MOE_CHECK(device == Device::kCpu || device == Device::kCuda,
                "run_moe_layer: resolve the device first (resolve_device)");
   if (device == Device::kCuda) {
@@ -368,8 +367,8 @@ MoeRunStats run_moe_layer(Device device, const MoeWeights& weights, const float*
     const auto last = static_cast<size_t>((begin + count) * top_k);
     part.topk_ids.assign(routing.topk_ids.begin() + first, routing.topk_ids.begin() + last);
     part.topk_weights.assign(routing.topk_weights.begin() + first, routing.topk_weights.begin() + last);
-    moe_reference(weights, hidden_states + begin * hidden, part, activation, output + begin * hidden,
-                  stats.num_threads, Intermediate::kExact, layer_options.activations);
+    moe_reference(weights, hidden_states + begin * hidden, part, activation, output + begin * hidden, stats.num_threads,
+                  Intermediate::kExact, layer_options.activations);
     if (progress) progress->advance(count);
   }
   stats.time_ms = timer.elapsed_ms();
@@ -385,13 +384,13 @@ bool built_with_nccl() {
 #endif
 }
 
-MoeRunStats run_moe_layer_expert_parallel(const MoeWeights& weights, const float* hidden_states,
-                                          const Routing& routing, const MoeLayerOptions& layer_options,
-                                          int num_ranks, float* output) {
+MoeRunStats run_moe_layer_expert_parallel(const MoeWeights& weights, const float* hidden_states, const Routing& routing,
+                                          const MoeLayerOptions& layer_options, int num_ranks, float* output) {
 #ifndef FP4MOE_WITH_NCCL
   (void)weights, (void)hidden_states, (void)routing, (void)layer_options, (void)num_ranks, (void)output;
-  FP4MOE_THROW("expert parallelism needs NCCL, and this fp4moe was built without it (configure with "
-               "NCCL installed or NCCL_HOME set)");
+  FP4MOE_THROW(
+      "expert parallelism needs NCCL, and this fp4moe was built without it (configure with "
+      "NCCL installed or NCCL_HOME set)");
 #else
   check_routing(routing);
   const int64_t T = routing.num_tokens, H = weights.hidden;
@@ -439,8 +438,8 @@ MoeRunStats run_moe_layer_expert_parallel(const MoeWeights& weights, const float
                   "ms: route %.3f, dispatch %.3f, experts %.3f, return %.3f, combine %.3f (all-to-all %.3f)\n",
                   r, static_cast<long long>(count), static_cast<long long>(placement.num_local_experts(r)),
                   static_cast<long long>(stats.sent_rows), static_cast<long long>(stats.received_rows),
-                  static_cast<long long>(stats.received_pairs), times.route_ms, times.dispatch_ms,
-                  times.experts_ms, times.return_ms, times.combine_ms, times.all_to_all_ms());
+                  static_cast<long long>(stats.received_pairs), times.route_ms, times.dispatch_ms, times.experts_ms,
+                  times.return_ms, times.combine_ms, times.all_to_all_ms());
     cudaDeviceProp prop{};
     FP4MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, r));
     const std::lock_guard<std::mutex> lock(mutex);
@@ -464,8 +463,6 @@ Activation parse_activation(const std::string& name) {
   FP4MOE_THROW("unknown activation '", name, "'; expected swiglu or gptoss");
 }
 
-std::string to_string(Activation activation) {
-  return activation == Activation::kSwiGLU ? "swiglu" : "gptoss";
-}
+std::string to_string(Activation activation) { return activation == Activation::kSwiGLU ? "swiglu" : "gptoss"; }
 
 }  // namespace fp4moe::cli

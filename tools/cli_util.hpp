@@ -84,8 +84,7 @@ class Timer {
  public:
   Timer() : start_(std::chrono::steady_clock::now()) {}
   double elapsed_ms() const {
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_)
-        .count();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
   }
 
  private:
@@ -127,9 +126,8 @@ struct MoeRunStats {
 // parameters are unused: the routing is given). For CUDA, the time excludes
 // preparing and uploading the weights. `progress`, when given, advances by
 // one per token (at once at the end on the GPU).
-MoeRunStats run_moe_layer(Device device, const MoeWeights& weights, const float* hidden_states,
-                          const Routing& routing, const MoeLayerOptions& layer_options, float* output,
-                          Progress* progress = nullptr);
+MoeRunStats run_moe_layer(Device device, const MoeWeights& weights, const float* hidden_states, const Routing& routing,
+                          const MoeLayerOptions& layer_options, float* output, Progress* progress = nullptr);
 
 // Whether this build has the NCCL expert-parallel layer (fp4moe_nccl).
 bool built_with_nccl();
@@ -141,9 +139,8 @@ bool built_with_nccl();
 // finalize must be deterministic. time_ms is the slowest rank's forward
 // (after one untimed forward); plan says per rank what moved and where the
 // time went. Throws when the build lacks NCCL or the machine the GPUs.
-MoeRunStats run_moe_layer_expert_parallel(const MoeWeights& weights, const float* hidden_states,
-                                          const Routing& routing, const MoeLayerOptions& layer_options,
-                                          int num_ranks, float* output);
+MoeRunStats run_moe_layer_expert_parallel(const MoeWeights& weights, const float* hidden_states, const Routing& routing,
+                                          const MoeLayerOptions& layer_options, int num_ranks, float* output);
 
 Activation parse_activation(const std::string& name);  // "swiglu", "gptoss"
 std::string to_string(Activation activation);

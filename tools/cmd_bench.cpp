@@ -34,9 +34,10 @@ void add_bench_command(CLI::App& app) {
   };
   auto o = std::make_shared<BenchCli>();
   CLI::App* cmd = app.add_subcommand(
-      "bench", "Benchmark the NVFP4 grouped GEMMs (GEMM1, GEMM2) per model shape and token count against the "
-               "roofline and cuBLAS bf16, measured in the same run; with --layer, the whole MoE layer (routing "
-               "included) against the sum of the two GEMMs' rooflines (needs a GPU).");
+      "bench",
+      "Benchmark the NVFP4 grouped GEMMs (GEMM1, GEMM2) per model shape and token count against the "
+      "roofline and cuBLAS bf16, measured in the same run; with --layer, the whole MoE layer (routing "
+      "included) against the sum of the two GEMMs' rooflines (needs a GPU).");
   cmd->add_flag("--layer", o->layer,
                 "Benchmark the whole MoE layer: 9 variants (finalize deterministic/atomic x gather "
                 "auto/fused/separate, and the default with plain launches instead of programmatic dependent "

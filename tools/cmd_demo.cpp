@@ -171,8 +171,8 @@ std::vector<double> evaluate_expert(const ExpertWeights& ex, const float* x, Act
   }
   std::vector<double> y(static_cast<size_t>(hidden));
   for (int64_t n = 0; n < hidden; ++n)
-    y[static_cast<size_t>(n)] = dot_row(ex.down, n, h.data()) +
-                                (ex.down_bias.empty() ? 0.0 : ex.down_bias[static_cast<size_t>(n)]);
+    y[static_cast<size_t>(n)] =
+        dot_row(ex.down, n, h.data()) + (ex.down_bias.empty() ? 0.0 : ex.down_bias[static_cast<size_t>(n)]);
   return y;
 }
 
@@ -183,8 +183,7 @@ std::string routing_description(const ModelShape& model) {
     case RoutingMode::kNoauxTc: {
       char buf[160];
       std::snprintf(buf, sizeof buf, "noaux_tc (sigmoid + correction bias, %d group%s, keep %d), scaling %.3g",
-                    model.num_groups, model.num_groups == 1 ? "" : "s", model.topk_groups,
-                    model.routed_scaling_factor);
+                    model.num_groups, model.num_groups == 1 ? "" : "s", model.topk_groups, model.routed_scaling_factor);
       return buf;
     }
     case RoutingMode::kGptOss:
@@ -221,8 +220,8 @@ CheckResult check_against_evaluation(const ModelShape& model, const MoeWeights& 
     parallel_for(num_checked * top_k, [&](int64_t p) {
       const int64_t t = checked_tokens[static_cast<size_t>(p / top_k)];
       const int32_t e = compact_routing.topk_ids[static_cast<size_t>(t * top_k + p % top_k)];
-      contributions[static_cast<size_t>(p)] = evaluate_expert(
-          weights.experts[static_cast<size_t>(e)], hidden_states.data() + t * hidden, model.activation);
+      contributions[static_cast<size_t>(p)] =
+          evaluate_expert(weights.experts[static_cast<size_t>(e)], hidden_states.data() + t * hidden, model.activation);
       std::lock_guard<std::mutex> lock(progress_mutex);
       progress.advance();
     });
@@ -300,10 +299,11 @@ void print_timing_table(const ModelShape& model, const DemoOptions& opts) {
   shape.has_bias = model.has_bias;
   const double weight_bytes =
       3.0 * static_cast<double>(model.hidden * model.inter) * (0.5 + 1.0 / kNvfp4BlockSize) * model.num_experts;
-  std::printf("\ntiming: the whole layer on the GPU, routing included, all %lld experts (%s) with random NVFP4 "
-              "codes\n  (the kernels' cost does not depend on the values; random codes make a full model quick "
-              "to build)\n",
-              static_cast<long long>(model.num_experts), format_bytes(weight_bytes).c_str());
+  std::printf(
+      "\ntiming: the whole layer on the GPU, routing included, all %lld experts (%s) with random NVFP4 "
+      "codes\n  (the kernels' cost does not depend on the values; random codes make a full model quick "
+      "to build)\n",
+      static_cast<long long>(model.num_experts), format_bytes(weight_bytes).c_str());
   std::fflush(stdout);
 
   MoeLayerOptions options;
@@ -318,11 +318,12 @@ void print_timing_table(const ModelShape& model, const DemoOptions& opts) {
   const bench::Ceilings ceilings = bench::measure_ceilings(flusher);
   std::printf("  weights drawn and uploaded in %.1f s; measured: %s\n", build_timer.elapsed_ms() / 1e3,
               ceilings.describe().c_str());
-  std::printf("  layer us: median of %d forwards, L2 flushed (512 MB read) before each; roofline = GEMM1 + GEMM2 + combine "
-              "(bench/layer_bench.hpp);\n  routing load: realistic (the hottest expert 2.5x the mean rows at "
-              "T = 4096; fp4moe bench --layer --routing for the others);\n  outside GEMMs: share of the forward "
-              "spent in routing, sort, gather and finalize (stage events)\n",
-              opts.timing_iterations);
+  std::printf(
+      "  layer us: median of %d forwards, L2 flushed (512 MB read) before each; roofline = GEMM1 + GEMM2 + combine "
+      "(bench/layer_bench.hpp);\n  routing load: realistic (the hottest expert 2.5x the mean rows at "
+      "T = 4096; fp4moe bench --layer --routing for the others);\n  outside GEMMs: share of the forward "
+      "spent in routing, sort, gather and finalize (stage events)\n",
+      opts.timing_iterations);
   std::printf("  %6s %7s %10s %11s %6s %14s\n", "T", "experts", "layer_us", "roofline_us", "eff", "outside_GEMMs");
   std::fflush(stdout);
   const int64_t max_tokens = *std::max_element(opts.timing_tokens.begin(), opts.timing_tokens.end());
@@ -341,10 +342,8 @@ void print_timing_table(const ModelShape& model, const DemoOptions& opts) {
 void run_demo(const DemoOptions& opts) {
   const ModelShape& model = find_model(opts.model);
   FP4MOE_CHECK(opts.tokens >= 1, "--tokens ", opts.tokens, ": expected at least 1");
-  for (int64_t t : opts.timing_tokens)
-    FP4MOE_CHECK(t >= 1, "--timing-tokens ", t, ": expected at least 1");
-  FP4MOE_CHECK(opts.timing_iterations >= 1, "--timing-iterations ", opts.timing_iterations,
-               ": expected at least 1");
+  for (int64_t t : opts.timing_tokens) FP4MOE_CHECK(t >= 1, "--timing-tokens ", t, ": expected at least 1");
+  FP4MOE_CHECK(opts.timing_iterations >= 1, "--timing-iterations ", opts.timing_iterations, ": expected at least 1");
   const Device device = resolve_device(parse_device(opts.device));
   const bool on_gpu = device == Device::kCuda;
   const GpuInfo gpu = probe_gpu();
@@ -353,15 +352,15 @@ void run_demo(const DemoOptions& opts) {
   const int64_t inter = model.inter;
 
   std::printf("fp4moe demo: %.*s MoE layer, NVFP4 weights (synthetic, seed %llu)\n",
-              static_cast<int>(model.display.size()), model.display.data(),
-              static_cast<unsigned long long>(opts.seed));
+              static_cast<int>(model.display.size()), model.display.data(), static_cast<unsigned long long>(opts.seed));
   std::printf("  experts %lld, top-%d, hidden %lld, moe_inter %lld, activation %s%s\n",
               static_cast<long long>(model.num_experts), model.top_k, static_cast<long long>(hidden),
-              static_cast<long long>(inter), to_string(model.activation).c_str(),
-              model.has_bias ? " with biases" : "");
+              static_cast<long long>(inter), to_string(model.activation).c_str(), model.has_bias ? " with biases" : "");
   std::printf("  routing %s\n", routing_description(model).c_str());
   std::printf("  GPU: %s%s\n", gpu.description.c_str(),
-              on_gpu ? "; the layer runs on it" : gpu.num_devices > 0 ? "; --device cpu: the CPU backend runs" : "");
+              on_gpu                ? "; the layer runs on it"
+              : gpu.num_devices > 0 ? "; --device cpu: the CPU backend runs"
+                                    : "");
   std::fflush(stdout);
 
   // 1. Inputs and routing over all experts.
@@ -372,8 +371,8 @@ void run_demo(const DemoOptions& opts) {
   for (float& v : router_logits) v = static_cast<float>(rng.normal());
   std::vector<float> correction_bias(static_cast<size_t>(model.num_experts));
   for (float& v : correction_bias) v = static_cast<float>(0.1 * rng.normal());
-  const Routing routing = route(router_logits.data(), num_tokens, model.num_experts,
-                                correction_bias.data(), model.routing_params());
+  const Routing routing =
+      route(router_logits.data(), num_tokens, model.num_experts, correction_bias.data(), model.routing_params());
 
   // 2. Weights of the active experts only, renumbered 0..active-1.
   std::vector<int32_t> compact_idx(static_cast<size_t>(model.num_experts), -1);
@@ -406,7 +405,8 @@ void run_demo(const DemoOptions& opts) {
     Progress progress("synthesise experts", num_active);
     std::mutex progress_mutex;
     parallel_for(num_active, [&](int64_t i) {
-      weights.experts[static_cast<size_t>(i)] = synthesize_expert(model, opts.seed, active_experts[static_cast<size_t>(i)]);
+      weights.experts[static_cast<size_t>(i)] =
+          synthesize_expert(model, opts.seed, active_experts[static_cast<size_t>(i)]);
       std::lock_guard<std::mutex> lock(progress_mutex);
       progress.advance();
     });
@@ -420,14 +420,15 @@ void run_demo(const DemoOptions& opts) {
   MoeRunStats stats;
   {
     Progress progress("run layer (tokens)", num_tokens);
-    stats = run_moe_layer(device, weights, hidden_states.data(), compact_routing, layer_options, output.data(),
-                          &progress);
+    stats =
+        run_moe_layer(device, weights, hidden_states.data(), compact_routing, layer_options, output.data(), &progress);
   }
   if (!stats.plan.empty()) std::printf("layer plan: %s", stats.plan.c_str());
 
   // 4. Check on sampled tokens.
-  const int requested_checks =
-      opts.check_tokens >= 0 ? opts.check_tokens : on_gpu ? kDefaultCheckTokensGpu : kDefaultCheckTokensCpu;
+  const int requested_checks = opts.check_tokens >= 0 ? opts.check_tokens
+                               : on_gpu               ? kDefaultCheckTokensGpu
+                                                      : kDefaultCheckTokensCpu;
   const std::vector<int64_t> checked_tokens =
       spread_tokens(std::clamp<int64_t>(requested_checks, 0, num_tokens), num_tokens);
   std::optional<CheckResult> check;
@@ -446,8 +447,8 @@ void run_demo(const DemoOptions& opts) {
     std::printf("ran: %lld tokens on %s, %d threads\n", static_cast<long long>(num_tokens), stats.backend.c_str(),
                 stats.num_threads);
   }
-  std::printf("  time %.3f ms, %.1f tokens/s, weights read at %.2f GB/s effective (%s / time)\n",
-              stats.time_ms, static_cast<double>(num_tokens) / time_s, weight_bytes / time_s / 1e9,
+  std::printf("  time %.3f ms, %.1f tokens/s, weights read at %.2f GB/s effective (%s / time)\n", stats.time_ms,
+              static_cast<double>(num_tokens) / time_s, weight_bytes / time_s / 1e9,
               format_bytes(weight_bytes).c_str());
   std::printf("  output rms %.3f\n", std::sqrt(out_sq / static_cast<double>(output.size())));
   if (!check) {
@@ -459,8 +460,7 @@ void run_demo(const DemoOptions& opts) {
     const bool ok = check->rel_err <= tolerance && check->num_nonfinite == 0;
     std::printf("check: tokens {%s} against %s: rel err %.2e (limit %.0e)%s %s\n", tokens_list.c_str(),
                 check->against.c_str(), check->rel_err, tolerance,
-                check->num_nonfinite > 0 ? (", " + std::to_string(check->num_nonfinite) + " non-finite").c_str()
-                                         : "",
+                check->num_nonfinite > 0 ? (", " + std::to_string(check->num_nonfinite) + " non-finite").c_str() : "",
                 ok ? "PASS" : "FAIL");
     std::fflush(stdout);
     FP4MOE_CHECK(ok, "demo check failed: the ", stats.backend, " backend's output differs from ", check->against,
@@ -491,8 +491,7 @@ void add_demo_command(CLI::App& app) {
                   "backend: auto (the GPU when there is one, else the CPU), cpu (the reference), cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();
-  cmd->add_option("--check", opts->check_tokens,
-                  "tokens checked (0: none; default 2 on the CPU, 8 on the GPU)")
+  cmd->add_option("--check", opts->check_tokens, "tokens checked (0: none; default 2 on the CPU, 8 on the GPU)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--timing-tokens", opts->timing_tokens,
                   "GPU: token counts of the timing table (all experts, random codes)")

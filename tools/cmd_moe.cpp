@@ -79,8 +79,8 @@ LogitRoutingFlags resolve_routing(const MoeOptions& opts, const CLI::App& cmd,
   const MoeModelConfig& c = *config;
   const RoutingParams& r = c.routing;
   auto refuse_if = [&](const char* flag, bool contradicts, const std::string& given, const std::string& configured) {
-    FP4MOE_CHECK(!(cmd.count(flag) > 0 && contradicts), flag, given.empty() ? "" : " ", given, " contradicts ",
-                 c.where, ": ", configured, " (leave the flag out: config.json sets the routing)");
+    FP4MOE_CHECK(!(cmd.count(flag) > 0 && contradicts), flag, given.empty() ? "" : " ", given, " contradicts ", c.where,
+                 ": ", configured, " (leave the flag out: config.json sets the routing)");
   };
   const std::string routing_says = "routing " + c.describe_routing();
   refuse_if("--routing", opts.routing != to_string(r.mode), opts.routing, routing_says);
@@ -89,15 +89,14 @@ LogitRoutingFlags resolve_routing(const MoeOptions& opts, const CLI::App& cmd,
               c.top_k_key + " = " + std::to_string(*c.top_k));
   refuse_if("--no-renormalize", r.mode != RoutingMode::kSoftmaxTopK || r.renormalize, "", routing_says);
   const bool noaux = r.mode == RoutingMode::kNoauxTc;
-  refuse_if("--n-group", opts.num_groups != (noaux ? r.num_groups : 1), std::to_string(opts.num_groups),
-            routing_says);
+  refuse_if("--n-group", opts.num_groups != (noaux ? r.num_groups : 1), std::to_string(opts.num_groups), routing_says);
   refuse_if("--topk-group", opts.topk_groups != (noaux ? r.topk_groups : 1), std::to_string(opts.topk_groups),
             routing_says);
-  refuse_if("--routed-scaling-factor",
-            opts.routed_scaling_factor != (noaux ? r.routed_scaling_factor : 1.0f),
+  refuse_if("--routed-scaling-factor", opts.routed_scaling_factor != (noaux ? r.routed_scaling_factor : 1.0f),
             number_text(opts.routed_scaling_factor), routing_says);
-  refuse_if("--activation", parse_activation(opts.activation) != c.activation, opts.activation,
-            "activation " + to_string(c.activation) + (c.model_type.empty() ? "" : " (model_type " + c.model_type + ")"));
+  refuse_if(
+      "--activation", parse_activation(opts.activation) != c.activation, opts.activation,
+      "activation " + to_string(c.activation) + (c.model_type.empty() ? "" : " (model_type " + c.model_type + ")"));
 
   flags.mode = to_string(r.mode);
   if (c.top_k) flags.top_k = *c.top_k;
@@ -111,15 +110,16 @@ LogitRoutingFlags resolve_routing(const MoeOptions& opts, const CLI::App& cmd,
 // config.json's sizes must be the loaded layer's: a config of another model
 // beside the weights would route them wrongly.
 void check_config_sizes(const MoeModelConfig& c, const MoeWeights& weights) {
-  FP4MOE_CHECK(!c.hidden_size || *c.hidden_size == weights.hidden, c.where, ": hidden_size = ", c.hidden_size.value_or(0),
+  FP4MOE_CHECK(!c.hidden_size || *c.hidden_size == weights.hidden, c.where,
+               ": hidden_size = ", c.hidden_size.value_or(0),
                " but the experts' weights have hidden = ", weights.hidden);
   FP4MOE_CHECK(!c.moe_intermediate_size || *c.moe_intermediate_size == weights.inter, c.where, ": ",
                c.moe_intermediate_key, " = ", c.moe_intermediate_size.value_or(0),
                " but the experts' weights have inter = ", weights.inter);
   // A shared expert the config declares must be there (never dropped
   // silently), as wide as declared.
-  const int64_t shared_width = c.num_shared_experts > 0 ? c.num_shared_experts * weights.inter
-                                                        : c.shared_expert_intermediate_size;
+  const int64_t shared_width =
+      c.num_shared_experts > 0 ? c.num_shared_experts * weights.inter : c.shared_expert_intermediate_size;
   const std::string declared = c.num_shared_experts > 0
                                    ? "n_shared_experts = " + std::to_string(c.num_shared_experts) + " (" +
                                          std::to_string(shared_width) + " wide)"
@@ -137,17 +137,19 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   // Refuse an unavailable backend before any loading.
   const Device device = resolve_device(parse_device(opts.device));
   if (cmd.count("--ep") > 0) {
-    FP4MOE_CHECK(device == Device::kCuda, "--ep ", opts.ep, " needs the CUDA backend (--device cuda or auto on a "
+    FP4MOE_CHECK(device == Device::kCuda, "--ep ", opts.ep,
+                 " needs the CUDA backend (--device cuda or auto on a "
                  "machine with GPUs); this run resolved to the CPU");
     FP4MOE_CHECK(built_with_nccl(), "--ep needs NCCL, and this fp4moe was built without it");
     const int num_gpus = probe_gpu().num_devices;
     FP4MOE_CHECK(opts.ep <= num_gpus, "--ep ", opts.ep, " needs ", opts.ep, " GPUs; this machine has ", num_gpus);
-    FP4MOE_CHECK(opts.finalize == "deterministic", "--ep needs --finalize deterministic (home ranks sum each "
+    FP4MOE_CHECK(opts.finalize == "deterministic",
+                 "--ep needs --finalize deterministic (home ranks sum each "
                  "token's rows in slot order)");
   }
   check_output_path(opts.output);
 
-  const std::string prefix = opts.prefix ? *opts.prefix
+  const std::string prefix = opts.prefix  ? *opts.prefix
                              : opts.layer ? layer_prefix(opts.weights, *opts.layer)
                                           : detect_prefix(opts.weights);
   const MoeWeights weights = load_moe_weights(opts.weights, prefix);
@@ -169,10 +171,9 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   const int64_t num_tokens = input.num_tokens;
   const Routing& routing = input.routing;
   if (input.routing_source == "topk_ids") {
-    for (const char* flag : {"--routing", "--topk", "--no-renormalize", "--n-group", "--topk-group",
-                             "--routed-scaling-factor"}) {
-      if (cmd.count(flag) > 0)
-        std::fprintf(stderr, "moe: note: %s is ignored: the input gives topk_ids\n", flag);
+    for (const char* flag :
+         {"--routing", "--topk", "--no-renormalize", "--n-group", "--topk-group", "--routed-scaling-factor"}) {
+      if (cmd.count(flag) > 0) std::fprintf(stderr, "moe: note: %s is ignored: the input gives topk_ids\n", flag);
     }
   }
   for (const std::string& note : input.notes) std::fprintf(stderr, "moe: note: %s\n", note.c_str());
@@ -193,28 +194,24 @@ void run_moe(const MoeOptions& opts, const CLI::App& cmd) {
   std::vector<uint16_t> output_bf16(output.size());
   for (size_t i = 0; i < output.size(); ++i) output_bf16[i] = float_to_bf16(output[i]);
   SafetensorsWriter writer;
-  writer.add("output", DType::BF16, {num_tokens, hidden}, output_bf16.data(),
-             output_bf16.size() * sizeof(uint16_t));
+  writer.add("output", DType::BF16, {num_tokens, hidden}, output_bf16.data(), output_bf16.size() * sizeof(uint16_t));
   writer.set_metadata("format", "pt");
   writer.set_metadata("producer", std::string("fp4moe ") + FP4MOE_VERSION + " moe");
   writer.write(opts.output);
 
-  const std::string backend_detail = device == Device::kCuda
-                                         ? " finalize=" + opts.finalize +
-                                               (opts.ep > 0 ? " ep=" + std::to_string(opts.ep) : "")
-                                         : " threads=" + std::to_string(stats.num_threads);
-  const std::string shared =
-      weights.shared_expert ? " shared=" + std::to_string(weights.shared_expert->inter) +
-                                  (weights.shared_expert->gate.empty() ? "" : "(gated)") +
-                                  (weights.shared_expert->dense() ? "(unquantised)" : "")
-                            : "";
+  const std::string backend_detail =
+      device == Device::kCuda ? " finalize=" + opts.finalize + (opts.ep > 0 ? " ep=" + std::to_string(opts.ep) : "")
+                              : " threads=" + std::to_string(stats.num_threads);
+  const std::string shared = weights.shared_expert ? " shared=" + std::to_string(weights.shared_expert->inter) +
+                                                         (weights.shared_expert->gate.empty() ? "" : "(gated)") +
+                                                         (weights.shared_expert->dense() ? "(unquantised)" : "")
+                                                   : "";
   std::fprintf(stderr,
                "moe: T=%lld E=%lld k=%d H=%lld I=%lld%s routing=%s activation=%s activations=%s backend=%s%s "
                "layer %.3f ms, total %.2f ms\n",
                static_cast<long long>(num_tokens), static_cast<long long>(num_experts), routing.top_k,
                static_cast<long long>(hidden), static_cast<long long>(weights.inter), shared.c_str(),
-               input.routing_source.c_str(), activation.c_str(), to_string(activations).c_str(),
-               stats.backend.c_str(),
+               input.routing_source.c_str(), activation.c_str(), to_string(activations).c_str(), stats.backend.c_str(),
                backend_detail.c_str(), stats.time_ms, total_timer.elapsed_ms());
 }
 
@@ -247,19 +244,16 @@ void add_moe_command(CLI::App& app) {
       ->check(CLI::IsMember({"softmax", "noaux_tc", "gptoss"}))
       ->capture_default_str();
   cmd->add_option("--topk,-k", opts->top_k, "experts per token (needed with router_logits)");
-  cmd->add_flag("--no-renormalize", opts->no_renormalize,
-                "softmax routing: keep the top-k probabilities as they are");
+  cmd->add_flag("--no-renormalize", opts->no_renormalize, "softmax routing: keep the top-k probabilities as they are");
   cmd->add_option("--n-group", opts->num_groups, "noaux_tc: number of expert groups")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   cmd->add_option("--topk-group", opts->topk_groups, "noaux_tc: groups kept per token")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  cmd->add_option("--routed-scaling-factor", opts->routed_scaling_factor,
-                  "noaux_tc: multiplies the routing weights")
+  cmd->add_option("--routed-scaling-factor", opts->routed_scaling_factor, "noaux_tc: multiplies the routing weights")
       ->capture_default_str();
-  cmd->add_option("--activation", opts->activation,
-                  "swiglu: silu(gate)*up; gptoss: clamped gpt-oss variant")
+  cmd->add_option("--activation", opts->activation, "swiglu: silu(gate)*up; gptoss: clamped gpt-oss variant")
       ->check(CLI::IsMember({"swiglu", "gptoss"}))
       ->capture_default_str();
   cmd->add_option("--device", opts->device,

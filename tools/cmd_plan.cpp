@@ -89,9 +89,8 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
                    {"configs", nlohmann::json::array()},
                    {"plans", nlohmann::json::array()}};
   if (!out) {
-    std::cout << "== " << arch.name << " (" << origin << "): " << budget
-              << " B shared memory per block (opt-in), " << arch.smem_per_sm << " B per SM, " << num_sms
-              << " SMs ==\n\n";
+    std::cout << "== " << arch.name << " (" << origin << "): " << budget << " B shared memory per block (opt-in), "
+              << arch.smem_per_sm << " B per SM, " << num_sms << " SMs ==\n\n";
   }
   for (const TileConfig& c : compiled_configs()) {
     const FitReport fit = check_fit(c, budget);
@@ -99,7 +98,10 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
     const int64_t resident = fit.fits ? blocks_per_sm_by_smem(c, arch) : 0;
     nlohmann::json regions = nlohmann::json::array();
     for (const auto& r : layout.regions)
-      regions.push_back({{"name", r.name}, {"shape", r.shape}, {"offset", r.offset}, {"bytes", r.bytes},
+      regions.push_back({{"name", r.name},
+                         {"shape", r.shape},
+                         {"offset", r.offset},
+                         {"bytes", r.bytes},
                          {"union_with_mainloop", r.overlaps_mainloop}});
     const bool runs = family_runs_on(c.family, arch.compute_capability);
     j["configs"].push_back({{"config", c.to_string()},
@@ -156,13 +158,15 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
       return describe_row_classes(p) + p.config.to_string() + " sk" + std::to_string(p.split_k);
     };
     auto plan_json = [](const GemmPlan& p, const std::string& source) {
-      nlohmann::json out{{"config", p.config.to_string()}, {"split_k", p.split_k}, {"reason", p.reason()},
-                         {"source", source}};
+      nlohmann::json out{
+          {"config", p.config.to_string()}, {"split_k", p.split_k}, {"reason", p.reason()}, {"source", source}};
       for (const GemmPlan::RowClass& s : p.row_classes)
         out["row_stages"].push_back({{"config", s.config.to_string()}, {"max_rows", s.max_rows}});
       return out;
     };
-    j["plans"].push_back({{"tokens", t}, {"rows", g1.num_rows}, {"expected_active_experts", g1.expected_active_experts},
+    j["plans"].push_back({{"tokens", t},
+                          {"rows", g1.num_rows},
+                          {"expected_active_experts", g1.expected_active_experts},
                           {"gemm1", plan_json(plans[0], sources[0])},
                           {"gemm2", plan_json(plans[1], sources[1])}});
     if (!out)
@@ -170,8 +174,10 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
                   static_cast<long long>(g1.num_rows), name(plans[0]).c_str(), name(plans[1]).c_str(),
                   (sources[0] + ", " + sources[1]).c_str(), plans[0].reason().c_str());
   }
-  if (out) out->push_back(j);
-  else std::cout << "\n";
+  if (out)
+    out->push_back(j);
+  else
+    std::cout << "\n";
 }
 
 }  // namespace
@@ -179,13 +185,15 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
 void add_plan_command(CLI::App& app) {
   auto opts = std::make_shared<PlanOptions>();
   CLI::App* cmd = app.add_subcommand(
-      "plan", "Show every compiled kernel config's shared-memory layout, whether it fits an architecture (and "
-              "what would make it fit), and the planner's choice per token count.");
-  cmd->add_option("--arch", opts->arch, "Target: " + [] {
-    std::string s;
-    for (const auto& a : known_archs()) s += (s.empty() ? "" : ", ") + a;
-    return s;
-  }() + " (default: the local GPU, else sm90 and sm120)");
+      "plan",
+      "Show every compiled kernel config's shared-memory layout, whether it fits an architecture (and "
+      "what would make it fit), and the planner's choice per token count.");
+  cmd->add_option(
+      "--arch", opts->arch, "Target: " + [] {
+        std::string s;
+        for (const auto& a : known_archs()) s += (s.empty() ? "" : ", ") + a;
+        return s;
+      }() + " (default: the local GPU, else sm90 and sm120)");
   cmd->add_option("--smem-budget", opts->smem_budget, "Per-block shared-memory budget in bytes (<= the arch's limit)");
   cmd->add_option("--model", opts->model, "Model shape: " + model_names())->capture_default_str();
   cmd->add_option("--experts", opts->experts, "Custom shape: number of experts (with --hidden, --inter, --topk)");
@@ -216,7 +224,8 @@ void add_plan_command(CLI::App& app) {
         if (sms <= 0) sms = default_sms(local.name);
         plan_one(o, local, sms, "local GPU: " + device, true, out);
       } else {
-        if (!o.json) std::cout << "no CUDA GPU found on this machine; showing sm90 (H100/H200) and sm120 (RTX 50xx / RTX PRO)\n\n";
+        if (!o.json)
+          std::cout << "no CUDA GPU found on this machine; showing sm90 (H100/H200) and sm120 (RTX 50xx / RTX PRO)\n\n";
         for (const char* a : {"sm90", "sm120"})
           plan_one(o, arch_limits(a), o.num_sms > 0 ? o.num_sms : default_sms(a), "no local GPU", false, out);
       }

@@ -89,8 +89,8 @@ void run_quantize(const QuantizeOptions& opts) {
                "quantize: %s (%s) -> %s: %zu matrices quantised to %s (%d expert stacks split), %d tensors "
                "copied, %zu shard%s, %.1f s\n",
                opts.input.c_str(), format_bytes(static_cast<double>(done.input_bytes)).c_str(), done.output.c_str(),
-               done.num_matrices, opts.convert.algo.c_str(), done.num_expert_stacks, done.num_copied,
-               done.num_shards, done.num_shards == 1 ? "" : "s", timer.elapsed_ms() / 1e3);
+               done.num_matrices, opts.convert.algo.c_str(), done.num_expert_stacks, done.num_copied, done.num_shards,
+               done.num_shards == 1 ? "" : "s", timer.elapsed_ms() / 1e3);
 }
 
 }  // namespace
@@ -120,12 +120,13 @@ void add_quantize_command(CLI::App& app) {
   cmd->add_option("--exclude", opts->convert.excludes,
                   "glob of tensor or module names to keep unquantised (repeatable), e.g. '*layers.0.*'")
       ->allow_extra_args(false);
-  cmd->add_flag("--no-default-exclude", opts->convert.no_default_exclude,
-                "also quantise embeddings and what ModelOpt keeps in high precision: " + [] {
-                  std::string list;
-                  for (const std::string& p : default_quantize_excludes()) list += (list.empty() ? "" : " ") + p;
-                  return list;
-                }());
+  cmd->add_flag(
+      "--no-default-exclude", opts->convert.no_default_exclude,
+      "also quantise embeddings and what ModelOpt keeps in high precision: " + [] {
+        std::string list;
+        for (const std::string& p : default_quantize_excludes()) list += (list.empty() ? "" : " ") + p;
+        return list;
+      }());
   cmd->add_flag("-q,--quiet", opts->quiet, "no progress line");
   cmd->callback([opts] { run_quantize(*opts); });
 }

@@ -89,12 +89,16 @@ struct LayerShape {
 LayerShape soak_shape(const std::string& model) {
   if (model.empty()) {
     const ModelShape& ds = find_model("deepseek-v3");
-    return {"deepseek-v3-router, hidden 1024, inter 512", ds.num_experts, 1024, 512,
-            ds.routing_params(), ds.activation, ds.has_bias};
+    return {"deepseek-v3-router, hidden 1024, inter 512",
+            ds.num_experts,
+            1024,
+            512,
+            ds.routing_params(),
+            ds.activation,
+            ds.has_bias};
   }
   const ModelShape& m = find_model(model);
-  return {std::string(m.name), m.num_experts, m.hidden, m.inter, m.routing_params(), m.activation,
-          m.has_bias};
+  return {std::string(m.name), m.num_experts, m.hidden, m.inter, m.routing_params(), m.activation, m.has_bias};
 }
 
 // Random codes, block scales 0.125..2 (e4m3 codes 0x28..0x47), and a global
@@ -167,13 +171,11 @@ struct SoakCase {
   }
 };
 
-SoakCase make_case(const LayerShape& shape, int top_k, int64_t max_tokens, SplitMix64& rng,
-                   int case_idx) {
+SoakCase make_case(const LayerShape& shape, int top_k, int64_t max_tokens, SplitMix64& rng, int case_idx) {
   SoakCase c;
   const bool log_uniform = case_idx % 2 == 0;
-  c.num_tokens = log_uniform
-                     ? static_cast<int64_t>(std::exp(rng.uniform() * std::log(static_cast<double>(max_tokens))))
-                     : 1 + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(max_tokens));
+  c.num_tokens = log_uniform ? static_cast<int64_t>(std::exp(rng.uniform() * std::log(static_cast<double>(max_tokens))))
+                             : 1 + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(max_tokens));
   c.num_tokens = std::clamp<int64_t>(c.num_tokens, 1, max_tokens);
   c.device_routing = (case_idx / 2) % 2 == 0;
   std::vector<uint16_t> hidden(static_cast<size_t>(c.num_tokens * shape.hidden));
@@ -211,8 +213,7 @@ SoakCase make_case(const LayerShape& shape, int top_k, int64_t max_tokens, Split
 // per case.
 class Worker {
  public:
-  Worker(const MoeLayer& layer, const std::vector<SoakCase>& cases, int64_t max_tokens)
-      : layer_(layer), cases_(cases) {
+  Worker(const MoeLayer& layer, const std::vector<SoakCase>& cases, int64_t max_tokens) : layer_(layer), cases_(cases) {
     FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     workspace_ = DeviceBuffer<uint8_t>(layer.workspace_bytes(max_tokens));
     workspace_.fill_bytes(0, stream_);
@@ -258,8 +259,8 @@ class Worker {
       FP4MOE_CUDA_CHECK(cudaGraphLaunch(graphs_[case_idx], stream_));
     else
       enqueue_forward(c);
-    launch_count_mismatches(output_.get(), c.expected.get(), c.num_tokens * layer_.hidden(),
-                            counters_.get() + slot, stream_);
+    launch_count_mismatches(output_.get(), c.expected.get(), c.num_tokens * layer_.hidden(), counters_.get() + slot,
+                            stream_);
   }
 
   // Waits for the queued forwards; the mismatch count of each slot (then
@@ -275,8 +276,8 @@ class Worker {
   void first_pass(SoakCase& c) {
     enqueue_forward(c);
     c.expected = DeviceBuffer<uint16_t>(static_cast<size_t>(c.num_tokens * layer_.hidden()));
-    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(c.expected.get(), output_.get(), c.expected.bytes(),
-                                      cudaMemcpyDeviceToDevice, stream_));
+    FP4MOE_CUDA_CHECK(
+        cudaMemcpyAsync(c.expected.get(), output_.get(), c.expected.bytes(), cudaMemcpyDeviceToDevice, stream_));
     FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
@@ -321,8 +322,8 @@ void note(Totals& totals, const std::string& what) {
   }
 }
 
-void soak_thread(int thread_idx, Worker& worker, const std::vector<SoakCase>& cases,
-                 const SoakOptions& o, Totals& totals, int device) {
+void soak_thread(int thread_idx, Worker& worker, const std::vector<SoakCase>& cases, const SoakOptions& o,
+                 Totals& totals, int device) {
   try {
     FP4MOE_CUDA_CHECK(cudaSetDevice(device));
     SplitMix64 rng(o.seed * 7919 + static_cast<uint64_t>(thread_idx) + 100);
@@ -350,11 +351,10 @@ void soak_thread(int thread_idx, Worker& worker, const std::vector<SoakCase>& ca
           if (counts[i] == 0) continue;
           ++totals.mismatched_forwards;
           totals.mismatched_elements += counts[i];
-          note(totals, "thread " + std::to_string(thread_idx) + ": case " +
-                           std::to_string(pending[i].case_idx) + " (" + std::to_string(c.num_tokens) +
-                           " tokens, " + (c.device_routing ? "device" : "caller") + " routing, " +
-                           (pending[i].graph ? "graph replay" : "eager") + "): " +
-                           std::to_string(counts[i]) + " elements differ from the first pass");
+          note(totals, "thread " + std::to_string(thread_idx) + ": case " + std::to_string(pending[i].case_idx) + " (" +
+                           std::to_string(c.num_tokens) + " tokens, " + (c.device_routing ? "device" : "caller") +
+                           " routing, " + (pending[i].graph ? "graph replay" : "eager") +
+                           "): " + std::to_string(counts[i]) + " elements differ from the first pass");
         }
         if (!device_errors.empty()) {
           ++totals.device_error_reports;
@@ -410,13 +410,11 @@ void run_soak(const SoakOptions& o) {
   size_t free_min = free_baseline;
   Totals totals;
   const auto start = std::chrono::steady_clock::now();
-  const auto elapsed = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  };
+  const auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
   std::vector<std::thread> threads;
   for (int t = 0; t < o.threads; ++t)
-    threads.emplace_back(soak_thread, t, std::ref(*workers[static_cast<size_t>(t)]), std::cref(cases),
-                         std::cref(o), std::ref(totals), device);
+    threads.emplace_back(soak_thread, t, std::ref(*workers[static_cast<size_t>(t)]), std::cref(cases), std::cref(o),
+                         std::ref(totals), device);
   double next_progress = o.progress_seconds;
   int64_t memory_samples = 0;
   while (!totals.stop.load()) {
@@ -471,8 +469,8 @@ void run_soak(const SoakOptions& o) {
   };
   std::cout << summary.dump() << std::endl;
   FP4MOE_CHECK(ok, "soak failed: ", totals.mismatched_forwards.load(), " forwards differed from the first pass, ",
-               totals.device_error_reports.load(), " device error reports, free memory drifted by ",
-               drift_bytes, " B (allowed ", o.max_drift_mib, " MiB)");
+               totals.device_error_reports.load(), " device error reports, free memory drifted by ", drift_bytes,
+               " B (allowed ", o.max_drift_mib, " MiB)");
 }
 
 }  // namespace
@@ -497,8 +495,7 @@ void add_soak_command(CLI::App& app) {
   cmd->add_option("--seed", o->seed, "Seed of the weights and inputs")->capture_default_str();
   cmd->add_option("--progress-seconds", o->progress_seconds, "Seconds between progress lines on stderr")
       ->capture_default_str();
-  cmd->add_option("--max-drift-mib", o->max_drift_mib,
-                  "Free device memory may end this much lower than after warm-up")
+  cmd->add_option("--max-drift-mib", o->max_drift_mib, "Free device memory may end this much lower than after warm-up")
       ->capture_default_str();
   cmd->callback([o] { run_soak(*o); });
 }

@@ -101,8 +101,8 @@ void check_cache_path(const std::string& path) {
   std::error_code ec;
   FP4MOE_CHECK(!fs::is_directory(path, ec), "tune cache ", path, " is a directory; expected a file name");
   if (fs::exists(path, ec)) {
-    FP4MOE_CHECK(::access(path.c_str(), R_OK | W_OK) == 0, "tune cache ", path,
-                 " cannot be read and written (", std::strerror(errno), ")");
+    FP4MOE_CHECK(::access(path.c_str(), R_OK | W_OK) == 0, "tune cache ", path, " cannot be read and written (",
+                 std::strerror(errno), ")");
     return;
   }
   fs::path ancestor = fs::absolute(fs::path(path)).parent_path();
@@ -145,8 +145,8 @@ void run_tune(const TuneOptions& o, const CLI::App& cmd) {
                "--tokens lists a token count twice");
   const std::vector<bench::TuneShape> shapes = tune_shapes(o, cmd);
   for (const bench::TuneShape& s : shapes)
-    FP4MOE_CHECK(buckets.back() * s.top_k < (int64_t{1} << 31), "--tokens ", buckets.back(), " x top-", s.top_k,
-                 " of ", s.name, " is 2^31 rows or more; expected fewer");
+    FP4MOE_CHECK(buckets.back() * s.top_k < (int64_t{1} << 31), "--tokens ", buckets.back(), " x top-", s.top_k, " of ",
+                 s.name, " is 2^31 rows or more; expected fewer");
   const std::string cache_path = cmd.count("--cache") > 0 ? o.cache : tune::default_cache_path();
   if (!o.estimate) check_cache_path(cache_path);
   if (!o.json_path.empty()) check_output_path(o.json_path);
@@ -192,12 +192,13 @@ void run_tune(const TuneOptions& o, const CLI::App& cmd) {
   std::printf("# fp4moe tune on %s, %s; %s%s\n", identity.describe().c_str(), date.c_str(),
               o.estimate ? "estimate only" : ("cache " + cache_path).c_str(),
               o.batch_invariant ? "; batch-invariant choices (split-K 1, one family)" : "");
-  std::printf("# %zu shape(s) x 2 GEMMs x %zu buckets = %zu cases, %lld candidates (configs with the GEMM's "
-              "epilogue that fit %lld B and run on sm%d, x split-K); %d launches per candidate, L2 flushed "
-              "(%.0f us), %d %s routings rotated; estimated GPU time %.1f min\n",
-              shapes.size(), buckets.size(), cases.size(), static_cast<long long>(total_candidates),
-              static_cast<long long>(settings.limits.smem_budget_bytes), settings.limits.compute_capability,
-              o.iterations, flush_us, settings.routings, routing_kind, total_us / 60e6);
+  std::printf(
+      "# %zu shape(s) x 2 GEMMs x %zu buckets = %zu cases, %lld candidates (configs with the GEMM's "
+      "epilogue that fit %lld B and run on sm%d, x split-K); %d launches per candidate, L2 flushed "
+      "(%.0f us), %d %s routings rotated; estimated GPU time %.1f min\n",
+      shapes.size(), buckets.size(), cases.size(), static_cast<long long>(total_candidates),
+      static_cast<long long>(settings.limits.smem_budget_bytes), settings.limits.compute_capability, o.iterations,
+      flush_us, settings.routings, routing_kind, total_us / 60e6);
   std::fflush(stdout);
   if (o.estimate) return;
 
@@ -206,8 +207,8 @@ void run_tune(const TuneOptions& o, const CLI::App& cmd) {
     json.open(o.json_path);
     FP4MOE_CHECK(json.good(), "cannot open ", o.json_path, " for writing");
   }
-  std::printf("%-24s %-5s %6s %4s  %-36s %9s  %-36s %9s %8s\n", "shape", "gemm", "tokens", "cand", "tuned",
-              "us", "heuristic", "us", "speedup");
+  std::printf("%-24s %-5s %6s %4s  %-36s %9s  %-36s %9s %8s\n", "shape", "gemm", "tokens", "cand", "tuned", "us",
+              "heuristic", "us", "speedup");
   // The bar advances by estimated GPU time, so that its ETA weighs a
   // prefill bucket's launches more than a decode bucket's.
   Progress progress("tune", std::max<int64_t>(1, static_cast<int64_t>(total_us)), true, Progress::Unit::kWork);
@@ -231,11 +232,10 @@ void run_tune(const TuneOptions& o, const CLI::App& cmd) {
         const std::string detail = shape.name + " gemm" + std::to_string(gemm) + " T=" + std::to_string(c.tokens);
         const double launch_us = bench::estimate_launch_us(c.problem, flush_us);
         const double case_start_us = done_us;
-        const bench::BucketResult r =
-            bench::tune_bucket(bench, c.tokens, settings, flusher, [&](int64_t launches) {
-              done_us = std::min(case_start_us + c.estimate_us, done_us + static_cast<double>(launches) * launch_us);
-              show(detail);
-            });
+        const bench::BucketResult r = bench::tune_bucket(bench, c.tokens, settings, flusher, [&](int64_t launches) {
+          done_us = std::min(case_start_us + c.estimate_us, done_us + static_cast<double>(launches) * launch_us);
+          show(detail);
+        });
         done_us = case_start_us + c.estimate_us;
         show(detail);
         // From the separate interleaved pass, not the selection's times.
@@ -297,12 +297,16 @@ void run_tune(const TuneOptions& o, const CLI::App& cmd) {
     progress.clear();
     std::cout << line << std::flush;
     if (json.is_open()) {
-      const nlohmann::json j{{"kind", "tune_summary"},  {"shape", shape.name},
-                             {"cases", entries.size()}, {"differ_from_heuristic", differ},
+      const nlohmann::json j{{"kind", "tune_summary"},
+                             {"shape", shape.name},
+                             {"cases", entries.size()},
+                             {"differ_from_heuristic", differ},
                              {"median_speedup", median(speedups)},
                              {"max_speedup", *std::max_element(speedups.begin(), speedups.end())},
-                             {"wall_s", shape_s},       {"cache", cache_path},
-                             {"gpu", identity.gpu_name}, {"date", date}};
+                             {"wall_s", shape_s},
+                             {"cache", cache_path},
+                             {"gpu", identity.gpu_name},
+                             {"date", date}};
       json << j.dump() << std::endl;
     }
     all_speedups.insert(all_speedups.end(), speedups.begin(), speedups.end());

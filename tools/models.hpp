@@ -48,8 +48,10 @@ inline constexpr std::array<ModelShape, 8> kModelShapes = {{
     {"kimi-k2", "Kimi K2", 384, 8, 7168, 2048, RoutingMode::kNoauxTc, Activation::kSwiGLU, 1, 1, 2.827f, false},
     {"glm-5", "GLM-5", 256, 8, 6144, 2048, RoutingMode::kNoauxTc, Activation::kSwiGLU, 1, 1, 2.5f, false},
     {"glm-4.5", "GLM-4.5/4.6/4.7", 160, 8, 5120, 1536, RoutingMode::kNoauxTc, Activation::kSwiGLU, 1, 1, 2.5f, false},
-    {"qwen3-235b", "Qwen3-235B-A22B", 128, 8, 4096, 1536, RoutingMode::kSoftmaxTopK, Activation::kSwiGLU, 1, 1, 1.0f, false},
-    {"qwen3-30b", "Qwen3-30B-A3B", 128, 8, 2048, 768, RoutingMode::kSoftmaxTopK, Activation::kSwiGLU, 1, 1, 1.0f, false},
+    {"qwen3-235b", "Qwen3-235B-A22B", 128, 8, 4096, 1536, RoutingMode::kSoftmaxTopK, Activation::kSwiGLU, 1, 1, 1.0f,
+     false},
+    {"qwen3-30b", "Qwen3-30B-A3B", 128, 8, 2048, 768, RoutingMode::kSoftmaxTopK, Activation::kSwiGLU, 1, 1, 1.0f,
+     false},
     {"gpt-oss-120b", "gpt-oss-120b", 128, 4, 2880, 2880, RoutingMode::kGptOss, Activation::kGptOss, 1, 1, 1.0f, true},
     {"mixtral", "Mixtral-8x7B", 8, 2, 4096, 14336, RoutingMode::kSoftmaxTopK, Activation::kSwiGLU, 1, 1, 1.0f, false},
 }};

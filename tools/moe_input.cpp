@@ -16,16 +16,15 @@ namespace {
 // Reads topk_ids/topk_weights and checks them against the layer.
 Routing read_given_routing(const SafetensorsFile& in, int64_t num_tokens, int64_t num_experts) {
   const TensorView& ids = in.get("topk_ids");
-  FP4MOE_CHECK(ids.dtype == DType::I32, in.path(), ": topk_ids has dtype ", dtype_name(ids.dtype),
-               "; expected I32");
+  FP4MOE_CHECK(ids.dtype == DType::I32, in.path(), ": topk_ids has dtype ", dtype_name(ids.dtype), "; expected I32");
   FP4MOE_CHECK(ids.shape.size() == 2 && ids.shape[0] == num_tokens, in.path(), ": topk_ids has shape ",
                shape_to_string(ids.shape), "; expected [", num_tokens, ", k] (T = ", num_tokens,
                " from hidden_states)");
   const int64_t top_k = ids.shape[1];
   FP4MOE_CHECK(top_k >= 1 && top_k <= num_experts, in.path(), ": topk_ids has k = ", top_k,
                " experts per token; expected 1 <= k <= ", num_experts, " (the layer's expert count)");
-  FP4MOE_CHECK(in.contains("topk_weights"), in.path(),
-               ": has topk_ids but no topk_weights [", num_tokens, ", ", top_k, "] F32");
+  FP4MOE_CHECK(in.contains("topk_weights"), in.path(), ": has topk_ids but no topk_weights [", num_tokens, ", ", top_k,
+               "] F32");
   const TensorView& weights = in.get("topk_weights");
   expect_tensor(weights, in.path(), {DType::F32}, {num_tokens, top_k});
 
@@ -38,10 +37,10 @@ Routing read_given_routing(const SafetensorsFile& in, int64_t num_tokens, int64_
   std::memcpy(routing.topk_weights.data(), weights.data, weights.nbytes);
   for (size_t i = 0; i < routing.topk_ids.size(); ++i) {
     const int32_t id = routing.topk_ids[i];
-    FP4MOE_CHECK(id >= 0 && id < num_experts, in.path(), ": topk_ids[", i / top_k, "][", i % top_k,
-                 "] = ", id, " is not an expert of the layer; expected 0 <= id < ", num_experts);
-    FP4MOE_CHECK(std::isfinite(routing.topk_weights[i]), in.path(), ": topk_weights[", i / top_k,
-                 "][", i % top_k, "] = ", routing.topk_weights[i], " is not finite");
+    FP4MOE_CHECK(id >= 0 && id < num_experts, in.path(), ": topk_ids[", i / top_k, "][", i % top_k, "] = ", id,
+                 " is not an expert of the layer; expected 0 <= id < ", num_experts);
+    FP4MOE_CHECK(std::isfinite(routing.topk_weights[i]), in.path(), ": topk_weights[", i / top_k, "][", i % top_k,
+                 "] = ", routing.topk_weights[i], " is not finite");
   }
   validate_routing(routing, num_experts);  // duplicates within a token, etc.
   return routing;
@@ -52,8 +51,8 @@ Routing read_given_routing(const SafetensorsFile& in, int64_t num_tokens, int64_
 Routing route_logits(const std::vector<float>& logit_values, const std::vector<float>& bias,
                      const LogitRoutingFlags& flags, int64_t num_tokens, int64_t num_experts,
                      std::vector<std::string>& notes) {
-  FP4MOE_CHECK(flags.top_k.has_value(), "routing from router logits needs --topk K (1 <= K <= ",
-               num_experts, "), or a config.json beside the weights that gives num_experts_per_tok");
+  FP4MOE_CHECK(flags.top_k.has_value(), "routing from router logits needs --topk K (1 <= K <= ", num_experts,
+               "), or a config.json beside the weights that gives num_experts_per_tok");
   FP4MOE_CHECK(*flags.top_k >= 1 && *flags.top_k <= num_experts, "--topk ", *flags.top_k,
                ": expected 1 <= K <= ", num_experts, " (the layer's expert count)");
   RoutingParams params;
@@ -63,8 +62,7 @@ Routing route_logits(const std::vector<float>& logit_values, const std::vector<f
   params.num_groups = flags.num_groups;
   params.topk_groups = flags.topk_groups;
   params.routed_scaling_factor = flags.routed_scaling_factor;
-  Routing routing =
-      route(logit_values.data(), num_tokens, num_experts, bias.empty() ? nullptr : bias.data(), params);
+  Routing routing = route(logit_values.data(), num_tokens, num_experts, bias.empty() ? nullptr : bias.data(), params);
   if (routing.tokens_with_nonfinite_logits > 0)
     notes.push_back(std::to_string(routing.tokens_with_nonfinite_logits) +
                     " token(s) have non-finite router logits; their experts were excluded "
@@ -83,8 +81,7 @@ Routing route_from_logits(const SafetensorsFile& in, const LogitRoutingFlags& fl
     const TensorView& view = in.get("e_score_correction_bias");
     expect_tensor(view, in.path(), {DType::F32, DType::BF16, DType::F16}, {num_experts});
     bias = tensor_to_float(view);
-    if (flags.mode != "noaux_tc")
-      notes.push_back("e_score_correction_bias is used by noaux_tc routing only; ignored");
+    if (flags.mode != "noaux_tc") notes.push_back("e_score_correction_bias is used by noaux_tc routing only; ignored");
   } else if (flags.mode == "noaux_tc" && router != nullptr && !router->correction_bias.empty()) {
     bias = router->correction_bias;  // the checkpoint's gate.e_score_correction_bias
   }
@@ -94,8 +91,8 @@ Routing route_from_logits(const SafetensorsFile& in, const LogitRoutingFlags& fl
 // Computes the logits from the hidden states with the checkpoint's router,
 // then routes them by the flags.
 Routing route_from_router(const RouterWeights& router, const std::vector<float>& hidden_states,
-                          const LogitRoutingFlags& flags, int64_t num_tokens, int64_t hidden,
-                          int64_t num_experts, std::vector<std::string>& notes) {
+                          const LogitRoutingFlags& flags, int64_t num_tokens, int64_t hidden, int64_t num_experts,
+                          std::vector<std::string>& notes) {
   FP4MOE_CHECK(router.num_experts == num_experts && router.hidden == hidden, "the router '", router.weight_name,
                "' is [", router.num_experts, ", ", router.hidden, "]; expected [", num_experts, ", ", hidden,
                "] (the layer's experts and hidden size)");
@@ -108,15 +105,14 @@ Routing route_from_router(const RouterWeights& router, const std::vector<float>&
 
 }  // namespace
 
-MoeInput read_moe_input(const SafetensorsFile& in, int64_t hidden, int64_t num_experts,
-                        const LogitRoutingFlags& flags, const RouterWeights* router) {
+MoeInput read_moe_input(const SafetensorsFile& in, int64_t hidden, int64_t num_experts, const LogitRoutingFlags& flags,
+                        const RouterWeights* router) {
   FP4MOE_CHECK(in.contains("hidden_states"), in.path(), ": no tensor 'hidden_states' [T, ", hidden, "]");
   const TensorView& hidden_view = in.get("hidden_states");
   FP4MOE_CHECK(hidden_view.dtype == DType::BF16 || hidden_view.dtype == DType::F32, in.path(),
                ": hidden_states has dtype ", dtype_name(hidden_view.dtype), "; expected BF16 or F32");
-  FP4MOE_CHECK(hidden_view.shape.size() == 2 && hidden_view.shape[1] == hidden, in.path(),
-               ": hidden_states has shape ", shape_to_string(hidden_view.shape), "; expected [T, ",
-               hidden, "] (H = ", hidden, " from the weights)");
+  FP4MOE_CHECK(hidden_view.shape.size() == 2 && hidden_view.shape[1] == hidden, in.path(), ": hidden_states has shape ",
+               shape_to_string(hidden_view.shape), "; expected [T, ", hidden, "] (H = ", hidden, " from the weights)");
   MoeInput input;
   input.num_tokens = hidden_view.shape[0];
   FP4MOE_CHECK(input.num_tokens > 0, in.path(), ": hidden_states has T = 0 tokens; expected at least one");
@@ -131,15 +127,17 @@ MoeInput read_moe_input(const SafetensorsFile& in, int64_t hidden, int64_t num_e
     input.routing = route_from_logits(in, flags, router, input.num_tokens, num_experts, input.notes);
     input.routing_source = flags.mode;
   } else if (router != nullptr) {
-    input.routing = route_from_router(*router, input.hidden_states, flags, input.num_tokens, hidden, num_experts,
-                                      input.notes);
+    input.routing =
+        route_from_router(*router, input.hidden_states, flags, input.num_tokens, hidden, num_experts, input.notes);
     input.routing_source = flags.mode + " (router " + router->weight_name + ")";
   } else {
     std::string present;
     for (const std::string& name : in.names()) present += (present.empty() ? "" : ", ") + name;
-    FP4MOE_THROW(in.path(), ": no routing; expected topk_ids [T, k] I32 + topk_weights [T, k] F32, "
+    FP4MOE_THROW(in.path(),
+                 ": no routing; expected topk_ids [T, k] I32 + topk_weights [T, k] F32, "
                  "or router_logits [T, E] F32, or a checkpoint with the layer's router weight "
-                 "(<prefix>gate.weight or <prefix>router.weight) to compute them (tensors present: ", present, ")");
+                 "(<prefix>gate.weight or <prefix>router.weight) to compute them (tensors present: ",
+                 present, ")");
   }
   return input;
 }

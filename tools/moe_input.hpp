@@ -45,7 +45,7 @@ struct MoeInput {
 // logits when the input holds hidden_states only, and its correction bias
 // where the input's router_logits come without one. Throws fp4moe::Error
 // naming the file, the tensor and what was expected.
-MoeInput read_moe_input(const SafetensorsFile& in, int64_t hidden, int64_t num_experts,
-                        const LogitRoutingFlags& flags, const RouterWeights* router = nullptr);
+MoeInput read_moe_input(const SafetensorsFile& in, int64_t hidden, int64_t num_experts, const LogitRoutingFlags& flags,
+                        const RouterWeights* router = nullptr);
 
 }  // namespace fp4moe::cli

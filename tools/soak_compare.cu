@@ -25,8 +25,7 @@ __global__ void __launch_bounds__(kThreads)
                             int64_t num_vectors, uint32_t* __restrict__ mismatches) {
   uint32_t count = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vectors;
-       i += stride) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vectors; i += stride) {
     const uint4 a = got[i];
     const uint4 b = expected[i];
     count += differing_halves(a.x, b.x) + differing_halves(a.y, b.y) + differing_halves(a.z, b.z) +
@@ -39,16 +38,14 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void launch_count_mismatches(const uint16_t* got, const uint16_t* expected, int64_t count,
-                             uint32_t* mismatches, cudaStream_t stream) {
-  FP4MOE_CHECK(count >= 0 && count % 8 == 0, "launch_count_mismatches: count = ", count,
-               "; expected a multiple of 8");
+void launch_count_mismatches(const uint16_t* got, const uint16_t* expected, int64_t count, uint32_t* mismatches,
+                             cudaStream_t stream) {
+  FP4MOE_CHECK(count >= 0 && count % 8 == 0, "launch_count_mismatches: count = ", count, "; expected a multiple of 8");
   if (count == 0) return;
   const int64_t num_vectors = count / 8;
   const int64_t blocks = std::min(kMaxBlocks, (num_vectors + kThreads - 1) / kThreads);
   count_mismatches_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      reinterpret_cast<const uint4*>(got), reinterpret_cast<const uint4*>(expected), num_vectors,
-      mismatches);
+      reinterpret_cast<const uint4*>(got), reinterpret_cast<const uint4*>(expected), num_vectors, mismatches);
   FP4MOE_CHECK_LAUNCH();
 }
 

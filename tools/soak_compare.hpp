@@ -13,7 +13,7 @@ namespace fp4moe::cli {
 // *mismatches += the number of i < count with got[i] != expected[i] (16-bit
 // words compared as bits, so NaN payloads and -0 count too). count must be a
 // multiple of 8 and both pointers 16-byte aligned. Asynchronous on `stream`.
-void launch_count_mismatches(const uint16_t* got, const uint16_t* expected, int64_t count,
-                             uint32_t* mismatches, cudaStream_t stream);
+void launch_count_mismatches(const uint16_t* got, const uint16_t* expected, int64_t count, uint32_t* mismatches,
+                             cudaStream_t stream);
 
 }  // namespace fp4moe::cli

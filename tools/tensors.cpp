@@ -9,13 +9,12 @@
 
 namespace fp4moe::cli {
 
-void expect_tensor(const TensorView& view, const std::string& file,
-                   std::initializer_list<DType> dtypes, std::initializer_list<int64_t> shape) {
+void expect_tensor(const TensorView& view, const std::string& file, std::initializer_list<DType> dtypes,
+                   std::initializer_list<int64_t> shape) {
   if (std::find(dtypes.begin(), dtypes.end(), view.dtype) == dtypes.end()) {
     std::string expected;
     for (DType d : dtypes) expected += (expected.empty() ? "" : " or ") + std::string(dtype_name(d));
-    FP4MOE_THROW(file, ": tensor '", view.name, "' has dtype ", dtype_name(view.dtype),
-                 "; expected ", expected);
+    FP4MOE_THROW(file, ": tensor '", view.name, "' has dtype ", dtype_name(view.dtype), "; expected ", expected);
   }
   bool ok = view.shape.size() == shape.size();
   for (size_t i = 0; ok && i < shape.size(); ++i) {
@@ -29,8 +28,7 @@ void expect_tensor(const TensorView& view, const std::string& file,
       expected += (i ? ", " : "") + (want < 0 ? std::string("*") : std::to_string(want));
     }
     expected += "]";
-    FP4MOE_THROW(file, ": tensor '", view.name, "' has shape ", shape_to_string(view.shape),
-                 "; expected ", expected);
+    FP4MOE_THROW(file, ": tensor '", view.name, "' has shape ", shape_to_string(view.shape), "; expected ", expected);
   }
 }
 

@@ -17,7 +17,7 @@ namespace fp4moe::cli {
 
 // Checks name's dtype and shape; the message names the tensor, the file and
 // what was expected. An expected extent of -1 matches any extent.
-void expect_tensor(const TensorView& view, const std::string& file,
-                   std::initializer_list<DType> dtypes, std::initializer_list<int64_t> shape);
+void expect_tensor(const TensorView& view, const std::string& file, std::initializer_list<DType> dtypes,
+                   std::initializer_list<int64_t> shape);
 
 }  // namespace fp4moe::cli

@@ -75,12 +75,12 @@ struct QuantizeCheckpointProgress {
 
 // What a conversion did.
 struct QuantizeCheckpointSummary {
-  std::string output;          // the path written ("out/" writes the directory "out")
-  uint64_t input_bytes = 0;    // the input's data bytes
-  size_t num_matrices = 0;     // matrices quantised
-  int num_expert_stacks = 0;   // stacked expert tensors split per expert
-  int num_copied = 0;          // tensors copied unquantised
-  size_t num_shards = 0;       // .safetensors files written
+  std::string output;         // the path written ("out/" writes the directory "out")
+  uint64_t input_bytes = 0;   // the input's data bytes
+  size_t num_matrices = 0;    // matrices quantised
+  int num_expert_stacks = 0;  // stacked expert tensors split per expert
+  int num_copied = 0;         // tensors copied unquantised
+  size_t num_shards = 0;      // .safetensors files written
 };
 
 // Converts the checkpoint at `input` into `output` (see above). Prints
@@ -89,7 +89,7 @@ struct QuantizeCheckpointSummary {
 // 16), an output that exists (a directory must be new or empty) or cannot be
 // written, and any failure midway; the output then does not exist.
 QuantizeCheckpointSummary quantize_checkpoint(const std::string& input, const std::string& output,
-                                             const QuantizeCheckpointOptions& options = {},
-                                             const QuantizeCheckpointProgress& progress = {});
+                                              const QuantizeCheckpointOptions& options = {},
+                                              const QuantizeCheckpointProgress& progress = {});
 
 }  // namespace fp4moe

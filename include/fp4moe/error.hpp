@@ -14,8 +14,7 @@ namespace fp4moe {
 class Error : public std::runtime_error {
  public:
   Error(const std::string& message, const char* file, int line)
-      : std::runtime_error(message + " [" + file + ":" + std::to_string(line) + "]"),
-        message_(message) {}
+      : std::runtime_error(message + " [" + file + ":" + std::to_string(line) + "]"), message_(message) {}
   // The message without the source location, for user-facing output.
   const std::string& message() const { return message_; }
 
@@ -35,12 +34,11 @@ std::string concat(const Args&... args) {
 }  // namespace fp4moe
 
 // Throws fp4moe::Error built from the streamed arguments.
-#define FP4MOE_THROW(...) \
-  throw ::fp4moe::Error(::fp4moe::detail::concat(__VA_ARGS__), __FILE__, __LINE__)
+#define FP4MOE_THROW(...) throw ::fp4moe::Error(::fp4moe::detail::concat(__VA_ARGS__), __FILE__, __LINE__)
 
 // Checks a condition on user input or internal state; the message says what
 // was expected.
-#define FP4MOE_CHECK(cond, ...)                                                    \
-  do {                                                                             \
-    if (!(cond)) FP4MOE_THROW(__VA_ARGS__);                                        \
+#define FP4MOE_CHECK(cond, ...)             \
+  do {                                      \
+    if (!(cond)) FP4MOE_THROW(__VA_ARGS__); \
   } while (0)

@@ -71,8 +71,8 @@ class ExpertParallelMoeLayer {
   // communicator's size must be placement.num_ranks. options.finalize must
   // be deterministic; batch invariance is switched on for the local layer.
   // Throws fp4moe::Error before any upload on a mismatch.
-  static ExpertParallelMoeLayer prepare(const MoeWeights& weights, const ExpertPlacement& placement,
-                                        ncclComm_t comm, const MoeLayerOptions& options = {});
+  static ExpertParallelMoeLayer prepare(const MoeWeights& weights, const ExpertPlacement& placement, ncclComm_t comm,
+                                        const MoeLayerOptions& options = {});
 
   ExpertParallelMoeLayer(ExpertParallelMoeLayer&&) noexcept;
   ExpertParallelMoeLayer& operator=(ExpertParallelMoeLayer&&) noexcept;

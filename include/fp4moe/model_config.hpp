@@ -88,7 +88,6 @@ std::optional<RouterWeights> load_router_weights(const std::string& path, const 
 // router logits [num_tokens, num_experts] of hidden_states [num_tokens,
 // hidden]: each a dot product accumulated in double in a fixed order, plus
 // the bias, rounded to float.
-std::vector<float> compute_router_logits(const RouterWeights& router, const float* hidden_states,
-                                         int64_t num_tokens);
+std::vector<float> compute_router_logits(const RouterWeights& router, const float* hidden_states, int64_t num_tokens);
 
 }  // namespace fp4moe

@@ -53,8 +53,8 @@ Nvfp4Matrix quantize_nvfp4(const float* weights, int64_t rows, int64_t cols,
 // ("gate_proj", "up_proj", "down_proj") field ("weight", "weight_scale",
 // "weight_scale_2", "input_scale", "bias"), under `prefix` such as
 // "model.layers.3.mlp.": "<prefix>experts.<e>.<proj>.<field>".
-std::string expert_tensor_name(const std::string& prefix, int64_t expert_idx,
-                               const std::string& proj, const std::string& field);
+std::string expert_tensor_name(const std::string& prefix, int64_t expert_idx, const std::string& proj,
+                               const std::string& field);
 
 // Loads every expert under `prefix` from a .safetensors file or a checkpoint
 // directory (model.safetensors.index.json for shards). Expert tensors are
@@ -74,7 +74,6 @@ MoeWeights load_moe_weights(const std::string& path, const std::string& prefix);
 
 // Adds the layer's tensors in ModelOpt layout to a writer (the inverse of
 // load_moe_weights), e.g. to make test checkpoints.
-void add_moe_weights(SafetensorsWriter& writer, const MoeWeights& weights,
-                     const std::string& prefix);
+void add_moe_weights(SafetensorsWriter& writer, const MoeWeights& weights, const std::string& prefix);
 
 }  // namespace fp4moe

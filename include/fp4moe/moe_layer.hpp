@@ -145,20 +145,20 @@ struct MoeLayerPlan {
 // own copy.
 struct MoeDeviceWeights {
   int64_t num_experts = 0;
-  int64_t hidden = 0;  // H
-  int64_t inter = 0;   // I
+  int64_t hidden = 0;                  // H
+  int64_t inter = 0;                   // I
   const uint8_t* w13 = nullptr;        // u8 [E, 2 I, H/2]: gate rows, then up rows
   const uint8_t* w13_scale = nullptr;  // e4m3 [E, 2 I, H/16]
   // fp32 [E] (gate and up share it, as ModelOpt writes) or, with
   // w13_scale_2_per_half, [E, 2] = {gate, up}: both are applied exactly.
   const float* w13_scale_2 = nullptr;
   bool w13_scale_2_per_half = false;
-  const uint8_t* w2 = nullptr;         // u8 [E, H, I/2]
-  const uint8_t* w2_scale = nullptr;   // e4m3 [E, H, I/16]
-  const float* w2_scale_2 = nullptr;   // fp32 [E]
+  const uint8_t* w2 = nullptr;        // u8 [E, H, I/2]
+  const uint8_t* w2_scale = nullptr;  // e4m3 [E, H, I/16]
+  const float* w2_scale_2 = nullptr;  // fp32 [E]
   // Optional biases (gpt-oss), both or neither.
-  const float* w13_bias = nullptr;     // fp32 [E, 2 I]: gate biases, then up biases
-  const float* w2_bias = nullptr;      // fp32 [E, H]
+  const float* w13_bias = nullptr;  // fp32 [E, 2 I]: gate biases, then up biases
+  const float* w2_bias = nullptr;   // fp32 [E, H]
   // Optional activation scales (W4A4), both or neither: GEMM1's input
   // (gate/up's input_scale) and GEMM2's (down_proj's), as the engines hold
   // them (fp4moe::InputScaleExtent): [E] each by default, w13's [E, 2] =
@@ -176,13 +176,13 @@ struct MoeForwardArgs {
   const void* hidden_states = nullptr;  // bf16 [num_tokens, hidden], 16-byte aligned
   int64_t num_tokens = 0;
   // Either router logits (routing computed on the device) ...
-  const float* router_logits = nullptr;    // fp32 [num_tokens, num_experts]
+  const float* router_logits = nullptr;  // fp32 [num_tokens, num_experts]
   // A weight: read before the previous kernel in the stream ends
   // (docs/design.md §3), so that kernel must not write it.
   const float* correction_bias = nullptr;  // fp32 [num_experts], kNoauxTc only; null = zeros
   // ... or the caller's routing (both set, router_logits null).
-  const int32_t* topk_ids = nullptr;       // int32 [num_tokens, top_k]
-  const float* topk_weights = nullptr;     // fp32 [num_tokens, top_k]
+  const int32_t* topk_ids = nullptr;    // int32 [num_tokens, top_k]
+  const float* topk_weights = nullptr;  // fp32 [num_tokens, top_k]
 };
 
 class MoeLayer {
@@ -205,8 +205,7 @@ class MoeLayer {
   static MoeLayer prepare_device(const MoeDeviceWeights& weights, const MoeLayerOptions& options = {},
                                  cudaStream_t stream = nullptr);
   // load_moe_weights(path, prefix) then prepare().
-  static MoeLayer load(const std::string& path, const std::string& prefix,
-                       const MoeLayerOptions& options = {});
+  static MoeLayer load(const std::string& path, const std::string& prefix, const MoeLayerOptions& options = {});
 
   MoeLayer(MoeLayer&&) noexcept;
   MoeLayer& operator=(MoeLayer&&) noexcept;
@@ -260,8 +259,8 @@ class MoeLayer {
   // the rows the deterministic finalize sums in slot order; rows of absent
   // slots are left as they were. Needs FinalizeMode::kDeterministic and a
   // layer without a shared expert (its rows have no place in that layout).
-  void forward_pair_rows(const MoeForwardArgs& args, float* pair_rows, void* workspace,
-                         size_t workspace_bytes, cudaStream_t stream) const;
+  void forward_pair_rows(const MoeForwardArgs& args, float* pair_rows, void* workspace, size_t workspace_bytes,
+                         cudaStream_t stream) const;
 
   // Device-side errors recorded in `workspace` by earlier forwards (expert
   // ids out of range, non-finite router logits, whose experts are excluded

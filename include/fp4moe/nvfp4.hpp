@@ -70,14 +70,22 @@ FP4MOE_HD uint8_t float_to_e2m1(float x) {
   uint8_t mag;
   // Boundaries between neighbours: 0.25 0.75 1.25 1.75 2.5 3.5 5. A value on
   // a boundary goes to the neighbour whose code is even.
-  if (!(a > 0.25f)) mag = 0;        // also NaN
-  else if (a < 0.75f) mag = 1;
-  else if (a <= 1.25f) mag = 2;
-  else if (a < 1.75f) mag = 3;
-  else if (a <= 2.5f) mag = 4;
-  else if (a < 3.5f) mag = 5;
-  else if (a <= 5.0f) mag = 6;
-  else mag = 7;
+  if (!(a > 0.25f))
+    mag = 0;  // also NaN
+  else if (a < 0.75f)
+    mag = 1;
+  else if (a <= 1.25f)
+    mag = 2;
+  else if (a < 1.75f)
+    mag = 3;
+  else if (a <= 2.5f)
+    mag = 4;
+  else if (a < 3.5f)
+    mag = 5;
+  else if (a <= 5.0f)
+    mag = 6;
+  else
+    mag = 7;
   return static_cast<uint8_t>(sign | mag);
 }
 
@@ -110,7 +118,7 @@ FP4MOE_HD uint8_t float_to_e4m3(float x) {
   const float a = std::fabs(x);
   if (a >= 464.0f) return sign | 0x7Eu;  // >= midpoint(448, 480): saturate (also inf)
   // Work in units of the smallest subnormal, 2^-9, for small values.
-  if (a < 0.015625f) {  // below 2^-6: subnormal range, step 2^-9
+  if (a < 0.015625f) {                // below 2^-6: subnormal range, step 2^-9
     const float scaled = a * 512.0f;  // exact (power of two)
     // Round half to even on the integer grid 0..8 (8 = 2^-6, the smallest normal).
     const float floor_v = std::floor(scaled);
@@ -136,8 +144,7 @@ FP4MOE_HD float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uin
 // Round to nearest even; NaN stays a (quiet) NaN.
 FP4MOE_HD uint16_t float_to_bf16(float f) {
   const uint32_t bits = float_to_bits(f);
-  if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu))
-    return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu)) return static_cast<uint16_t>((bits >> 16) | 0x40u);
   const uint32_t lsb = (bits >> 16) & 1u;
   return static_cast<uint16_t>((bits + 0x7FFFu + lsb) >> 16);
 }

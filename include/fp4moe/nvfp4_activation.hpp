@@ -157,8 +157,7 @@ FP4MOE_ACT_HD uint8_t nvfp4_act_code(float x, const Nvfp4ActThresholds& t) {
 
 // Quantises one block of 16: returns the scale code, writes the 16 e2m1
 // codes and, if `unscaled` is not null, q_i * float(sf) (what the GPU stores).
-FP4MOE_ACT_HD uint8_t nvfp4_act_quantize_block(const float* x, float input_scale, uint8_t* codes,
-                                               float* unscaled) {
+FP4MOE_ACT_HD uint8_t nvfp4_act_quantize_block(const float* x, float input_scale, uint8_t* codes, float* unscaled) {
   const uint8_t scale = nvfp4_act_block_scale(nvfp4_act_block_amax(x), input_scale);
   const Nvfp4ActThresholds t = nvfp4_act_thresholds(nvfp4_act_mul(e4m3_to_float(scale), input_scale));
   for (int i = 0; i < kNvfp4BlockSize; ++i) {

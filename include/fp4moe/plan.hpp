@@ -20,10 +20,10 @@ namespace fp4moe {
 // ------------------------------------------------------------- architectures
 
 struct ArchLimits {
-  std::string name;            // "sm90"
-  int compute_capability;      // 90
-  int64_t smem_per_block;      // opt-in dynamic shared memory per block, bytes
-  int64_t smem_per_sm;         // shared memory per multiprocessor, bytes
+  std::string name;                 // "sm90"
+  int compute_capability;           // 90
+  int64_t smem_per_block;           // opt-in dynamic shared memory per block, bytes
+  int64_t smem_per_sm;              // shared memory per multiprocessor, bytes
   int64_t smem_reserved_per_block;  // reserved by the system per resident block
 };
 
@@ -78,9 +78,9 @@ bool is_compiled(const TileConfig& config);
 // ---------------------------------------------------------- shared memory
 
 struct SmemRegion {
-  std::string name;         // "weights"
-  std::string shape;        // "(STAGES=4, BLOCK_N=128, BLOCK_K/2=128) packed fp4"
-  int64_t offset = 0;       // bytes from the start of dynamic shared memory
+  std::string name;    // "weights"
+  std::string shape;   // "(STAGES=4, BLOCK_N=128, BLOCK_K/2=128) packed fp4"
+  int64_t offset = 0;  // bytes from the start of dynamic shared memory
   int64_t bytes = 0;
   bool overlaps_mainloop = false;  // reuses drained pipeline buffers
 };
@@ -122,9 +122,9 @@ struct GemmProblem {
   int64_t num_experts = 0;
   int64_t n = 0;
   int64_t k = 0;
-  int64_t num_rows = 0;  // routed rows over all experts (tokens * top_k)
+  int64_t num_rows = 0;                 // routed rows over all experts (tokens * top_k)
   int64_t expected_active_experts = 0;  // 0: estimate from uniform routing
-  Epilogue epilogue = Epilogue::kNone;   // the planner only picks configs with this epilogue
+  Epilogue epilogue = Epilogue::kNone;  // the planner only picks configs with this epilogue
   // Keep to one kernel family at every row count where it runs (the two
   // families may round differently; batch-invariant layers need one).
   bool single_family = false;
@@ -141,13 +141,13 @@ struct GemmPlan {
   // The figures the planner weighed (plan_gemm_with), and what later steps
   // changed (limit_split_k, with_row_class), for reason().
   struct Rationale {
-    bool no_rows = false;           // nothing to plan for: reason() is "no rows"
+    bool no_rows = false;  // nothing to plan for: reason() is "no rows"
     int block_m = 0;
-    double rows_per_expert = 0;     // expected rows per active expert
+    double rows_per_expert = 0;  // expected rows per active expert
     double active_experts = 0;
     int64_t num_experts = 0;
-    double tiles = 0;               // expected tiles
-    int split_k = 1;                // the split planned (before limit_split_k)
+    double tiles = 0;  // expected tiles
+    int split_k = 1;   // the split planned (before limit_split_k)
     bool split_k_given = false;
     double block_slots = 0;
     int64_t k_tiles = 0;
@@ -191,13 +191,13 @@ bool family_runs_on(KernelFamily family, int compute_capability);
 // the portable kernel's mma.sync tiles measured faster.
 // num_sms and blocks_per_sm size the split-K choice (it only fills block
 // slots the tiles leave idle); the SM90 family always runs one block per SM.
-GemmPlan plan_gemm(const GemmProblem& problem, int64_t smem_budget_bytes, int num_sms,
-                   int compute_capability = 0, int blocks_per_sm = 2);
+GemmPlan plan_gemm(const GemmProblem& problem, int64_t smem_budget_bytes, int num_sms, int compute_capability = 0,
+                   int blocks_per_sm = 2);
 
 // Plans with a given config; split_k 0 lets the planner choose the split,
 // otherwise it is used as given (1 .. the config's k-tiles of problem.k).
-GemmPlan plan_gemm_with(const GemmProblem& problem, const TileConfig& config, int num_sms,
-                        int blocks_per_sm = 2, int split_k = 0);
+GemmPlan plan_gemm_with(const GemmProblem& problem, const TileConfig& config, int num_sms, int blocks_per_sm = 2,
+                        int split_k = 0);
 
 // The grouped GEMMs of an MoE layer (docs/design.md §4.5) as MoeLayer plans
 // them for num_tokens tokens: gemm 1 is [rows, hidden] x [2 inter, hidden]^T

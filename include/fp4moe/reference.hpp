@@ -49,8 +49,8 @@ namespace fp4moe {
 // kNoauxTc) num_groups does not divide num_experts, a group has fewer than 2
 // experts, topk_groups is outside [1, num_groups], the kept groups hold fewer
 // than top_k experts, or routed_scaling_factor is not finite and positive.
-Routing route(const float* router_logits, int64_t num_tokens, int64_t num_experts,
-              const float* correction_bias, const RoutingParams& params);
+Routing route(const float* router_logits, int64_t num_tokens, int64_t num_experts, const float* correction_bias,
+              const RoutingParams& params);
 
 // Validates caller-given routing against the layer (ids in range, no
 // duplicate expert within a token, shapes, num_tokens * top_k < 2^31);
@@ -69,8 +69,8 @@ double activate(Activation activation, double gate, double up);
 // contribution is computed by one sequential dot product per output element,
 // and a token's contributions are summed in slot order. Throws on shape
 // mismatches between weights, routing and the layer.
-void moe_reference(const MoeWeights& weights, const float* hidden_states,
-                   const Routing& routing, Activation activation, float* output);
+void moe_reference(const MoeWeights& weights, const float* hidden_states, const Routing& routing, Activation activation,
+                   float* output);
 // Precision of the intermediate act(gate, up) that feeds the down projection.
 enum class Intermediate {
   kExact,  // double
@@ -128,9 +128,8 @@ ActivationNumerics resolve_stacked_activation_numerics(ActivationNumerics reques
 // kFp4 the intermediate is rounded as `intermediate` says, to float, then
 // quantised; the quantised values q * e4m3 * input_scale are exact in
 // double, as an FP4 tensor-core engine multiplies them.
-void moe_reference(const MoeWeights& weights, const float* hidden_states,
-                   const Routing& routing, Activation activation, float* output,
-                   int num_threads, Intermediate intermediate = Intermediate::kExact,
+void moe_reference(const MoeWeights& weights, const float* hidden_states, const Routing& routing, Activation activation,
+                   float* output, int num_threads, Intermediate intermediate = Intermediate::kExact,
                    ActivationNumerics numerics = ActivationNumerics::kCheckpoint);
 
 }  // namespace fp4moe

@@ -88,10 +88,10 @@ class SafetensorsFile {
 
  private:
   struct StoredTensor {
-    TensorView view;            // data: null until get() reads the bytes
-    bool readable = false;      // a dtype fp4moe reads
-    std::string dtype_name;     // as the header spells it
-    uint64_t offset = 0;        // in the data section
+    TensorView view;         // data: null until get() reads the bytes
+    bool readable = false;   // a dtype fp4moe reads
+    std::string dtype_name;  // as the header spells it
+    uint64_t offset = 0;     // in the data section
     std::unique_ptr<uint8_t[]> bytes;
   };
   SafetensorsFile() = default;
@@ -164,8 +164,7 @@ class SafetensorsStreamWriter {
 class SafetensorsWriter {
  public:
   // Copies the bytes. nbytes must equal numel(shape) * dtype_size(dtype).
-  void add(const std::string& name, DType dtype, std::vector<int64_t> shape, const void* data,
-           size_t nbytes);
+  void add(const std::string& name, DType dtype, std::vector<int64_t> shape, const void* data, size_t nbytes);
   void add(const TensorView& view) { add(view.name, view.dtype, view.shape, view.data, view.nbytes); }
   void set_metadata(const std::string& key, const std::string& value);
   size_t num_tensors() const { return tensors_.size(); }

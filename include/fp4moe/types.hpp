@@ -18,11 +18,11 @@ namespace fp4moe {
 
 // One NVFP4 weight matrix W [rows = N, cols = K] in ModelOpt layout.
 struct Nvfp4Matrix {
-  int64_t rows = 0;                 // N (output features)
-  int64_t cols = 0;                 // K (input features), a multiple of 16
-  std::vector<uint8_t> packed;      // [rows, cols/2]; even element in the low nibble
-  std::vector<uint8_t> scales;      // [rows, cols/16] float8 e4m3fn block scales
-  float global_scale = 1.0f;        // weight_scale_2
+  int64_t rows = 0;             // N (output features)
+  int64_t cols = 0;             // K (input features), a multiple of 16
+  std::vector<uint8_t> packed;  // [rows, cols/2]; even element in the low nibble
+  std::vector<uint8_t> scales;  // [rows, cols/16] float8 e4m3fn block scales
+  float global_scale = 1.0f;    // weight_scale_2
   // The calibrated activation scale (amax / 2688 of this matrix's input),
   // used by W4A4 activation numerics only (fp4moe::ActivationNumerics);
   // has_input_scale says whether the checkpoint carries one.
@@ -33,9 +33,7 @@ struct Nvfp4Matrix {
     const uint8_t byte = packed[static_cast<size_t>(r * (cols / 2) + c / 2)];
     return (c & 1) ? (byte >> 4) : (byte & 0xF);
   }
-  uint8_t scale(int64_t r, int64_t c) const {
-    return scales[static_cast<size_t>(r * (cols / 16) + c / 16)];
-  }
+  uint8_t scale(int64_t r, int64_t c) const { return scales[static_cast<size_t>(r * (cols / 16) + c / 16)]; }
   float value(int64_t r, int64_t c) const;  // dequantised element
   // The whole matrix dequantised to float, row-major [rows, cols].
   std::vector<float> dequantize() const;

@@ -9,10 +9,14 @@ namespace fp4moe::python {
 
 const char* dtype_name(DType d) {
   switch (d) {
-    case DType::kU8: return "uint8 (or float8_e4m3fn for scales)";
-    case DType::kBf16: return "bfloat16";
-    case DType::kF32: return "float32";
-    case DType::kI32: return "int32";
+    case DType::kU8:
+      return "uint8 (or float8_e4m3fn for scales)";
+    case DType::kBf16:
+      return "bfloat16";
+    case DType::kF32:
+      return "float32";
+    case DType::kI32:
+      return "int32";
   }
   return "?";
 }
@@ -23,12 +27,14 @@ bool has_dtype(const nb::dlpack::dtype& t, DType d) {
   switch (d) {
     // Bytes: uint8, int8, or float8_e4m3fn for scales.
     case DType::kU8:
-      return t.bits == 8 &&
-             (t.code == static_cast<uint8_t>(Code::UInt) || t.code == static_cast<uint8_t>(Code::Int) ||
-              t.code == static_cast<uint8_t>(Code::Float8_E4M3FN));
-    case DType::kBf16: return t.code == static_cast<uint8_t>(Code::Bfloat) && t.bits == 16;
-    case DType::kF32: return t.code == static_cast<uint8_t>(Code::Float) && t.bits == 32;
-    case DType::kI32: return t.code == static_cast<uint8_t>(Code::Int) && t.bits == 32;
+      return t.bits == 8 && (t.code == static_cast<uint8_t>(Code::UInt) || t.code == static_cast<uint8_t>(Code::Int) ||
+                             t.code == static_cast<uint8_t>(Code::Float8_E4M3FN));
+    case DType::kBf16:
+      return t.code == static_cast<uint8_t>(Code::Bfloat) && t.bits == 16;
+    case DType::kF32:
+      return t.code == static_cast<uint8_t>(Code::Float) && t.bits == 32;
+    case DType::kI32:
+      return t.code == static_cast<uint8_t>(Code::Int) && t.bits == 32;
   }
   return false;
 }
@@ -37,13 +43,25 @@ std::string describe(const nb::dlpack::dtype& t) {
   using Code = nb::dlpack::dtype_code;
   const char* kind = "unknown type ";
   switch (static_cast<Code>(t.code)) {
-    case Code::Int: kind = "int"; break;
-    case Code::UInt: kind = "uint"; break;
-    case Code::Float: kind = "float"; break;
-    case Code::Bfloat: kind = "bfloat"; break;
-    case Code::Bool: kind = "bool"; break;
-    case Code::Float8_E4M3FN: return "float8_e4m3fn";
-    default: break;
+    case Code::Int:
+      kind = "int";
+      break;
+    case Code::UInt:
+      kind = "uint";
+      break;
+    case Code::Float:
+      kind = "float";
+      break;
+    case Code::Bfloat:
+      kind = "bfloat";
+      break;
+    case Code::Bool:
+      kind = "bool";
+      break;
+    case Code::Float8_E4M3FN:
+      return "float8_e4m3fn";
+    default:
+      break;
   }
   return kind + std::to_string(t.bits) + (t.lanes != 1 ? "x" + std::to_string(t.lanes) : "");
 }
@@ -81,8 +99,8 @@ ArrayView::ArrayView(const char* where, const char* name, nb::handle object) {
     return;
   }
   Array array;
-  FP4MOE_CHECK(nb::try_cast(object, array), where, ": ", name, " is a ",
-               nb::inst_name(object).c_str(), "; expected an array (DLPack or buffer protocol)");
+  FP4MOE_CHECK(nb::try_cast(object, array), where, ": ", name, " is a ", nb::inst_name(object).c_str(),
+               "; expected an array (DLPack or buffer protocol)");
   owner_ = std::move(array);
   t_.data = const_cast<void*>(owner_->data());
   t_.device = {owner_->device_type(), owner_->device_id()};
@@ -106,8 +124,8 @@ void ArrayView::compact_strides() {
 template <typename A>
 void* checked(const char* where, const char* name, const A& a, DType dtype,
               std::initializer_list<std::vector<int64_t>> shapes, int device_id) {
-  FP4MOE_CHECK(has_dtype(a.dtype(), dtype), where, ": ", name, " has dtype ", describe(a.dtype()),
-               "; expected ", dtype_name(dtype));
+  FP4MOE_CHECK(has_dtype(a.dtype(), dtype), where, ": ", name, " has dtype ", describe(a.dtype()), "; expected ",
+               dtype_name(dtype));
   if (device_id == kHost) {
     FP4MOE_CHECK(a.device_type() == nb::device::cpu::value, where, ": ", name,
                  " is not in host memory; expected a CPU array");
@@ -131,9 +149,9 @@ void* checked(const char* where, const char* name, const A& a, DType dtype,
   }
   int64_t stride = 1;
   for (size_t i = a.ndim(); i-- > 0;) {
-    FP4MOE_CHECK(a.shape(i) <= 1 || a.stride(i) == stride, where, ": ", name, " with shape ",
-                 shape_string(got), " is not contiguous (stride ", a.stride(i), " in dimension ", i,
-                 ", expected ", stride, "); pass .contiguous()");
+    FP4MOE_CHECK(a.shape(i) <= 1 || a.stride(i) == stride, where, ": ", name, " with shape ", shape_string(got),
+                 " is not contiguous (stride ", a.stride(i), " in dimension ", i, ", expected ", stride,
+                 "); pass .contiguous()");
     stride *= static_cast<int64_t>(a.shape(i));
   }
   return const_cast<void*>(static_cast<const void*>(a.data()));
@@ -143,16 +161,14 @@ template void* checked(const char*, const char*, const Array&, DType, std::initi
 template void* checked(const char*, const char*, const ArrayView&, DType, std::initializer_list<std::vector<int64_t>>,
                        int);
 
-std::vector<Nvfp4Matrix> unstack(const char* where, const Array& packed, const Array& scales,
-                                 const float* scale_2, int scale_2_stride, int scale_2_offset) {
+std::vector<Nvfp4Matrix> unstack(const char* where, const Array& packed, const Array& scales, const float* scale_2,
+                                 int scale_2_stride, int scale_2_offset) {
   FP4MOE_CHECK(packed.ndim() == 3, where, ": packed weights have shape ", shape_string(shape_of(packed)),
                "; expected [E, n, k/2]");
   const int64_t E = static_cast<int64_t>(packed.shape(0)), n = static_cast<int64_t>(packed.shape(1));
   const int64_t k = static_cast<int64_t>(packed.shape(2)) * 2;
-  const auto* p =
-      static_cast<const uint8_t*>(checked(where, "packed", packed, DType::kU8, {{E, n, k / 2}}, kHost));
-  const auto* s =
-      static_cast<const uint8_t*>(checked(where, "scales", scales, DType::kU8, {{E, n, k / 16}}, kHost));
+  const auto* p = static_cast<const uint8_t*>(checked(where, "packed", packed, DType::kU8, {{E, n, k / 2}}, kHost));
+  const auto* s = static_cast<const uint8_t*>(checked(where, "scales", scales, DType::kU8, {{E, n, k / 16}}, kHost));
   std::vector<Nvfp4Matrix> out(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) {
     Nvfp4Matrix& m = out[static_cast<size_t>(e)];
@@ -165,18 +181,16 @@ std::vector<Nvfp4Matrix> unstack(const char* where, const Array& packed, const A
   return out;
 }
 
-MoeWeights weights_from_stacked(const Array& w13, const Array& w13_scale, const Array& w13_scale_2,
-                                const Array& w2, const Array& w2_scale, const Array& w2_scale_2,
-                                const std::optional<Array>& w13_bias, const std::optional<Array>& w2_bias,
-                                const std::optional<Array>& w13_input_scale, const std::optional<Array>& w2_input_scale,
-                                bool fp4) {
+MoeWeights weights_from_stacked(const Array& w13, const Array& w13_scale, const Array& w13_scale_2, const Array& w2,
+                                const Array& w2_scale, const Array& w2_scale_2, const std::optional<Array>& w13_bias,
+                                const std::optional<Array>& w2_bias, const std::optional<Array>& w13_input_scale,
+                                const std::optional<Array>& w2_input_scale, bool fp4) {
   constexpr const char* kWhere = "fp4moe.reference_forward";
-  FP4MOE_CHECK(w13.ndim() == 3, kWhere, ": w13 has shape ", shape_string(shape_of(w13)),
-               "; expected [E, 2*I, H/2]");
+  FP4MOE_CHECK(w13.ndim() == 3, kWhere, ": w13 has shape ", shape_string(shape_of(w13)), "; expected [E, 2*I, H/2]");
   const int64_t E = static_cast<int64_t>(w13.shape(0)), I = static_cast<int64_t>(w13.shape(1)) / 2;
   const int64_t H = static_cast<int64_t>(w13.shape(2)) * 2;
-  const auto* s13 = static_cast<const float*>(
-      checked(kWhere, "w13_scale_2", w13_scale_2, DType::kF32, {{E}, {E, 1}, {E, 2}}, kHost));
+  const auto* s13 =
+      static_cast<const float*>(checked(kWhere, "w13_scale_2", w13_scale_2, DType::kF32, {{E}, {E, 1}, {E, 2}}, kHost));
   const int halves = w13_scale_2.ndim() == 2 && w13_scale_2.shape(1) == 2 ? 2 : 1;
   const auto* s2 =
       static_cast<const float*>(checked(kWhere, "w2_scale_2", w2_scale_2, DType::kF32, {{E}, {E, 1}}, kHost));
@@ -184,12 +198,11 @@ MoeWeights weights_from_stacked(const Array& w13, const Array& w13_scale, const 
   std::vector<Nvfp4Matrix> down = unstack(kWhere, w2, w2_scale, s2, 1, 0);
   FP4MOE_CHECK(static_cast<int64_t>(down.size()) == E && down[0].rows == H && down[0].cols == I, kWhere,
                ": w2 has shape ", shape_string(shape_of(w2)), "; expected [", E, ", ", H, ", ", I / 2, "]");
-  const float* b13 = w13_bias ? static_cast<const float*>(
-                                    checked(kWhere, "w13_bias", *w13_bias, DType::kF32, {{E, 2 * I}}, kHost))
-                              : nullptr;
+  const float* b13 =
+      w13_bias ? static_cast<const float*>(checked(kWhere, "w13_bias", *w13_bias, DType::kF32, {{E, 2 * I}}, kHost))
+               : nullptr;
   const float* b2 =
-      w2_bias ? static_cast<const float*>(checked(kWhere, "w2_bias", *w2_bias, DType::kF32, {{E, H}}, kHost))
-              : nullptr;
+      w2_bias ? static_cast<const float*>(checked(kWhere, "w2_bias", *w2_bias, DType::kF32, {{E, H}}, kHost)) : nullptr;
   FP4MOE_CHECK((b13 == nullptr) == (b2 == nullptr), kWhere, ": give both w13_bias and w2_bias, or neither");
   MoeWeights w;
   w.num_experts = E;

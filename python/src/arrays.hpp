@@ -151,17 +151,17 @@ nb::ndarray<nb::numpy, T> numpy_array(std::vector<T>&& data, std::initializer_li
 // Stacked host arrays [E, n, k/2] and [E, n, k/16] -> the E matrices, each
 // with global scale scale_2[e * scale_2_stride + scale_2_offset] (1 without
 // scale_2).
-std::vector<Nvfp4Matrix> unstack(const char* where, const Array& packed, const Array& scales,
-                                 const float* scale_2, int scale_2_stride, int scale_2_offset);
+std::vector<Nvfp4Matrix> unstack(const char* where, const Array& packed, const Array& scales, const float* scale_2,
+                                 int scale_2_stride, int scale_2_offset);
 
 // The engines' stacked host arrays -> MoeWeights (per-expert gate/up/down).
 // With fp4 activations, the input scales (both given: resolve the numerics
 // first) are each matrix's input_scale, as a checkpoint's tensors give them
 // (stacked_input_scales); otherwise only their shapes are checked, as
 // MoeLayer does.
-MoeWeights weights_from_stacked(const Array& w13, const Array& w13_scale, const Array& w13_scale_2,
-                                const Array& w2, const Array& w2_scale, const Array& w2_scale_2,
-                                const std::optional<Array>& w13_bias, const std::optional<Array>& w2_bias,
+MoeWeights weights_from_stacked(const Array& w13, const Array& w13_scale, const Array& w13_scale_2, const Array& w2,
+                                const Array& w2_scale, const Array& w2_scale_2, const std::optional<Array>& w13_bias,
+                                const std::optional<Array>& w2_bias,
                                 const std::optional<Array>& w13_input_scale = std::nullopt,
                                 const std::optional<Array>& w2_input_scale = std::nullopt, bool fp4 = false);
 

@@ -21,7 +21,6 @@
 namespace fp4moe::python {
 namespace {
 
-
 // A checkpoint's layer as the engines' stacked host arrays (a dict), with
 // w13_input_scale [E, 2] (gate, up) and w2_input_scale [E] where every
 // expert matrix has an input_scale (an NVFP4 (W4A4) export).
@@ -86,9 +85,8 @@ nb::tuple quantize(const Array& weights, std::optional<float> global_scale) {
     m = quantize_nvfp4(w, n, k, global_scale);
   }
   const float s2 = m.global_scale;
-  return nb::make_tuple(
-      numpy_array(std::move(m.packed), {static_cast<size_t>(n), static_cast<size_t>(k / 2)}),
-      numpy_array(std::move(m.scales), {static_cast<size_t>(n), static_cast<size_t>(k / 16)}), s2);
+  return nb::make_tuple(numpy_array(std::move(m.packed), {static_cast<size_t>(n), static_cast<size_t>(k / 2)}),
+                        numpy_array(std::move(m.scales), {static_cast<size_t>(n), static_cast<size_t>(k / 16)}), s2);
 }
 
 // config.json's MoE fields as parse_moe_model_config reads them (`where`

@@ -59,10 +59,9 @@ class DeviceGuard {
 
 // ---------------------------------------------------------------- options
 
-MoeLayerOptions make_options(int top_k, const std::string& routing, bool renormalize, int num_groups,
-                             int topk_groups, float routed_scaling_factor, const std::string& activation,
-                             const std::string& activations, const std::string& finalize, bool batch_invariant,
-                             bool programmatic_launch) {
+MoeLayerOptions make_options(int top_k, const std::string& routing, bool renormalize, int num_groups, int topk_groups,
+                             float routed_scaling_factor, const std::string& activation, const std::string& activations,
+                             const std::string& finalize, bool batch_invariant, bool programmatic_launch) {
   MoeLayerOptions o;
   o.activations = parse_activation_numerics(activations);
   o.routing.mode = parse_routing_mode(routing);
@@ -128,17 +127,17 @@ class Layer {
   Layer(const Layer&) = delete;
   Layer& operator=(const Layer&) = delete;
 
-  static Layer* from_device(const Array& w13, const Array& w13_scale, const Array& w13_scale_2,
-                            const Array& w2, const Array& w2_scale, const Array& w2_scale_2,
-                            const std::optional<Array>& w13_bias, const std::optional<Array>& w2_bias,
-                            const std::optional<Array>& w13_input_scale, const std::optional<Array>& w2_input_scale,
-                            const MoeLayerOptions& options, int64_t max_tokens, uintptr_t stream) {
+  static Layer* from_device(const Array& w13, const Array& w13_scale, const Array& w13_scale_2, const Array& w2,
+                            const Array& w2_scale, const Array& w2_scale_2, const std::optional<Array>& w13_bias,
+                            const std::optional<Array>& w2_bias, const std::optional<Array>& w13_input_scale,
+                            const std::optional<Array>& w2_input_scale, const MoeLayerOptions& options,
+                            int64_t max_tokens, uintptr_t stream) {
     constexpr const char* kWhere = "fp4moe.MoeLayer";
     FP4MOE_CHECK(w13.device_type() == nb::device::cuda::value, kWhere,
                  ": w13 is not on a CUDA device; expected the stacked weights on a GPU");
     const int device = w13.device_id();
-    FP4MOE_CHECK(w13.ndim() == 3 && w2.ndim() == 3, kWhere, ": w13 has shape ", shape_string(shape_of(w13)),
-                 " and w2 ", shape_string(shape_of(w2)), "; expected [E, 2*I, H/2] and [E, H, I/2]");
+    FP4MOE_CHECK(w13.ndim() == 3 && w2.ndim() == 3, kWhere, ": w13 has shape ", shape_string(shape_of(w13)), " and w2 ",
+                 shape_string(shape_of(w2)), "; expected [E, 2*I, H/2] and [E, H, I/2]");
     const int64_t E = static_cast<int64_t>(w13.shape(0));
     const int64_t I = static_cast<int64_t>(w13.shape(1)) / 2;
     const int64_t H = static_cast<int64_t>(w13.shape(2)) * 2;
@@ -149,23 +148,20 @@ class Layer {
     w.hidden = H;
     w.inter = I;
     w.w13 = static_cast<const uint8_t*>(checked(kWhere, "w13", w13, DType::kU8, {{E, 2 * I, H / 2}}, device));
-    w.w13_scale = static_cast<const uint8_t*>(
-        checked(kWhere, "w13_scale", w13_scale, DType::kU8, {{E, 2 * I, H / 16}}, device));
+    w.w13_scale =
+        static_cast<const uint8_t*>(checked(kWhere, "w13_scale", w13_scale, DType::kU8, {{E, 2 * I, H / 16}}, device));
     w.w13_scale_2 = static_cast<const float*>(
         checked(kWhere, "w13_scale_2", w13_scale_2, DType::kF32, {{E}, {E, 1}, {E, 2}}, device));
     w.w13_scale_2_per_half = w13_scale_2.ndim() == 2 && w13_scale_2.shape(1) == 2;
     w.w2 = static_cast<const uint8_t*>(checked(kWhere, "w2", w2, DType::kU8, {{E, H, I / 2}}, device));
-    w.w2_scale = static_cast<const uint8_t*>(
-        checked(kWhere, "w2_scale", w2_scale, DType::kU8, {{E, H, I / 16}}, device));
-    w.w2_scale_2 = static_cast<const float*>(
-        checked(kWhere, "w2_scale_2", w2_scale_2, DType::kF32, {{E}, {E, 1}}, device));
-    FP4MOE_CHECK(w13_bias.has_value() == w2_bias.has_value(), kWhere,
-                 ": give both w13_bias and w2_bias, or neither");
+    w.w2_scale =
+        static_cast<const uint8_t*>(checked(kWhere, "w2_scale", w2_scale, DType::kU8, {{E, H, I / 16}}, device));
+    w.w2_scale_2 =
+        static_cast<const float*>(checked(kWhere, "w2_scale_2", w2_scale_2, DType::kF32, {{E}, {E, 1}}, device));
+    FP4MOE_CHECK(w13_bias.has_value() == w2_bias.has_value(), kWhere, ": give both w13_bias and w2_bias, or neither");
     if (w13_bias) {
-      w.w13_bias = static_cast<const float*>(
-          checked(kWhere, "w13_bias", *w13_bias, DType::kF32, {{E, 2 * I}}, device));
-      w.w2_bias =
-          static_cast<const float*>(checked(kWhere, "w2_bias", *w2_bias, DType::kF32, {{E, H}}, device));
+      w.w13_bias = static_cast<const float*>(checked(kWhere, "w13_bias", *w13_bias, DType::kF32, {{E, 2 * I}}, device));
+      w.w2_bias = static_cast<const float*>(checked(kWhere, "w2_bias", *w2_bias, DType::kF32, {{E, H}}, device));
     }
     // W4A4: the library's rules (resolve_stacked_activation_numerics here,
     // the values in prepare_device), refusals naming this call.
@@ -182,8 +178,8 @@ class Layer {
     return new Layer(std::move(layer), device, max_tokens);
   }
 
-  static Layer* from_checkpoint(const std::string& path, const std::string& prefix,
-                                const MoeLayerOptions& options, int64_t max_tokens, int device) {
+  static Layer* from_checkpoint(const std::string& path, const std::string& prefix, const MoeLayerOptions& options,
+                                int64_t max_tokens, int device) {
     MoeWeights weights;
     {
       nb::gil_scoped_release release;  // reading and checking gigabytes
@@ -200,9 +196,8 @@ class Layer {
   // one. Launched on `stream` (an int), or with None on the current stream
   // of hidden_states' framework (its exchange API, else
   // current_stream_fallback(device)).
-  void forward(nb::handle hidden_object, nb::handle out_object, nb::handle logits_object,
-               nb::handle bias_object, nb::handle ids_object, nb::handle weights_object,
-               nb::handle stream_object) const {
+  void forward(nb::handle hidden_object, nb::handle out_object, nb::handle logits_object, nb::handle bias_object,
+               nb::handle ids_object, nb::handle weights_object, nb::handle stream_object) const {
     constexpr const char* kWhere = "fp4moe.MoeLayer.forward";
     const ArrayView hidden(kWhere, "hidden_states", hidden_object);
     const ArrayView out(kWhere, "out", out_object);
@@ -257,8 +252,7 @@ class Layer {
     for (int i = 0; i < iterations; ++i) {
       const auto start = std::chrono::steady_clock::now();
       layer_.forward(args, out.data(), workspace_, workspace_bytes_, reinterpret_cast<cudaStream_t>(stream));
-      ns.push_back(
-          std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count());
+      ns.push_back(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count());
     }
     std::sort(ns.begin(), ns.end());
     return ns.empty() ? 0.0 : ns[ns.size() / 2];
@@ -315,8 +309,7 @@ std::string cuda_unavailable_reason() {
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
     cudaGetLastError();
-    return std::string("cudaGetDeviceCount failed: ") + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
-           ")";
+    return std::string("cudaGetDeviceCount failed: ") + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
   }
   return count > 0 ? std::string() : std::string("cudaGetDeviceCount counts 0 devices");
 }
@@ -327,27 +320,25 @@ void register_layer(nb::module_& m) {
   nb::class_<Layer>(m, "Layer")
       .def_static(
           "from_device",
-          [](const Array& w13, const Array& w13_scale, const Array& w13_scale_2, const Array& w2,
-             const Array& w2_scale, const Array& w2_scale_2, const std::optional<Array>& w13_bias,
-             const std::optional<Array>& w2_bias, const std::optional<Array>& w13_input_scale,
-             const std::optional<Array>& w2_input_scale, int top_k, const std::string& routing, bool renormalize,
-             int num_groups, int topk_groups, float routed_scaling_factor, const std::string& activation,
-             const std::string& activations, const std::string& finalize, bool batch_invariant,
-             bool programmatic_launch, int64_t max_tokens, uintptr_t stream) {
+          [](const Array& w13, const Array& w13_scale, const Array& w13_scale_2, const Array& w2, const Array& w2_scale,
+             const Array& w2_scale_2, const std::optional<Array>& w13_bias, const std::optional<Array>& w2_bias,
+             const std::optional<Array>& w13_input_scale, const std::optional<Array>& w2_input_scale, int top_k,
+             const std::string& routing, bool renormalize, int num_groups, int topk_groups, float routed_scaling_factor,
+             const std::string& activation, const std::string& activations, const std::string& finalize,
+             bool batch_invariant, bool programmatic_launch, int64_t max_tokens, uintptr_t stream) {
             return Layer::from_device(
                 w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, w13_bias, w2_bias, w13_input_scale,
                 w2_input_scale,
-                make_options(top_k, routing, renormalize, num_groups, topk_groups, routed_scaling_factor,
-                             activation, activations, finalize, batch_invariant, programmatic_launch),
+                make_options(top_k, routing, renormalize, num_groups, topk_groups, routed_scaling_factor, activation,
+                             activations, finalize, batch_invariant, programmatic_launch),
                 max_tokens, stream);
           },
           nb::arg("w13"), nb::arg("w13_scale"), nb::arg("w13_scale_2"), nb::arg("w2"), nb::arg("w2_scale"),
           nb::arg("w2_scale_2"), nb::arg("w13_bias").none(), nb::arg("w2_bias").none(), nb::kw_only(),
-          nb::arg("w13_input_scale").none(), nb::arg("w2_input_scale").none(), nb::arg("top_k"),
-          nb::arg("routing"), nb::arg("renormalize"), nb::arg("num_groups"), nb::arg("topk_groups"),
-          nb::arg("routed_scaling_factor"), nb::arg("activation"), nb::arg("activations"), nb::arg("finalize"),
-          nb::arg("batch_invariant"), nb::arg("programmatic_launch"), nb::arg("max_tokens"), nb::arg("stream"),
-          nb::rv_policy::take_ownership)
+          nb::arg("w13_input_scale").none(), nb::arg("w2_input_scale").none(), nb::arg("top_k"), nb::arg("routing"),
+          nb::arg("renormalize"), nb::arg("num_groups"), nb::arg("topk_groups"), nb::arg("routed_scaling_factor"),
+          nb::arg("activation"), nb::arg("activations"), nb::arg("finalize"), nb::arg("batch_invariant"),
+          nb::arg("programmatic_launch"), nb::arg("max_tokens"), nb::arg("stream"), nb::rv_policy::take_ownership)
       .def_static(
           "from_checkpoint",
           [](const std::string& path, const std::string& prefix, int top_k, const std::string& routing,
@@ -356,15 +347,14 @@ void register_layer(nb::module_& m) {
              bool batch_invariant, bool programmatic_launch, int64_t max_tokens, int device) {
             return Layer::from_checkpoint(
                 path, prefix,
-                make_options(top_k, routing, renormalize, num_groups, topk_groups, routed_scaling_factor,
-                             activation, activations, finalize, batch_invariant, programmatic_launch),
+                make_options(top_k, routing, renormalize, num_groups, topk_groups, routed_scaling_factor, activation,
+                             activations, finalize, batch_invariant, programmatic_launch),
                 max_tokens, device);
           },
           nb::arg("path"), nb::arg("prefix"), nb::kw_only(), nb::arg("top_k"), nb::arg("routing"),
-          nb::arg("renormalize"), nb::arg("num_groups"), nb::arg("topk_groups"),
-          nb::arg("routed_scaling_factor"), nb::arg("activation"), nb::arg("activations"), nb::arg("finalize"),
-          nb::arg("batch_invariant"), nb::arg("programmatic_launch"), nb::arg("max_tokens"),
-          nb::arg("device"), nb::rv_policy::take_ownership)
+          nb::arg("renormalize"), nb::arg("num_groups"), nb::arg("topk_groups"), nb::arg("routed_scaling_factor"),
+          nb::arg("activation"), nb::arg("activations"), nb::arg("finalize"), nb::arg("batch_invariant"),
+          nb::arg("programmatic_launch"), nb::arg("max_tokens"), nb::arg("device"), nb::rv_policy::take_ownership)
       // .none(): nanobind refuses None for an argument unless told; the
       // checks in forward() name what is missing or wrong.
       .def("forward", &Layer::forward, nb::arg("hidden_states").none(), nb::arg("out").none(),
@@ -374,8 +364,7 @@ void register_layer(nb::module_& m) {
       .def("host_forward_ns", &Layer::host_forward_ns, nb::arg("hidden_states"), nb::arg("out"),
            nb::arg("router_logits"), nb::arg("stream"), nb::arg("iterations"))
       .def("plan", &Layer::plan, nb::arg("num_tokens"))
-      .def_prop_ro("activations",
-                   [](const Layer& l) { return fp4moe::to_string(l.layer().activation_numerics()); })
+      .def_prop_ro("activations", [](const Layer& l) { return fp4moe::to_string(l.layer().activation_numerics()); })
       .def_prop_ro("num_experts", [](const Layer& l) { return l.layer().num_experts(); })
       .def_prop_ro("hidden", [](const Layer& l) { return l.layer().hidden(); })
       .def_prop_ro("inter", [](const Layer& l) { return l.layer().inter(); })

@@ -24,19 +24,18 @@ nb::tuple pack_stacked(const Array& packed, const Array& scales, bool gate_up) {
   const int64_t E = static_cast<int64_t>(packed.shape(0)), n = static_cast<int64_t>(packed.shape(1));
   const int64_t k = static_cast<int64_t>(packed.shape(2)) * 2;
   layout::StackedNvfp4 s;
-  s.packed = static_cast<const uint8_t*>(
-      checked("fp4moe.pack_stacked", "packed", packed, DType::kU8, {{E, n, k / 2}}, kHost));
+  s.packed =
+      static_cast<const uint8_t*>(checked("fp4moe.pack_stacked", "packed", packed, DType::kU8, {{E, n, k / 2}}, kHost));
   s.scales = static_cast<const uint8_t*>(
       checked("fp4moe.pack_stacked", "scales", scales, DType::kU8, {{E, n, k / 16}}, kHost));
   s.num_experts = E;
   s.n = n;
   s.k = k;
   s.gate_up = gate_up;
-  FP4MOE_CHECK(n % 16 == 0 && k % 16 == 0 && (!gate_up || n % 32 == 0), "fp4moe.pack_stacked: n = ", n,
-               ", k = ", k, "; expected multiples of 16 (n of 32 for a gate/up stack)");
+  FP4MOE_CHECK(n % 16 == 0 && k % 16 == 0 && (!gate_up || n % 32 == 0), "fp4moe.pack_stacked: n = ", n, ", k = ", k,
+               "; expected multiples of 16 (n of 32 for a gate/up stack)");
   const int64_t frags = s.num_fragments();
-  std::vector<uint8_t> w(static_cast<size_t>(frags * kFragBytes)),
-      sc(static_cast<size_t>(frags * kFragScaleBytes));
+  std::vector<uint8_t> w(static_cast<size_t>(frags * kFragBytes)), sc(static_cast<size_t>(frags * kFragScaleBytes));
   {
     nb::gil_scoped_release release;
     for (int64_t i = 0; i < frags * layout::kWordsPerFragment; ++i) {
@@ -55,8 +54,7 @@ nb::tuple pack_host(const Array& packed, const Array& scales, bool gate_up) {
   std::vector<Nvfp4Matrix> ms = unstack("fp4moe.pack_host", packed, scales, nullptr, 0, 0);
   if (gate_up) {
     for (Nvfp4Matrix& m : ms) {
-      FP4MOE_CHECK(m.rows % 16 == 0, "fp4moe.pack_host: a gate/up stack needs rows a multiple of 16, not ",
-                   m.rows);
+      FP4MOE_CHECK(m.rows % 16 == 0, "fp4moe.pack_host: a gate/up stack needs rows a multiple of 16, not ", m.rows);
       m = interleave_gate_up(row_slice(m, 0, m.rows / 2), row_slice(m, m.rows / 2, m.rows / 2));
     }
   }

@@ -26,13 +26,12 @@ nb::ndarray<nb::numpy, float> reference_on(const char* where, const MoeWeights& 
                ": hidden_states and topk_ids must be 2-D ([T, H] and [T, k])");
   const int64_t T = static_cast<int64_t>(hidden.shape(0));
   const int64_t k = static_cast<int64_t>(topk_ids.shape(1));
-  const auto* x = static_cast<const float*>(
-      checked(where, "hidden_states", hidden, DType::kF32, {{T, w.hidden}}, kHost));
+  const auto* x =
+      static_cast<const float*>(checked(where, "hidden_states", hidden, DType::kF32, {{T, w.hidden}}, kHost));
   Routing r;
   r.num_tokens = T;
   r.top_k = static_cast<int>(k);
-  const auto* ids =
-      static_cast<const int32_t*>(checked(where, "topk_ids", topk_ids, DType::kI32, {{T, k}}, kHost));
+  const auto* ids = static_cast<const int32_t*>(checked(where, "topk_ids", topk_ids, DType::kI32, {{T, k}}, kHost));
   const auto* wts =
       static_cast<const float*>(checked(where, "topk_weights", topk_weights, DType::kF32, {{T, k}}, kHost));
   r.topk_ids.assign(ids, ids + T * k);
@@ -51,15 +50,12 @@ nb::ndarray<nb::numpy, float> reference_on(const char* where, const MoeWeights& 
 
 // The engines' stacked host arrays, with input scales for W4A4 (the
 // activation numerics resolved as MoeLayer resolves them).
-nb::ndarray<nb::numpy, float> reference_forward(const Array& w13, const Array& w13_scale, const Array& w13_scale_2,
-                                                const Array& w2, const Array& w2_scale, const Array& w2_scale_2,
-                                                const std::optional<Array>& w13_bias,
-                                                const std::optional<Array>& w2_bias, const Array& hidden,
-                                                const Array& topk_ids, const Array& topk_weights,
-                                                const std::string& activation,
-                                                const std::optional<Array>& w13_input_scale,
-                                                const std::optional<Array>& w2_input_scale,
-                                                const std::string& activations) {
+nb::ndarray<nb::numpy, float> reference_forward(
+    const Array& w13, const Array& w13_scale, const Array& w13_scale_2, const Array& w2, const Array& w2_scale,
+    const Array& w2_scale_2, const std::optional<Array>& w13_bias, const std::optional<Array>& w2_bias,
+    const Array& hidden, const Array& topk_ids, const Array& topk_weights, const std::string& activation,
+    const std::optional<Array>& w13_input_scale, const std::optional<Array>& w2_input_scale,
+    const std::string& activations) {
   constexpr const char* kWhere = "fp4moe.reference_forward";
   const ActivationNumerics numerics = resolve_stacked_activation_numerics(
       parse_activation_numerics(activations), w13_input_scale.has_value(), w2_input_scale.has_value(), kWhere);
@@ -83,7 +79,6 @@ nb::ndarray<nb::numpy, float> checkpoint_reference_forward(const std::string& pa
   const ActivationNumerics numerics = resolve_activation_numerics(w, parse_activation_numerics(activations));
   return reference_on("fp4moe.checkpoint_reference_forward", w, hidden, topk_ids, topk_weights, activation, numerics);
 }
-
 
 }  // namespace
 

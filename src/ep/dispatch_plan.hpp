@@ -108,13 +108,12 @@ struct DispatchPlan {
 // top_k outside [1, num_experts], my_rank outside [0, num_ranks), or
 // num_tokens outside [0, 2^31), or a given weight that is not finite. A token listing one expert twice is
 // planned as given (both slots served on its rank).
-DispatchPlan plan_dispatch(const int32_t* topk_ids, int64_t num_tokens, int top_k,
-                           const ExpertPlacement& placement, int my_rank,
-                           const float* topk_weights = nullptr);
+DispatchPlan plan_dispatch(const int32_t* topk_ids, int64_t num_tokens, int top_k, const ExpertPlacement& placement,
+                           int my_rank, const float* topk_weights = nullptr);
 
 // One (received row, slot) pair on the receiving rank.
 struct RecvPair {
-  int64_t recv_row = 0;          // row in the concatenated received blocks
+  int64_t recv_row = 0;  // row in the concatenated received blocks
   int32_t source_rank = 0;
   int32_t slot = 0;
   int32_t local_expert_idx = 0;
@@ -159,7 +158,7 @@ using LocalExpertFn = std::function<void(int rank, int64_t num_pairs, const int3
                                          const float* weights, const float* x, float* out)>;
 
 struct ExpertParallelSimulation {
-  std::vector<float> output;  // [num_tokens, hidden] fp32 slot-order sums (the layer rounds each to bf16 once)
+  std::vector<float> output;           // [num_tokens, hidden] fp32 slot-order sums (the layer rounds each to bf16 once)
   std::vector<DispatchPlan> dispatch;  // per rank
   std::vector<ReceivePlan> receive;    // per rank
 };
@@ -178,7 +177,6 @@ ExpertParallelSimulation simulate_expert_parallel(const uint16_t* hidden_states,
                                                   const int32_t* topk_ids, const float* topk_weights,
                                                   int64_t num_tokens, int top_k,
                                                   const std::vector<int64_t>& tokens_per_rank,
-                                                  const ExpertPlacement& placement,
-                                                  const LocalExpertFn& local_experts);
+                                                  const ExpertPlacement& placement, const LocalExpertFn& local_experts);
 
 }  // namespace fp4moe

@@ -21,8 +21,7 @@
 namespace fp4moe {
 namespace {
 
-static_assert(kSlotServedElsewhere == kernels::kAbsentSlot,
-              "the wire format's absent slot is the layer's skipped id");
+static_assert(kSlotServedElsewhere == kernels::kAbsentSlot, "the wire format's absent slot is the layer's skipped id");
 
 // CUDA events between the phases of a forward, created on first use.
 class PhaseEvents {
@@ -63,8 +62,7 @@ template <typename T>
 void download(std::vector<T>& host, const T* device, size_t count, cudaStream_t stream) {
   host.resize(count);
   if (count > 0)
-    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(host.data(), device, count * sizeof(T),
-                                      cudaMemcpyDeviceToHost, stream));
+    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(host.data(), device, count * sizeof(T), cudaMemcpyDeviceToHost, stream));
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
@@ -80,25 +78,25 @@ struct ExpertParallelMoeLayer::Impl {
   MoeLayer local;
 
   // Per-forward buffers, grown on demand (DeviceBuffer::grow) and kept.
-  DeviceBuffer<int32_t> ids;                    // home routing [T, k] (router-logits forwards)
-  DeviceBuffer<int32_t> route_errors;           // [1] the routing kernel's error bits
-  DeviceBuffer<float> weights;                  //   and its weights [T, k]
-  DeviceBuffer<int32_t> row_count;              // {0, n}: the rows of the current gather
-  DeviceBuffer<int32_t> send_token_idx;         // [S] home token of each sent row
-  DeviceBuffer<uint16_t> send_hidden;           // bf16 [S, H]
-  DeviceBuffer<int32_t> send_meta;              // [S, W]
+  DeviceBuffer<int32_t> ids;                       // home routing [T, k] (router-logits forwards)
+  DeviceBuffer<int32_t> route_errors;              // [1] the routing kernel's error bits
+  DeviceBuffer<float> weights;                     //   and its weights [T, k]
+  DeviceBuffer<int32_t> row_count;                 // {0, n}: the rows of the current gather
+  DeviceBuffer<int32_t> send_token_idx;            // [S] home token of each sent row
+  DeviceBuffer<uint16_t> send_hidden;              // bf16 [S, H]
+  DeviceBuffer<int32_t> send_meta;                 // [S, W]
   DeviceBuffer<int64_t> counts_send, counts_recv;  // [P, kCountsMessageWords]
-  DeviceBuffer<uint16_t> recv_hidden;           // bf16 [R, H]
-  DeviceBuffer<int32_t> recv_meta;              // [R, W]
-  DeviceBuffer<int32_t> local_ids;              // [R, k]
-  DeviceBuffer<float> local_weights;            // [R, k]
-  DeviceBuffer<uint8_t> workspace;              // the local layer's
-  DeviceBuffer<float> pair_rows;                // [R * k, H]
-  DeviceBuffer<int32_t> return_idx;             // [Rp]
-  DeviceBuffer<float> return_rows;              // [Rp, H]
-  DeviceBuffer<float> returned;                 // [T * k, H] in rank order
-  DeviceBuffer<int32_t> combine_idx;            // [T * k]
-  DeviceBuffer<float> home_pair_rows;           // [T * k, H] in (token, slot) order
+  DeviceBuffer<uint16_t> recv_hidden;              // bf16 [R, H]
+  DeviceBuffer<int32_t> recv_meta;                 // [R, W]
+  DeviceBuffer<int32_t> local_ids;                 // [R, k]
+  DeviceBuffer<float> local_weights;               // [R, k]
+  DeviceBuffer<uint8_t> workspace;                 // the local layer's
+  DeviceBuffer<float> pair_rows;                   // [R * k, H]
+  DeviceBuffer<int32_t> return_idx;                // [Rp]
+  DeviceBuffer<float> return_rows;                 // [Rp, H]
+  DeviceBuffer<float> returned;                    // [T * k, H] in rank order
+  DeviceBuffer<int32_t> combine_idx;               // [T * k]
+  DeviceBuffer<float> home_pair_rows;              // [T * k, H] in (token, slot) order
   PhaseEvents phases;
 
   Impl(ExpertPlacement p, ncclComm_t c, int r, MoeLayer layer)
@@ -113,8 +111,7 @@ struct ExpertParallelMoeLayer::Impl {
     const auto n = static_cast<int64_t>(index.size());
     upload_async(index_buffer, index, stream);
     upload_async(row_count, std::vector<int32_t>{0, static_cast<int32_t>(n)}, stream);
-    kernels::launch_gather_rows(src, index_buffer.get(), row_count.get(), 1, n,
-                                row_bytes / 2, dst, stream);
+    kernels::launch_gather_rows(src, index_buffer.get(), row_count.get(), 1, n, row_bytes / 2, dst, stream);
   }
 };
 
@@ -130,16 +127,14 @@ int64_t ExpertParallelMoeLayer::num_experts() const { return impl_->num_experts;
 int64_t ExpertParallelMoeLayer::hidden() const { return impl_->hidden; }
 int ExpertParallelMoeLayer::top_k() const { return impl_->top_k; }
 
-ExpertParallelMoeLayer ExpertParallelMoeLayer::prepare(const MoeWeights& weights,
-                                                       const ExpertPlacement& placement,
-                                                       ncclComm_t comm,
-                                                       const MoeLayerOptions& options) {
+ExpertParallelMoeLayer ExpertParallelMoeLayer::prepare(const MoeWeights& weights, const ExpertPlacement& placement,
+                                                       ncclComm_t comm, const MoeLayerOptions& options) {
   FP4MOE_CHECK(comm != nullptr, "ExpertParallelMoeLayer: the NCCL communicator is null");
   int comm_size = 0, rank = 0;
   FP4MOE_NCCL_CHECK(ncclCommCount(comm, &comm_size));
   FP4MOE_NCCL_CHECK(ncclCommUserRank(comm, &rank));
-  FP4MOE_CHECK(comm_size == placement.num_ranks, "ExpertParallelMoeLayer: the communicator has ",
-               comm_size, " ranks but the placement ", placement.num_ranks);
+  FP4MOE_CHECK(comm_size == placement.num_ranks, "ExpertParallelMoeLayer: the communicator has ", comm_size,
+               " ranks but the placement ", placement.num_ranks);
   FP4MOE_CHECK(placement.num_experts == weights.num_experts, "ExpertParallelMoeLayer: the placement is for ",
                placement.num_experts, " experts but the layer has ", weights.num_experts);
   FP4MOE_CHECK(options.finalize == FinalizeMode::kDeterministic,
@@ -170,13 +165,13 @@ ExpertParallelMoeLayer ExpertParallelMoeLayer::prepare(const MoeWeights& weights
   return ExpertParallelMoeLayer(std::move(impl));
 }
 
-ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, void* output,
-                                                    cudaStream_t stream, ExpertParallelTimes* times) {
+ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, void* output, cudaStream_t stream,
+                                                    ExpertParallelTimes* times) {
   Impl& m = *impl_;
   const int64_t T = args.num_tokens, H = m.hidden, P = m.placement.num_ranks;
   const int k = m.top_k;
-  FP4MOE_CHECK(T >= 0 && T * k < (int64_t{1} << 31), "ExpertParallelMoeLayer::forward: num_tokens = ",
-               T, "; expected 0 .. 2^31 / top_k");
+  FP4MOE_CHECK(T >= 0 && T * k < (int64_t{1} << 31), "ExpertParallelMoeLayer::forward: num_tokens = ", T,
+               "; expected 0 .. 2^31 / top_k");
   const bool device_routing = args.router_logits != nullptr;
   if (T > 0) {  // a rank without tokens still takes part, with nothing to give
     FP4MOE_CHECK(device_routing != (args.topk_ids != nullptr || args.topk_weights != nullptr),
@@ -201,8 +196,8 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
     m.weights.grow(static_cast<size_t>(T * k));
     m.route_errors.grow(1);
     FP4MOE_CUDA_CHECK(cudaMemsetAsync(m.route_errors.get(), 0, sizeof(int32_t), stream));
-    kernels::launch_route(args.router_logits, args.correction_bias, T, m.num_experts, m.routing,
-                          m.ids.get(), m.weights.get(), stream, /*programmatic=*/false, m.route_errors.get());
+    kernels::launch_route(args.router_logits, args.correction_bias, T, m.num_experts, m.routing, m.ids.get(),
+                          m.weights.get(), stream, /*programmatic=*/false, m.route_errors.get());
     home_ids = m.ids.get();
     home_weights = m.weights.get();
   }
@@ -210,16 +205,15 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
   std::vector<float> host_weights;
   if (T > 0) {
     host_weights.resize(static_cast<size_t>(T * k));
-    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(host_weights.data(), home_weights, host_weights.size() * 4,
-                                      cudaMemcpyDeviceToHost, stream));
+    FP4MOE_CUDA_CHECK(
+        cudaMemcpyAsync(host_weights.data(), home_weights, host_weights.size() * 4, cudaMemcpyDeviceToHost, stream));
   }
   int32_t route_errors = 0;  // read with the ids (download synchronises)
   if (device_routing && T > 0)
-    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(&route_errors, m.route_errors.get(), sizeof route_errors,
-                                      cudaMemcpyDeviceToHost, stream));
+    FP4MOE_CUDA_CHECK(
+        cudaMemcpyAsync(&route_errors, m.route_errors.get(), sizeof route_errors, cudaMemcpyDeviceToHost, stream));
   download(host_ids, home_ids, static_cast<size_t>(T * k), stream);
-  const DispatchPlan plan =
-      plan_dispatch(host_ids.data(), T, k, m.placement, m.rank, host_weights.data());
+  const DispatchPlan plan = plan_dispatch(host_ids.data(), T, k, m.placement, m.rank, host_weights.data());
   const int64_t S = plan.num_send_rows();
   const int64_t W = dispatch_meta_words(k);
   phase_done(1);
@@ -230,10 +224,8 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
   // 3. Counts, to and from every rank.
   upload_async(m.counts_send, plan.counts_messages(), stream);
   m.counts_recv.grow(static_cast<size_t>(P * kCountsMessageWords));
-  m.gather(args.hidden_states, plan.send_token_idx, m.send_token_idx, H * 2, m.send_hidden.get(),
-           stream);
-  nccl_exchange_counts(m.counts_send.get(), m.counts_recv.get(), static_cast<int>(P),
-                       m.comm, stream);
+  m.gather(args.hidden_states, plan.send_token_idx, m.send_token_idx, H * 2, m.send_hidden.get(), stream);
+  nccl_exchange_counts(m.counts_send.get(), m.counts_recv.get(), static_cast<int>(P), m.comm, stream);
   std::vector<int64_t> recv_counts;
   download(recv_counts, m.counts_recv.get(), static_cast<size_t>(P * kCountsMessageWords), stream);
   int64_t R = 0;
@@ -242,8 +234,8 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
   // 4. Dispatch: rows and metadata from every rank, in rank order.
   m.recv_hidden.grow(static_cast<size_t>(R * H));
   m.recv_meta.grow(static_cast<size_t>(R * W));
-  nccl_dispatch(plan, recv_counts.data(), H, m.send_hidden.get(), m.send_meta.get(),
-                m.recv_hidden.get(), m.recv_meta.get(), m.comm, stream);
+  nccl_dispatch(plan, recv_counts.data(), H, m.send_hidden.get(), m.send_meta.get(), m.recv_hidden.get(),
+                m.recv_meta.get(), m.comm, stream);
   phase_done(2);
   std::vector<int32_t> recv_meta;
   download(recv_meta, m.recv_meta.get(), static_cast<size_t>(R * W), stream);
@@ -257,10 +249,10 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
     m.local_ids.grow(static_cast<size_t>(R * k));
     m.local_weights.grow(static_cast<size_t>(R * k));
     const auto* meta = m.recv_meta.get();
-    FP4MOE_CUDA_CHECK(cudaMemcpy2DAsync(m.local_ids.get(), k * 4, meta + 1, W * 4, k * 4, R,
+    FP4MOE_CUDA_CHECK(
+        cudaMemcpy2DAsync(m.local_ids.get(), k * 4, meta + 1, W * 4, k * 4, R, cudaMemcpyDeviceToDevice, stream));
+    FP4MOE_CUDA_CHECK(cudaMemcpy2DAsync(m.local_weights.get(), k * 4, meta + 1 + k, W * 4, k * 4, R,
                                         cudaMemcpyDeviceToDevice, stream));
-    FP4MOE_CUDA_CHECK(cudaMemcpy2DAsync(m.local_weights.get(), k * 4, meta + 1 + k, W * 4, k * 4,
-                                        R, cudaMemcpyDeviceToDevice, stream));
     const size_t workspace_bytes = m.local.workspace_bytes(R);
     if (m.workspace.grow(workspace_bytes)) m.workspace.fill_bytes(0, stream);
     m.pair_rows.grow(static_cast<size_t>(R * k * H));
@@ -269,8 +261,7 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
     local_args.num_tokens = R;
     local_args.topk_ids = m.local_ids.get();
     local_args.topk_weights = m.local_weights.get();
-    m.local.forward_pair_rows(local_args, m.pair_rows.get(), m.workspace.get(),
-                              workspace_bytes, stream);
+    m.local.forward_pair_rows(local_args, m.pair_rows.get(), m.workspace.get(), workspace_bytes, stream);
     std::vector<int32_t> return_idx(static_cast<size_t>(Rp));
     for (int64_t p = 0; p < Rp; ++p) {
       const RecvPair& pair = recv.pairs[static_cast<size_t>(p)];
@@ -293,8 +284,7 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
       combine_idx[i] = static_cast<int32_t>(plan.combine.return_row_idx[i]);
     m.home_pair_rows.grow(static_cast<size_t>(T * k * H));
     m.gather(m.returned.get(), combine_idx, m.combine_idx, H * 4, m.home_pair_rows.get(), stream);
-    kernels::launch_finalize_pairs(m.home_pair_rows.get(), home_ids, T, k, m.num_experts, H,
-                                   output, stream);
+    kernels::launch_finalize_pairs(m.home_pair_rows.get(), home_ids, T, k, m.num_experts, H, output, stream);
   }
   phase_done(5);
   if (times) {

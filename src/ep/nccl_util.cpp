@@ -20,8 +20,7 @@ void check_comm(ncclComm_t comm, int num_ranks, const char* who) {
   FP4MOE_CHECK(comm != nullptr, who, ": comm is null");
   int count = 0;
   FP4MOE_NCCL_CHECK(ncclCommCount(comm, &count));
-  FP4MOE_CHECK(count == num_ranks, who, ": the communicator has ", count,
-               " ranks; the plan expects ", num_ranks);
+  FP4MOE_CHECK(count == num_ranks, who, ": the communicator has ", count, " ranks; the plan expects ", num_ranks);
 }
 
 int hex_digit(char c) {
@@ -35,15 +34,24 @@ int hex_digit(char c) {
 
 const char* nccl_result_name(ncclResult_t result) {
   switch (result) {
-    case ncclSuccess: return "ncclSuccess";
-    case ncclUnhandledCudaError: return "ncclUnhandledCudaError";
-    case ncclSystemError: return "ncclSystemError";
-    case ncclInternalError: return "ncclInternalError";
-    case ncclInvalidArgument: return "ncclInvalidArgument";
-    case ncclInvalidUsage: return "ncclInvalidUsage";
-    case ncclRemoteError: return "ncclRemoteError";
-    case ncclInProgress: return "ncclInProgress";
-    default: return "ncclResult(unknown)";
+    case ncclSuccess:
+      return "ncclSuccess";
+    case ncclUnhandledCudaError:
+      return "ncclUnhandledCudaError";
+    case ncclSystemError:
+      return "ncclSystemError";
+    case ncclInternalError:
+      return "ncclInternalError";
+    case ncclInvalidArgument:
+      return "ncclInvalidArgument";
+    case ncclInvalidUsage:
+      return "ncclInvalidUsage";
+    case ncclRemoteError:
+      return "ncclRemoteError";
+    case ncclInProgress:
+      return "ncclInProgress";
+    default:
+      return "ncclResult(unknown)";
   }
 }
 
@@ -64,16 +72,14 @@ ncclUniqueId nccl_unique_id_from_hex(const std::string& text) {
   while (begin < end && std::isspace(static_cast<unsigned char>(text[begin]))) ++begin;
   while (end > begin && std::isspace(static_cast<unsigned char>(text[end - 1]))) --end;
   const size_t length = end - begin;
-  FP4MOE_CHECK(length == 2 * NCCL_UNIQUE_ID_BYTES, "nccl_unique_id_from_hex: ", length,
-               " hex digits; expected ", 2 * NCCL_UNIQUE_ID_BYTES, " (", NCCL_UNIQUE_ID_BYTES,
-               " bytes, as nccl_unique_id_to_hex writes)");
+  FP4MOE_CHECK(length == 2 * NCCL_UNIQUE_ID_BYTES, "nccl_unique_id_from_hex: ", length, " hex digits; expected ",
+               2 * NCCL_UNIQUE_ID_BYTES, " (", NCCL_UNIQUE_ID_BYTES, " bytes, as nccl_unique_id_to_hex writes)");
   ncclUniqueId id;
   for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; ++i) {
     const size_t at = begin + 2 * static_cast<size_t>(i);
     const int hi = hex_digit(text[at]), lo = hex_digit(text[at + 1]);
-    FP4MOE_CHECK(hi >= 0 && lo >= 0, "nccl_unique_id_from_hex: character '",
-                 text[hi < 0 ? at : at + 1], "' at position ", (hi < 0 ? at : at + 1) - begin,
-                 " is not a hex digit");
+    FP4MOE_CHECK(hi >= 0 && lo >= 0, "nccl_unique_id_from_hex: character '", text[hi < 0 ? at : at + 1],
+                 "' at position ", (hi < 0 ? at : at + 1) - begin, " is not a hex digit");
     id.internal[i] = static_cast<char>((hi << 4) | lo);
   }
   return id;
@@ -138,24 +144,22 @@ void run_ranks_in_threads(int num_ranks, const std::function<void(int rank, nccl
   FP4MOE_CHECK(first_error.empty(), first_error);
 }
 
-void nccl_exchange_counts(const int64_t* counts_send, int64_t* counts_recv, int num_ranks,
-                          ncclComm_t comm, cudaStream_t stream) {
+void nccl_exchange_counts(const int64_t* counts_send, int64_t* counts_recv, int num_ranks, ncclComm_t comm,
+                          cudaStream_t stream) {
   check_comm(comm, num_ranks, "nccl_exchange_counts");
   FP4MOE_CHECK(counts_send != nullptr && counts_recv != nullptr,
                "nccl_exchange_counts: counts_send and counts_recv must be non-null");
   FP4MOE_NCCL_CHECK(ncclGroupStart());
   for (int r = 0; r < num_ranks; ++r) {
-    FP4MOE_NCCL_CHECK(ncclSend(counts_send + r * kCountsMessageWords, kCountsMessageWords, ncclInt64, r,
-                               comm, stream));
-    FP4MOE_NCCL_CHECK(ncclRecv(counts_recv + r * kCountsMessageWords, kCountsMessageWords, ncclInt64, r,
-                               comm, stream));
+    FP4MOE_NCCL_CHECK(ncclSend(counts_send + r * kCountsMessageWords, kCountsMessageWords, ncclInt64, r, comm, stream));
+    FP4MOE_NCCL_CHECK(ncclRecv(counts_recv + r * kCountsMessageWords, kCountsMessageWords, ncclInt64, r, comm, stream));
   }
   FP4MOE_NCCL_CHECK(ncclGroupEnd());
 }
 
-void nccl_dispatch(const DispatchPlan& plan, const int64_t* recv_counts, int64_t hidden,
-                   const void* send_hidden, const int32_t* send_meta, void* recv_hidden,
-                   int32_t* recv_meta, ncclComm_t comm, cudaStream_t stream) {
+void nccl_dispatch(const DispatchPlan& plan, const int64_t* recv_counts, int64_t hidden, const void* send_hidden,
+                   const int32_t* send_meta, void* recv_hidden, int32_t* recv_meta, ncclComm_t comm,
+                   cudaStream_t stream) {
   check_comm(comm, plan.num_ranks, "nccl_dispatch");
   FP4MOE_CHECK(recv_counts != nullptr, "nccl_dispatch: recv_counts is null");
   FP4MOE_CHECK(hidden >= 1, "nccl_dispatch: hidden = ", hidden, "; expected >= 1");
@@ -175,8 +179,8 @@ void nccl_dispatch(const DispatchPlan& plan, const int64_t* recv_counts, int64_t
                                  ncclInt32, r, comm, stream));
     }
     if (recv_rows > 0) {
-      FP4MOE_NCCL_CHECK(ncclRecv(recv_bytes + recv_row * hidden, static_cast<size_t>(recv_rows * hidden),
-                                 ncclBfloat16, r, comm, stream));
+      FP4MOE_NCCL_CHECK(ncclRecv(recv_bytes + recv_row * hidden, static_cast<size_t>(recv_rows * hidden), ncclBfloat16,
+                                 r, comm, stream));
       FP4MOE_NCCL_CHECK(ncclRecv(recv_meta + recv_row * meta_words, static_cast<size_t>(recv_rows * meta_words),
                                  ncclInt32, r, comm, stream));
     }
@@ -185,9 +189,8 @@ void nccl_dispatch(const DispatchPlan& plan, const int64_t* recv_counts, int64_t
   FP4MOE_NCCL_CHECK(ncclGroupEnd());
 }
 
-void nccl_return_rows(const ReceivePlan& recv, const DispatchPlan& plan, int64_t hidden,
-                      const float* return_rows, float* returned, ncclComm_t comm,
-                      cudaStream_t stream) {
+void nccl_return_rows(const ReceivePlan& recv, const DispatchPlan& plan, int64_t hidden, const float* return_rows,
+                      float* returned, ncclComm_t comm, cudaStream_t stream) {
   FP4MOE_CHECK(recv.num_ranks == plan.num_ranks && recv.my_rank == plan.my_rank,
                "nccl_return_rows: the receive plan is for rank ", recv.my_rank, " of ", recv.num_ranks,
                ", the dispatch plan for rank ", plan.my_rank, " of ", plan.num_ranks);
@@ -203,8 +206,8 @@ void nccl_return_rows(const ReceivePlan& recv, const DispatchPlan& plan, int64_t
       FP4MOE_NCCL_CHECK(ncclSend(return_rows + send_begin * hidden, static_cast<size_t>(send_rows * hidden),
                                  ncclFloat32, r, comm, stream));
     if (recv_rows > 0)
-      FP4MOE_NCCL_CHECK(ncclRecv(returned + recv_begin * hidden, static_cast<size_t>(recv_rows * hidden),
-                                 ncclFloat32, r, comm, stream));
+      FP4MOE_NCCL_CHECK(ncclRecv(returned + recv_begin * hidden, static_cast<size_t>(recv_rows * hidden), ncclFloat32,
+                                 r, comm, stream));
   }
   FP4MOE_NCCL_CHECK(ncclGroupEnd());
 }

@@ -26,12 +26,12 @@
 #include "ep/dispatch_plan.hpp"
 
 // Throws fp4moe::Error with the NCCL error name and the last NCCL message.
-#define FP4MOE_NCCL_CHECK(expr)                                                             \
-  do {                                                                                      \
-    const ncclResult_t fp4moe_nccl_result_ = (expr);                                        \
-    if (fp4moe_nccl_result_ != ncclSuccess)                                                 \
+#define FP4MOE_NCCL_CHECK(expr)                                                               \
+  do {                                                                                        \
+    const ncclResult_t fp4moe_nccl_result_ = (expr);                                          \
+    if (fp4moe_nccl_result_ != ncclSuccess)                                                   \
       FP4MOE_THROW(#expr, " failed: ", ::fp4moe::nccl_result_name(fp4moe_nccl_result_), " (", \
-                   ncclGetErrorString(fp4moe_nccl_result_), ")");                           \
+                   ncclGetErrorString(fp4moe_nccl_result_), ")");                             \
   } while (0)
 
 namespace fp4moe {
@@ -65,24 +65,23 @@ void run_ranks_in_threads(int num_ranks, const std::function<void(int rank, nccl
 // to rank r) and receives counts_recv [num_ranks, kCountsMessageWords] (row s
 // from rank s), device int64 buffers. The caller copies counts_recv to the
 // host (and synchronises) before nccl_dispatch: NCCL counts are host values.
-void nccl_exchange_counts(const int64_t* counts_send, int64_t* counts_recv, int num_ranks,
-                          ncclComm_t comm, cudaStream_t stream);
+void nccl_exchange_counts(const int64_t* counts_send, int64_t* counts_recv, int num_ranks, ncclComm_t comm,
+                          cudaStream_t stream);
 
 // Dispatch payload. send_hidden bf16 [plan.num_send_rows(), hidden] and
 // send_meta int32 [plan.num_send_rows(), dispatch_meta_words(top_k)] are
 // packed in the plan's row order; recv_counts (host) is what
 // nccl_exchange_counts received; recv_hidden / recv_meta receive the blocks
 // concatenated in source rank order.
-void nccl_dispatch(const DispatchPlan& plan, const int64_t* recv_counts, int64_t hidden,
-                   const void* send_hidden, const int32_t* send_meta, void* recv_hidden,
-                   int32_t* recv_meta, ncclComm_t comm, cudaStream_t stream);
+void nccl_dispatch(const DispatchPlan& plan, const int64_t* recv_counts, int64_t hidden, const void* send_hidden,
+                   const int32_t* send_meta, void* recv_hidden, int32_t* recv_meta, ncclComm_t comm,
+                   cudaStream_t stream);
 
 // Return of the fp32 result rows: sends return_rows [recv.num_recv_pairs(),
 // hidden] (block s to rank s) and receives the rows computed for this rank
 // into returned [plan.num_send_pairs(), hidden] (block r from rank r), where
 // plan.combine.return_row_idx finds them.
-void nccl_return_rows(const ReceivePlan& recv, const DispatchPlan& plan, int64_t hidden,
-                      const float* return_rows, float* returned, ncclComm_t comm,
-                      cudaStream_t stream);
+void nccl_return_rows(const ReceivePlan& recv, const DispatchPlan& plan, int64_t hidden, const float* return_rows,
+                      float* returned, ncclComm_t comm, cudaStream_t stream);
 
 }  // namespace fp4moe

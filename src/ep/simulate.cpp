@@ -33,8 +33,8 @@ ExpertParallelSimulation simulate_expert_parallel(const uint16_t* hidden_states,
                " entries; expected num_ranks = ", num_ranks);
   int64_t total = 0;
   for (int r = 0; r < num_ranks; ++r) {
-    FP4MOE_CHECK(tokens_per_rank[static_cast<size_t>(r)] >= 0, "simulate_expert_parallel: rank ", r,
-                 " has ", tokens_per_rank[static_cast<size_t>(r)], " tokens; expected >= 0");
+    FP4MOE_CHECK(tokens_per_rank[static_cast<size_t>(r)] >= 0, "simulate_expert_parallel: rank ", r, " has ",
+                 tokens_per_rank[static_cast<size_t>(r)], " tokens; expected >= 0");
     total += tokens_per_rank[static_cast<size_t>(r)];
   }
   FP4MOE_CHECK(total == num_tokens, "simulate_expert_parallel: tokens_per_rank sums to ", total,
@@ -54,8 +54,8 @@ ExpertParallelSimulation simulate_expert_parallel(const uint16_t* hidden_states,
   std::vector<std::vector<uint16_t>> send_hidden(P);
   for (int r = 0; r < num_ranks; ++r) {
     const int64_t t0 = token_begin[static_cast<size_t>(r)];
-    sim.dispatch.push_back(plan_dispatch(topk_ids + t0 * top_k, tokens_per_rank[static_cast<size_t>(r)],
-                                         top_k, placement, r, topk_weights + t0 * top_k));
+    sim.dispatch.push_back(plan_dispatch(topk_ids + t0 * top_k, tokens_per_rank[static_cast<size_t>(r)], top_k,
+                                         placement, r, topk_weights + t0 * top_k));
     const DispatchPlan& plan = sim.dispatch.back();
     std::vector<uint16_t>& buf = send_hidden[static_cast<size_t>(r)];
     buf.reserve(static_cast<size_t>(plan.num_send_rows() * hidden));
@@ -72,7 +72,8 @@ ExpertParallelSimulation simulate_expert_parallel(const uint16_t* hidden_states,
     for (int s = 0; s < num_ranks; ++s) {
       const DispatchPlan& from = sim.dispatch[static_cast<size_t>(s)];
       const std::vector<int64_t> counts = from.counts_message(r);
-      recv_counts[static_cast<size_t>(r)].insert(recv_counts[static_cast<size_t>(r)].end(), counts.begin(), counts.end());
+      recv_counts[static_cast<size_t>(r)].insert(recv_counts[static_cast<size_t>(r)].end(), counts.begin(),
+                                                 counts.end());
       const int64_t begin = from.send_row_offsets[static_cast<size_t>(r)];
       const int64_t end = from.send_row_offsets[static_cast<size_t>(r + 1)];
       append_rows(recv_hidden[static_cast<size_t>(r)], send_hidden[static_cast<size_t>(s)], begin, end, hidden);
@@ -90,9 +91,10 @@ ExpertParallelSimulation simulate_expert_parallel(const uint16_t* hidden_states,
     for (int s = 0; s < num_ranks; ++s) {
       const DispatchPlan& from = sim.dispatch[static_cast<size_t>(s)];
       const int64_t sent_begin = from.send_pair_offsets[static_cast<size_t>(r)];
-      const int64_t count = recv.return_offsets[static_cast<size_t>(s + 1)] - recv.return_offsets[static_cast<size_t>(s)];
-      FP4MOE_CHECK(count == from.send_pair_count(r), "simulate_expert_parallel: rank ", r, " returns ",
-                   count, " rows to rank ", s, ", which sent it ", from.send_pair_count(r), " pairs");
+      const int64_t count =
+          recv.return_offsets[static_cast<size_t>(s + 1)] - recv.return_offsets[static_cast<size_t>(s)];
+      FP4MOE_CHECK(count == from.send_pair_count(r), "simulate_expert_parallel: rank ", r, " returns ", count,
+                   " rows to rank ", s, ", which sent it ", from.send_pair_count(r), " pairs");
       for (int64_t i = 0; i < count; ++i) {
         const RecvPair& got = recv.pairs[static_cast<size_t>(recv.return_offsets[static_cast<size_t>(s)] + i)];
         const SendPair& sent = from.send_pairs[static_cast<size_t>(sent_begin + i)];
@@ -100,10 +102,9 @@ ExpertParallelSimulation simulate_expert_parallel(const uint16_t* hidden_states,
         FP4MOE_CHECK(got.source_rank == s && got_token == sent.token_idx && got.slot == sent.slot &&
                          got.local_expert_idx == sent.local_expert_idx &&
                          got.recv_row - recv.recv_row_offsets[static_cast<size_t>(s)] == sent.row_in_block,
-                     "simulate_expert_parallel: rank ", r, " return row ", i, " for rank ", s,
-                     " is (token ", got_token, ", slot ", got.slot, ", local expert ", got.local_expert_idx,
-                     "); the sender expects (token ", sent.token_idx, ", slot ", sent.slot,
-                     ", local expert ", sent.local_expert_idx, ")");
+                     "simulate_expert_parallel: rank ", r, " return row ", i, " for rank ", s, " is (token ", got_token,
+                     ", slot ", got.slot, ", local expert ", got.local_expert_idx, "); the sender expects (token ",
+                     sent.token_idx, ", slot ", sent.slot, ", local expert ", sent.local_expert_idx, ")");
       }
     }
 

@@ -30,8 +30,8 @@ namespace {
 std::map<std::string, std::string> read_safetensors_index(const fs::path& index_path) {
   const json index = read_json_file(index_path);
   const std::string where = index_path.string();
-  FP4MOE_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(),
-               where, ": expected an object with a \"weight_map\" object (tensor name -> shard file)");
+  FP4MOE_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(), where,
+               ": expected an object with a \"weight_map\" object (tensor name -> shard file)");
   std::map<std::string, std::string> shard_of;
   for (const auto& [name, file] : index["weight_map"].items()) {
     FP4MOE_CHECK(file.is_string(), where, ": weight_map[\"", name, "\"] is ", file.dump(),
@@ -40,8 +40,7 @@ std::map<std::string, std::string> read_safetensors_index(const fs::path& index_
     // checkpoint's directory, never make the loader open one elsewhere.
     const fs::path shard = file.get<std::string>();
     const bool inside = !shard.empty() && shard.is_relative() &&
-                        std::none_of(shard.begin(), shard.end(),
-                                     [](const fs::path& part) { return part == ".."; });
+                        std::none_of(shard.begin(), shard.end(), [](const fs::path& part) { return part == ".."; });
     FP4MOE_CHECK(inside, where, ": weight_map[\"", name, "\"] is ", file.dump(),
                  "; expected the name of a shard file inside the checkpoint directory");
     shard_of.emplace(name, (index_path.parent_path() / shard).string());
@@ -86,8 +85,8 @@ std::pair<const TensorView*, const std::string*> TensorSource::get(const std::st
   FP4MOE_CHECK(it != shard_of_.end(), path_, ": no tensor named '", name, "'");
   Shard& shard = shards_[it->second];
   if (!shard.file) shard.file = std::make_unique<SafetensorsFile>(SafetensorsFile::open(shard.path));
-  FP4MOE_CHECK(shard.file->contains(name), shard.path, ": has no tensor '", name, "', but ",
-               path_, " lists it in this shard");
+  FP4MOE_CHECK(shard.file->contains(name), shard.path, ": has no tensor '", name, "', but ", path_,
+               " lists it in this shard");
   return {&shard.file->get(name), &shard.path};
 }
 
@@ -106,10 +105,8 @@ void TensorSource::open_directory(const fs::path& dir) {
   }
   std::vector<fs::path> files;
   for (const fs::directory_entry& entry : fs::directory_iterator(dir))
-    if (entry.is_regular_file() && entry.path().extension() == ".safetensors")
-      files.push_back(entry.path());
-  FP4MOE_CHECK(!files.empty(), dir.string(),
-               ": no *.safetensors file and no model.safetensors.index.json");
+    if (entry.is_regular_file() && entry.path().extension() == ".safetensors") files.push_back(entry.path());
+  FP4MOE_CHECK(!files.empty(), dir.string(), ": no *.safetensors file and no model.safetensors.index.json");
   std::sort(files.begin(), files.end());
   for (const fs::path& file : files) add_file(file.string(), false);
   std::sort(names_.begin(), names_.end());
@@ -120,16 +117,14 @@ void TensorSource::add_file(const std::string& file, bool sort_names) {
   shards_.push_back(Shard{file, std::make_unique<SafetensorsFile>(SafetensorsFile::open(file))});
   for (const std::string& name : shards_[idx].file->names()) {
     const auto [it, inserted] = shard_of_.emplace(name, idx);
-    FP4MOE_CHECK(inserted, path_, ": tensor '", name, "' is in both ", shards_[it->second].path,
-                 " and ", file, "; add a model.safetensors.index.json to say which to use");
+    FP4MOE_CHECK(inserted, path_, ": tensor '", name, "' is in both ", shards_[it->second].path, " and ", file,
+                 "; add a model.safetensors.index.json to say which to use");
     names_.push_back(name);
   }
   if (sort_names) std::sort(names_.begin(), names_.end());
 }
 
-std::vector<std::string> checkpoint_tensor_names(const std::string& path) {
-  return TensorSource(path).names();
-}
+std::vector<std::string> checkpoint_tensor_names(const std::string& path) { return TensorSource(path).names(); }
 
 std::string describe_tensor(DType dtype, const std::vector<int64_t>& shape) {
   return std::string(dtype_name(dtype)) + " " + shape_to_string(shape);

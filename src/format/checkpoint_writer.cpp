@@ -12,17 +12,16 @@
 
 namespace fp4moe {
 
-void add_moe_weights(SafetensorsWriter& writer, const MoeWeights& weights,
-                     const std::string& prefix) {
-  FP4MOE_CHECK(static_cast<int64_t>(weights.experts.size()) == weights.num_experts,
-               "add_moe_weights: num_experts is ", weights.num_experts, " but ",
-               weights.experts.size(), " experts are given");
+void add_moe_weights(SafetensorsWriter& writer, const MoeWeights& weights, const std::string& prefix) {
+  FP4MOE_CHECK(static_cast<int64_t>(weights.experts.size()) == weights.num_experts, "add_moe_weights: num_experts is ",
+               weights.num_experts, " but ", weights.experts.size(), " experts are given");
   const bool with_bias = weights.has_bias();
   for (int64_t e = 0; e < weights.num_experts; ++e) {
     const ExpertWeights& expert = weights.experts[static_cast<size_t>(e)];
     FP4MOE_CHECK(expert.gate.global_scale == expert.up.global_scale, "add_moe_weights: expert ", e,
                  ": gate global_scale ", expert.gate.global_scale, " differs from up global_scale ",
-                 expert.up.global_scale, "; ModelOpt shares one weight_scale_2 between gate and up "
+                 expert.up.global_scale,
+                 "; ModelOpt shares one weight_scale_2 between gate and up "
                  "(quantise both with the scale of their joint amax)");
     const Nvfp4Matrix* matrices[3] = {&expert.gate, &expert.up, &expert.down};
     const std::vector<float>* biases[3] = {&expert.gate_bias, &expert.up_bias, &expert.down_bias};
@@ -31,26 +30,24 @@ void add_moe_weights(SafetensorsWriter& writer, const MoeWeights& weights,
       const std::string proj = kProjNames[p];
       const int64_t rows = p < 2 ? weights.inter : weights.hidden;
       const int64_t cols = p < 2 ? weights.hidden : weights.inter;
-      FP4MOE_CHECK(m.rows == rows && m.cols == cols, "add_moe_weights: expert ", e, " ", proj,
-                   " is [", m.rows, ", ", m.cols, "], expected [", rows, ", ", cols, "]");
-      FP4MOE_CHECK(cols % kNvfp4BlockSize == 0, "add_moe_weights: K = ", cols,
-                   " is not a multiple of ", kNvfp4BlockSize);
+      FP4MOE_CHECK(m.rows == rows && m.cols == cols, "add_moe_weights: expert ", e, " ", proj, " is [", m.rows, ", ",
+                   m.cols, "], expected [", rows, ", ", cols, "]");
+      FP4MOE_CHECK(cols % kNvfp4BlockSize == 0, "add_moe_weights: K = ", cols, " is not a multiple of ",
+                   kNvfp4BlockSize);
       FP4MOE_CHECK(m.packed.size() == static_cast<size_t>(rows * cols / 2) &&
                        m.scales.size() == static_cast<size_t>(rows * cols / kNvfp4BlockSize),
-                   "add_moe_weights: expert ", e, " ", proj, " has ", m.packed.size(),
-                   " packed bytes and ", m.scales.size(), " scales, expected ", rows * cols / 2,
-                   " and ", rows * cols / kNvfp4BlockSize);
+                   "add_moe_weights: expert ", e, " ", proj, " has ", m.packed.size(), " packed bytes and ",
+                   m.scales.size(), " scales, expected ", rows * cols / 2, " and ", rows * cols / kNvfp4BlockSize);
       auto name = [&](const char* field) { return expert_tensor_name(prefix, e, proj, field); };
       writer.add(name("weight"), DType::U8, {rows, cols / 2}, m.packed.data(), m.packed.size());
-      writer.add(name("weight_scale"), DType::F8_E4M3, {rows, cols / kNvfp4BlockSize},
-                 m.scales.data(), m.scales.size());
+      writer.add(name("weight_scale"), DType::F8_E4M3, {rows, cols / kNvfp4BlockSize}, m.scales.data(),
+                 m.scales.size());
       writer.add(name("weight_scale_2"), DType::F32, {}, &m.global_scale, sizeof(float));
       writer.add(name("input_scale"), DType::F32, {}, &m.input_scale, sizeof(float));
       if (with_bias) {
         const std::vector<float>& bias = *biases[p];
-        FP4MOE_CHECK(static_cast<int64_t>(bias.size()) == rows, "add_moe_weights: expert ", e, " ",
-                     proj, " bias has ", bias.size(), " elements, expected ", rows,
-                     " (expert 0 has biases, so every expert needs them)");
+        FP4MOE_CHECK(static_cast<int64_t>(bias.size()) == rows, "add_moe_weights: expert ", e, " ", proj, " bias has ",
+                     bias.size(), " elements, expected ", rows, " (expert 0 has biases, so every expert needs them)");
         writer.add(name("bias"), DType::F32, {rows}, bias.data(), bias.size() * sizeof(float));
       }
     }
@@ -84,8 +81,7 @@ void add_moe_weights(SafetensorsWriter& writer, const MoeWeights& weights,
                  m.packed.size(), " packed bytes; expected [", rows, ", ", cols, "]");
     const std::string base = stem + kProjNames[p] + ".";
     writer.add(base + "weight", DType::U8, {rows, cols / 2}, m.packed.data(), m.packed.size());
-    writer.add(base + "weight_scale", DType::F8_E4M3, {rows, cols / kNvfp4BlockSize}, m.scales.data(),
-               m.scales.size());
+    writer.add(base + "weight_scale", DType::F8_E4M3, {rows, cols / kNvfp4BlockSize}, m.scales.data(), m.scales.size());
     writer.add(base + "weight_scale_2", DType::F32, {}, &m.global_scale, sizeof(float));
     writer.add(base + "input_scale", DType::F32, {}, &m.input_scale, sizeof(float));
   }

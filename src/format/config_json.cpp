@@ -27,7 +27,9 @@ ConfigJson::ConfigJson(json file, std::string where) : file_(std::move(file)), w
   FP4MOE_CHECK(file_.is_object(), where_, ": expected a JSON object");
 }
 
-ConfigJson ConfigJson::read(const std::filesystem::path& path) { return ConfigJson(read_json_file(path), path.string()); }
+ConfigJson ConfigJson::read(const std::filesystem::path& path) {
+  return ConfigJson(read_json_file(path), path.string());
+}
 
 ConfigJson ConfigJson::parse(const std::string& json_text, const std::string& where) {
   json file;

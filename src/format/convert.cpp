@@ -181,8 +181,8 @@ void check_output(const std::string& input, const std::string& output, bool dir_
   if (dir_input) {
     const fs::path parent = fs::absolute(out_path).parent_path();
     FP4MOE_CHECK(fs::is_directory(parent), "output ", output, ": directory ", parent.string(), " does not exist");
-    FP4MOE_CHECK(!fs::exists(out_path) || (fs::is_directory(out_path) && fs::is_empty(out_path)), "output ",
-                 output, " exists and is not an empty directory; a checkpoint directory is written as a new "
+    FP4MOE_CHECK(!fs::exists(out_path) || (fs::is_directory(out_path) && fs::is_empty(out_path)), "output ", output,
+                 " exists and is not an empty directory; a checkpoint directory is written as a new "
                  "directory");
   } else {
     check_output_path(output);
@@ -227,8 +227,12 @@ class ShardStreamer {
  public:
   ShardStreamer(const Plan& plan, const std::vector<Shard>& shards, std::map<std::string, std::string> metadata,
                 std::function<std::string(const Shard&)> shard_path, const QuantizeCheckpointProgress& progress)
-      : plan_(plan), shards_(shards), metadata_(std::move(metadata)), shard_path_(std::move(shard_path)),
-        progress_(progress), shard_of_(plan.outputs.size()) {
+      : plan_(plan),
+        shards_(shards),
+        metadata_(std::move(metadata)),
+        shard_path_(std::move(shard_path)),
+        progress_(progress),
+        shard_of_(plan.outputs.size()) {
     for (size_t s = 0; s < shards.size(); ++s)
       for (size_t k : shards[s].outputs) shard_of_[k] = s;
   }
@@ -241,8 +245,8 @@ class ShardStreamer {
       writer_shard_ = shard_of_[k];
       std::vector<TensorSpec> specs;
       for (size_t o : shards_[writer_shard_].outputs) specs.push_back(plan_.outputs[o].spec);
-      writer_ = std::make_unique<SafetensorsStreamWriter>(shard_path_(shards_[writer_shard_]), std::move(specs),
-                                                          metadata_);
+      writer_ =
+          std::make_unique<SafetensorsStreamWriter>(shard_path_(shards_[writer_shard_]), std::move(specs), metadata_);
     }
     writer_->write(plan_.outputs[k].spec.name, data, nbytes);
   }
@@ -252,8 +256,8 @@ class ShardStreamer {
   void finish() {
     if (!writer_ && !shards_[0].outputs.empty()) FP4MOE_THROW("quantize: nothing was written (internal)");
     if (!writer_) {
-      writer_ = std::make_unique<SafetensorsStreamWriter>(shard_path_(shards_[0]), std::vector<TensorSpec>{},
-                                                          metadata_);
+      writer_ =
+          std::make_unique<SafetensorsStreamWriter>(shard_path_(shards_[0]), std::vector<TensorSpec>{}, metadata_);
     }
     writer_->commit();
   }
@@ -390,8 +394,7 @@ void finish_directory(const Input& in, const Plan& plan, const std::vector<Shard
     model_config["quantization_config"] = config_quantization(quant_config);
     write_text_file(tmp_dir / "config.json", model_config.dump(4, ' ', true));
   }
-  static const std::set<std::string> kWritten = {"config.json", "hf_quant_config.json",
-                                                 "model.safetensors.index.json"};
+  static const std::set<std::string> kWritten = {"config.json", "hf_quant_config.json", "model.safetensors.index.json"};
   for (const fs::directory_entry& entry : fs::directory_iterator(in.dir)) {
     const std::string name = entry.path().filename().string();
     if (!entry.is_regular_file() || name.starts_with(".") || kWritten.contains(name) ||
@@ -445,8 +448,8 @@ QuantizeCheckpointSummary run(const std::string& input, std::string output, cons
   if (dir_input) {
     std::error_code ec;
     fs::remove_all(tmp_dir, ec);
-    FP4MOE_CHECK(fs::create_directory(tmp_dir, ec) && !ec, "output ", output, ": cannot create '",
-                 tmp_dir.string(), "': ", ec ? ec.message() : "it exists");
+    FP4MOE_CHECK(fs::create_directory(tmp_dir, ec) && !ec, "output ", output, ": cannot create '", tmp_dir.string(),
+                 "': ", ec ? ec.message() : "it exists");
   }
 
   // Metadata: ModelOpt's shards carry {"format": "pt"}; a single output file
@@ -479,8 +482,8 @@ QuantizeCheckpointSummary run(const std::string& input, std::string output, cons
 }  // namespace convert
 
 QuantizeCheckpointSummary quantize_checkpoint(const std::string& input, const std::string& output,
-                                             const QuantizeCheckpointOptions& options,
-                                             const QuantizeCheckpointProgress& progress) {
+                                              const QuantizeCheckpointOptions& options,
+                                              const QuantizeCheckpointProgress& progress) {
   try {
     return convert::run(input, output, options, progress);
   } catch (const std::filesystem::filesystem_error& e) {

@@ -25,14 +25,25 @@
 namespace fp4moe {
 
 const std::vector<std::string>& default_quantize_excludes() {
-  static const std::vector<std::string> kDefaultExcludes = {
-      "*block_sparse_moe.gate*", "*linear_attn.conv1d*",    "*self_attention.conv1d*",
-      "*linear_attn.in_proj_a*", "*linear_attn.in_proj_b*", "*lm_head*",
-      "*mixer.conv1d*",          "*mlp.gate.*",             "*mlp.shared_expert_gate.*",
-      "*output_layer*",          "*proj_out.*",             "*router*",
-      "mtp.*",                   "output.*",                "*embed_vision*",
-      "*vision_tower*",          "*visual*",                "*vision_model*",
-      "*multi_modal_projector*"};
+  static const std::vector<std::string> kDefaultExcludes = {"*block_sparse_moe.gate*",
+                                                            "*linear_attn.conv1d*",
+                                                            "*self_attention.conv1d*",
+                                                            "*linear_attn.in_proj_a*",
+                                                            "*linear_attn.in_proj_b*",
+                                                            "*lm_head*",
+                                                            "*mixer.conv1d*",
+                                                            "*mlp.gate.*",
+                                                            "*mlp.shared_expert_gate.*",
+                                                            "*output_layer*",
+                                                            "*proj_out.*",
+                                                            "*router*",
+                                                            "mtp.*",
+                                                            "output.*",
+                                                            "*embed_vision*",
+                                                            "*vision_tower*",
+                                                            "*visual*",
+                                                            "*vision_model*",
+                                                            "*multi_modal_projector*"};
   return kDefaultExcludes;
 }
 
@@ -114,9 +125,9 @@ Input open_input(const std::string& path) {
   // An index that names a tensor its shard lacks describes another checkpoint.
   for (const auto& [name, shard] : indexed) {
     const auto it = in.index_of.find(name);
-    FP4MOE_CHECK(it != in.index_of.end() && fs::path(in.shards[in.tensors[it->second].shard].path()).filename() == shard,
-                 path, ": model.safetensors.index.json places tensor '", name, "' in ", shard,
-                 ", which does not hold it");
+    FP4MOE_CHECK(
+        it != in.index_of.end() && fs::path(in.shards[in.tensors[it->second].shard].path()).filename() == shard, path,
+        ": model.safetensors.index.json places tensor '", name, "' in ", shard, ", which does not hold it");
   }
   return in;
 }
@@ -201,8 +212,8 @@ std::vector<std::string> summarize_excludes(std::vector<std::string> excluded,
     for (const std::vector<std::string>& wildcards : candidates) {
       if (std::any_of(wildcards.begin(), wildcards.end(), [&](const std::string& w) { return forbidden.contains(w); }))
         continue;
-      const bool covered = std::all_of(wildcards.begin(), wildcards.end(),
-                                       [&](const std::string& w) { return summary.contains(w); });
+      const bool covered =
+          std::all_of(wildcards.begin(), wildcards.end(), [&](const std::string& w) { return summary.contains(w); });
       // The pair {prefix, prefix.*} is written as prefix.* alone.
       if (!covered) summary.insert(wildcards.back());
       break;
@@ -238,8 +249,8 @@ Planner::Planner(const Input& in, const std::string& input_path, const QuantizeC
 Plan Planner::make() {
   for (size_t i = 0; i < in_.tensors.size(); ++i) {
     const TensorView& t = in_.tensors[i].desc;
-    FP4MOE_CHECK(!t.name.ends_with(".weight_scale") && !t.name.ends_with(".weight_scale_2"), input_path_,
-                 ": tensor '", t.name, "' is a quantisation scale: the checkpoint is already quantised");
+    FP4MOE_CHECK(!t.name.ends_with(".weight_scale") && !t.name.ends_with(".weight_scale_2"), input_path_, ": tensor '",
+                 t.name, "' is a quantisation scale: the checkpoint is already quantised");
     plan_tensor(i);
   }
   return std::move(plan_);
@@ -286,8 +297,8 @@ void Planner::push(Output o) {
 
 void Planner::add_matrix(const std::string& module, size_t input, const Slice& slice, bool whole_input_group) {
   const TensorView& t = in_.tensors[input].desc;
-  FP4MOE_CHECK(slice.cols % kNvfp4BlockSize == 0, input_path_, ": tensor '", t.name, "' ",
-               shape_to_string(t.shape), " has K = ", slice.cols, " columns, not a multiple of ", kNvfp4BlockSize,
+  FP4MOE_CHECK(slice.cols % kNvfp4BlockSize == 0, input_path_, ": tensor '", t.name, "' ", shape_to_string(t.shape),
+               " has K = ", slice.cols, " columns, not a multiple of ", kNvfp4BlockSize,
                " (the NVFP4 block size); exclude it with --exclude '", t.name, "'");
   const size_t m = plan_.matrices.size();
   plan_.matrices.push_back(whole_input_group ? Matrix{module, input, slice, t.name + " (stack)", true}
@@ -336,8 +347,8 @@ Planner::FusedLayout Planner::fused_layout(const std::string& base, const Tensor
                shape_to_string(gate_up.shape), " has no 3-D '", base, ".down_proj' beside it");
   const std::vector<int64_t>& g = gate_up.shape;
   const std::vector<int64_t>& d = down->desc.shape;
-  FP4MOE_CHECK(d[0] == g[0], input_path_, ": '", gate_up.name, "' ", shape_to_string(g), " and '",
-               down->desc.name, "' ", shape_to_string(d), " give different expert counts");
+  FP4MOE_CHECK(d[0] == g[0], input_path_, ": '", gate_up.name, "' ", shape_to_string(g), " and '", down->desc.name,
+               "' ", shape_to_string(d), " give different expert counts");
   FusedLayout layout;
   if (g[1] == 2 * d[2] && g[2] == d[1]) {
     layout.inter = d[2];
@@ -387,9 +398,8 @@ void Planner::plan_tensor(size_t i) {
   // Any other multi-dimensional float tensor of the experts is a layout
   // this tool does not know: copying it unquantised would give a checkpoint
   // that claims NVFP4 experts and holds float ones.
-  FP4MOE_CHECK(!(t.shape.size() >= 3 && t.name.find(".experts.") != std::string::npos), input_path_,
-               ": tensor '", t.name, "' ", dtype_name(t.dtype), " ", shape_to_string(t.shape),
-               " is a stacked expert tensor ",
+  FP4MOE_CHECK(!(t.shape.size() >= 3 && t.name.find(".experts.") != std::string::npos), input_path_, ": tensor '",
+               t.name, "' ", dtype_name(t.dtype), " ", shape_to_string(t.shape), " is a stacked expert tensor ",
                is_float ? "of a layout fp4moe does not know" : "that is not float (already quantised, e.g. MXFP4?)",
                "; refusing to copy it unquantised (expected float "
                "<p>experts.{gate_up_proj,gate_proj,up_proj,down_proj}[.weight] [E, N, K])");
@@ -439,8 +449,8 @@ void Planner::plan_expert_stack(size_t i, const std::string& base, const std::st
 void Planner::plan_expert_bias(size_t i, const std::string& base, const std::string& proj) {
   const TensorView& t = in_.tensors[i].desc;
   const InputTensor* weight = find(base + "." + proj);
-  FP4MOE_CHECK(weight != nullptr && weight->desc.shape.size() == 3, input_path_, ": bias '", t.name,
-               "' has no 3-D '", base, ".", proj, "' beside it");
+  FP4MOE_CHECK(weight != nullptr && weight->desc.shape.size() == 3, input_path_, ": bias '", t.name, "' has no 3-D '",
+               base, ".", proj, "' beside it");
   if (excluded(base, weight->desc.name)) {  // its stack is copied whole: so is the bias
     add_copy(i);
     return;

@@ -31,8 +31,8 @@ struct InputTensor {
 
 struct Input {
   bool is_dir = false;
-  bool sharded = false;          // a directory with model.safetensors.index.json
-  std::filesystem::path dir;     // the checkpoint directory (a file's own directory)
+  bool sharded = false;       // a directory with model.safetensors.index.json
+  std::filesystem::path dir;  // the checkpoint directory (a file's own directory)
   std::vector<SafetensorsFile> shards;
   std::vector<uint64_t> shard_data_bytes;
   std::vector<InputTensor> tensors;  // shard by shard, file order
@@ -66,7 +66,7 @@ struct Matrix {
   std::string module;  // output name without ".weight"
   size_t input = 0;    // input tensor index
   Slice slice;
-  std::string group;   // shared global scale key; empty: its own
+  std::string group;  // shared global scale key; empty: its own
   // The group is the whole input tensor (a bmm-layout stack): its amax is
   // the tensor's.
   bool group_is_input = false;
@@ -76,15 +76,15 @@ struct Matrix {
 struct Output {
   enum Kind { kCopy, kCopyAsF32, kWeight, kWeightScale, kWeightScale2, kBiasSlice } kind = kCopy;
   TensorSpec spec;
-  size_t input = 0;     // the input tensor it derives from
-  size_t matrix = 0;    // kWeight*: index into Plan::matrices
-  Slice slice;          // kBiasSlice: rows of a [E, M] bias (cols = 1)
+  size_t input = 0;   // the input tensor it derives from
+  size_t matrix = 0;  // kWeight*: index into Plan::matrices
+  Slice slice;        // kBiasSlice: rows of a [E, M] bias (cols = 1)
   uint64_t nbytes = 0;
 };
 
 struct Plan {
   std::vector<Matrix> matrices;
-  std::vector<Output> outputs;   // in input order, then the order each input emits
+  std::vector<Output> outputs;  // in input order, then the order each input emits
   std::vector<std::string> quantized_modules;
   std::vector<std::string> excluded_modules;
   int num_stacks = 0;
@@ -92,8 +92,8 @@ struct Plan {
 
 // One output .safetensors file and the outputs it holds.
 struct Shard {
-  std::string file;                  // name inside the output directory (or the output file)
-  std::vector<size_t> outputs;       // indices into Plan::outputs, in order
+  std::string file;             // name inside the output directory (or the output file)
+  std::vector<size_t> outputs;  // indices into Plan::outputs, in order
   uint64_t data_bytes = 0;
 };
 

@@ -6,8 +6,8 @@
 
 namespace fp4moe {
 
-std::string expert_tensor_name(const std::string& prefix, int64_t expert_idx,
-                               const std::string& proj, const std::string& field) {
+std::string expert_tensor_name(const std::string& prefix, int64_t expert_idx, const std::string& proj,
+                               const std::string& field) {
   return prefix + "experts." + std::to_string(expert_idx) + "." + proj + "." + field;
 }
 

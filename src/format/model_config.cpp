@@ -42,9 +42,8 @@ std::string MoeModelConfig::describe_routing() const {
       s += routing.renormalize ? " (renormalised)" : " (not renormalised)";
       break;
     case RoutingMode::kNoauxTc:
-      s += " (n_group " + std::to_string(routing.num_groups) + ", topk_group " +
-           std::to_string(routing.topk_groups) + ", routed_scaling_factor " +
-           number_string(routing.routed_scaling_factor) + ")";
+      s += " (n_group " + std::to_string(routing.num_groups) + ", topk_group " + std::to_string(routing.topk_groups) +
+           ", routed_scaling_factor " + number_string(routing.routed_scaling_factor) + ")";
       break;
     case RoutingMode::kGptOss:
       break;
@@ -101,7 +100,8 @@ std::optional<MoeModelConfig> moe_model_config(const ConfigJson& c) {
     if (method == "noaux_tc") {
       FP4MOE_CHECK(scoring == "sigmoid", where, ": topk_method \"noaux_tc\" with scoring_func \"", scoring,
                    "\"; fp4moe's noaux_tc routing scores with \"sigmoid\"");
-      FP4MOE_CHECK(norm, where, ": norm_topk_prob is false with topk_method \"noaux_tc\"; fp4moe's noaux_tc "
+      FP4MOE_CHECK(norm, where,
+                   ": norm_topk_prob is false with topk_method \"noaux_tc\"; fp4moe's noaux_tc "
                    "routing renormalises the top-k weights (norm_topk_prob true, as DeepSeek-V3, Kimi K2 and GLM)");
       r.mode = RoutingMode::kNoauxTc;
       r.num_groups = to_int(c.positive_int("n_group").value_or(v3_defaults ? 8 : 1), where, "n_group");
@@ -158,13 +158,12 @@ std::optional<MoeModelConfig> read_moe_model_config(const std::string& checkpoin
   return moe_model_config(ConfigJson::read(config));
 }
 
-std::vector<float> compute_router_logits(const RouterWeights& router, const float* hidden_states,
-                                         int64_t num_tokens) {
+std::vector<float> compute_router_logits(const RouterWeights& router, const float* hidden_states, int64_t num_tokens) {
   const int64_t E = router.num_experts, H = router.hidden;
   FP4MOE_CHECK(E >= 1 && H >= 1 && router.weight.size() == static_cast<size_t>(E * H),
                "compute_router_logits: weight has ", router.weight.size(), " values; expected [", E, ", ", H, "]");
-  FP4MOE_CHECK(router.bias.empty() || router.bias.size() == static_cast<size_t>(E),
-               "compute_router_logits: bias has ", router.bias.size(), " values; expected 0 or ", E);
+  FP4MOE_CHECK(router.bias.empty() || router.bias.size() == static_cast<size_t>(E), "compute_router_logits: bias has ",
+               router.bias.size(), " values; expected 0 or ", E);
   FP4MOE_CHECK(num_tokens >= 0 && (num_tokens == 0 || hidden_states != nullptr),
                "compute_router_logits: hidden_states is null or num_tokens < 0");
   std::vector<float> logits(static_cast<size_t>(num_tokens * E));

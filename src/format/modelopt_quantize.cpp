@@ -70,27 +70,27 @@ float abs_max(const float* data, size_t count) {
   return amax;
 }
 
-Nvfp4Matrix quantize_nvfp4(const float* weights, int64_t rows, int64_t cols,
-                           std::optional<float> global_scale) {
-  FP4MOE_CHECK(rows >= 0 && cols >= 0, "quantize_nvfp4: shape [", rows, ", ", cols,
-               "] has a negative dimension");
+Nvfp4Matrix quantize_nvfp4(const float* weights, int64_t rows, int64_t cols, std::optional<float> global_scale) {
+  FP4MOE_CHECK(rows >= 0 && cols >= 0, "quantize_nvfp4: shape [", rows, ", ", cols, "] has a negative dimension");
   FP4MOE_CHECK(cols % kNvfp4BlockSize == 0, "quantize_nvfp4: cols (K) = ", cols,
                " is not a multiple of the NVFP4 block size ", kNvfp4BlockSize);
   const size_t count = static_cast<size_t>(rows * cols);
-  FP4MOE_CHECK(weights != nullptr || count == 0, "quantize_nvfp4: weights is null for a [", rows,
-               ", ", cols, "] matrix");
+  FP4MOE_CHECK(weights != nullptr || count == 0, "quantize_nvfp4: weights is null for a [", rows, ", ", cols,
+               "] matrix");
   // A non-finite weight would make the global scale (or a block scale)
   // meaningless; no checkpoint should contain one.
   for (size_t i = 0; i < count; ++i)
-    FP4MOE_CHECK(std::isfinite(weights[i]), "quantize_nvfp4: weight [", i / cols, ", ",
-                 i % cols, "] is ", weights[i], "; expected finite values");
+    FP4MOE_CHECK(std::isfinite(weights[i]), "quantize_nvfp4: weight [", i / cols, ", ", i % cols, "] is ", weights[i],
+                 "; expected finite values");
 
   const float amax = abs_max(weights, count);
   const float s2 = global_scale ? *global_scale : nvfp4_global_scale(amax);
   FP4MOE_CHECK(std::isfinite(s2) && s2 >= 0.0f, "quantize_nvfp4: global scale ", s2,
                " is not a finite non-negative number");
-  FP4MOE_CHECK(s2 > 0.0f || amax == 0.0f, "quantize_nvfp4: global scale 0 given for a matrix "
-               "with abs max ", amax, "; expected amax / 2688 or more");
+  FP4MOE_CHECK(s2 > 0.0f || amax == 0.0f,
+               "quantize_nvfp4: global scale 0 given for a matrix "
+               "with abs max ",
+               amax, "; expected amax / 2688 or more");
 
   Nvfp4Matrix m;
   m.rows = rows;

@@ -102,9 +102,9 @@ class ExpertTensorReader {
     std::string expected;
     for (DType dtype : dtypes) expected += (expected.empty() ? "" : " or ") + std::string(dtype_name(dtype));
     expected += " ";
-    for (size_t i = 0; i < shapes.size(); ++i)
-      expected += (i ? " or " : "") + shape_to_string(shapes[i]);
-    errors_.add("'", name, "' (in ", *file, "): expected ", expected, ", found ", describe_tensor(view->dtype, view->shape));
+    for (size_t i = 0; i < shapes.size(); ++i) expected += (i ? " or " : "") + shape_to_string(shapes[i]);
+    errors_.add("'", name, "' (in ", *file, "): expected ", expected, ", found ",
+                describe_tensor(view->dtype, view->shape));
     return nullptr;
   }
 
@@ -180,8 +180,8 @@ struct ExpertNames {
   for (const std::string& name : source.names()) {
     const size_t at = name.find("experts.");
     if (at != std::string::npos && (at == 0 || name[at - 1] == '.')) {
-      example = detail::concat("; a tensor that looks like an expert's: '", name,
-                               "' (prefix '", name.substr(0, at), "'?)");
+      example =
+          detail::concat("; a tensor that looks like an expert's: '", name, "' (prefix '", name.substr(0, at), "'?)");
       break;
     }
   }
@@ -220,15 +220,14 @@ struct ExpectedExperts {
 
 ExpectedExperts expected_experts(const TensorSource& source, const std::string& path, const std::string& prefix,
                                  int64_t max_expert_idx) {
-  ExpectedExperts expected{max_expert_idx + 1, detail::concat("the largest expert index under prefix '", prefix,
-                                                              "' is ", max_expert_idx)};
+  ExpectedExperts expected{max_expert_idx + 1,
+                           detail::concat("the largest expert index under prefix '", prefix, "' is ", max_expert_idx)};
   if (source.expert_count()) {
     expected.num_experts = source.expert_count()->num_experts;
-    expected.count_source = detail::concat(source.config_json()->where(), " says ", source.expert_count()->key,
-                                           " = ", expected.num_experts);
-    FP4MOE_CHECK(max_expert_idx < expected.num_experts, path, ": tensors of expert ", max_expert_idx,
-                 " under prefix '", prefix, "', but ", expected.count_source, " (experts 0..",
-                 expected.num_experts - 1, ")");
+    expected.count_source = detail::concat(source.config_json()->where(), " says ", source.expert_count()->key, " = ",
+                                           expected.num_experts);
+    FP4MOE_CHECK(max_expert_idx < expected.num_experts, path, ": tensors of expert ", max_expert_idx, " under prefix '",
+                 prefix, "', but ", expected.count_source, " (experts 0..", expected.num_experts - 1, ")");
   }
   return expected;
 }
@@ -247,8 +246,8 @@ void check_experts_complete(const TensorSource& source, const std::string& path,
       }
       if (found.any_bias) {
         const std::string name = expert_tensor_name(prefix, e, proj, "bias");
-        FP4MOE_CHECK(source.contains(name), path, ": missing tensor '", name,
-                     "' (other experts under prefix '", prefix, "' have biases)");
+        FP4MOE_CHECK(source.contains(name), path, ": missing tensor '", name, "' (other experts under prefix '", prefix,
+                     "' have biases)");
       }
     }
 }
@@ -259,22 +258,22 @@ void read_layer_shape(TensorSource& source, const std::string& path, const std::
                       const ExpertNames& found, MoeWeights& weights) {
   const std::string shape_source = expert_tensor_name(prefix, 0, found.proj_names[0], "weight");
   const TensorView& gate0 = *source.get(shape_source).first;
-  FP4MOE_CHECK(gate0.dtype == DType::U8 && gate0.shape.size() == 2, path, ": tensor '",
-               shape_source, "' is ", describe_tensor(gate0.dtype, gate0.shape),
-               "; expected U8 [inter, hidden / 2] (packed fp4)");
+  FP4MOE_CHECK(gate0.dtype == DType::U8 && gate0.shape.size() == 2, path, ": tensor '", shape_source, "' is ",
+               describe_tensor(gate0.dtype, gate0.shape), "; expected U8 [inter, hidden / 2] (packed fp4)");
   // A non-empty tensor's extents are bounded by the file's size (its bytes
   // are in it), so 2 * shape[1] below cannot overflow; an empty one may
   // claim any extent.
   FP4MOE_CHECK(gate0.shape[0] > 0 && gate0.shape[1] > 0, path, ": tensor '", shape_source, "' ",
-               shape_to_string(gate0.shape), " is empty; expected U8 [inter, hidden / 2] with inter "
-               "and hidden positive multiples of ", kNvfp4BlockSize);
+               shape_to_string(gate0.shape),
+               " is empty; expected U8 [inter, hidden / 2] with inter "
+               "and hidden positive multiples of ",
+               kNvfp4BlockSize);
   weights.inter = gate0.shape[0];
   weights.hidden = gate0.shape[1] * 2;
-  FP4MOE_CHECK(weights.hidden % kNvfp4BlockSize == 0 && weights.inter % kNvfp4BlockSize == 0 &&
-                   weights.hidden > 0 && weights.inter > 0,
-               path, ": tensor '", shape_source, "' ", shape_to_string(gate0.shape), " gives hidden = ",
-               weights.hidden, " and inter = ", weights.inter,
-               "; both must be positive multiples of ", kNvfp4BlockSize);
+  FP4MOE_CHECK(weights.hidden % kNvfp4BlockSize == 0 && weights.inter % kNvfp4BlockSize == 0 && weights.hidden > 0 &&
+                   weights.inter > 0,
+               path, ": tensor '", shape_source, "' ", shape_to_string(gate0.shape), " gives hidden = ", weights.hidden,
+               " and inter = ", weights.inter, "; both must be positive multiples of ", kNvfp4BlockSize);
 }
 
 // The gate and up weight_scale_2 as read must agree: ModelOpt shares one.
@@ -337,16 +336,16 @@ std::vector<float> read_shared_gate(TensorSource& source, const std::string& pat
 // .weight tensors.
 SharedExpertWeights read_dense_shared_expert(TensorSource& source, const std::string& path, const std::string& stem,
                                              const TensorView& shared_w, int64_t H) {
-  FP4MOE_CHECK(shared_w.shape.size() == 2 && shared_w.shape[1] == H && shared_w.shape[0] > 0, path,
-               ": tensor '", stem, "gate_proj.weight' is ", describe_tensor(shared_w.dtype, shared_w.shape),
-               "; expected [shared inter, ", H, "] (an unquantised shared expert)");
+  FP4MOE_CHECK(shared_w.shape.size() == 2 && shared_w.shape[1] == H && shared_w.shape[0] > 0, path, ": tensor '", stem,
+               "gate_proj.weight' is ", describe_tensor(shared_w.dtype, shared_w.shape), "; expected [shared inter, ",
+               H, "] (an unquantised shared expert)");
   const int64_t S = shared_w.shape[0];
   for (const std::string& name : source.names())
-    FP4MOE_CHECK(name.compare(0, stem.size(), stem) != 0 || name.size() < 7 ||
-                     name.compare(name.size() - 7, 7, ".weight") == 0,
-                 path, ": tensor '", name, "' beside an unquantised shared expert '", stem,
-                 "*'; expected only {gate_proj,up_proj,down_proj}.weight (a shared expert is NVFP4 or "
-                 "unquantised, not a mix)");
+    FP4MOE_CHECK(
+        name.compare(0, stem.size(), stem) != 0 || name.size() < 7 || name.compare(name.size() - 7, 7, ".weight") == 0,
+        path, ": tensor '", name, "' beside an unquantised shared expert '", stem,
+        "*'; expected only {gate_proj,up_proj,down_proj}.weight (a shared expert is NVFP4 or "
+        "unquantised, not a mix)");
   SharedExpertWeights shared;
   shared.inter = S;
   const char* what = "an unquantised shared expert";
@@ -359,21 +358,20 @@ SharedExpertWeights read_dense_shared_expert(TensorSource& source, const std::st
 
 // An NVFP4 shared expert: every projection's required fields, its width
 // from gate_proj.weight, its matrices read as a routed expert's.
-SharedExpertWeights read_nvfp4_shared_expert(TensorSource& source, ExpertTensorReader& reader,
-                                             const std::string& path, const std::string& prefix,
-                                             const std::string& stem, int64_t H) {
+SharedExpertWeights read_nvfp4_shared_expert(TensorSource& source, ExpertTensorReader& reader, const std::string& path,
+                                             const std::string& prefix, const std::string& stem, int64_t H) {
   for (const char* proj : kProjNames)
     for (const char* field : kRequiredFields) {
       const std::string name = stem + proj + "." + field;
       FP4MOE_CHECK(source.contains(name), path, ": missing tensor '", name, "' (other tensors under '", stem,
                    "' are there: a shared expert needs all of {gate_proj,up_proj,down_proj}.{weight,weight_scale,"
-                   "weight_scale_2})", source.where_else(name));
+                   "weight_scale_2})",
+                   source.where_else(name));
     }
   const std::string shared_shape_source = stem + "gate_proj.weight";
   const TensorView& shared_gate0 = *source.get(shared_shape_source).first;
-  FP4MOE_CHECK(shared_gate0.dtype == DType::U8 && shared_gate0.shape.size() == 2 &&
-                   shared_gate0.shape[1] * 2 == H && shared_gate0.shape[0] > 0 &&
-                   shared_gate0.shape[0] % kNvfp4BlockSize == 0,
+  FP4MOE_CHECK(shared_gate0.dtype == DType::U8 && shared_gate0.shape.size() == 2 && shared_gate0.shape[1] * 2 == H &&
+                   shared_gate0.shape[0] > 0 && shared_gate0.shape[0] % kNvfp4BlockSize == 0,
                path, ": tensor '", shared_shape_source, "' is ",
                describe_tensor(shared_gate0.dtype, shared_gate0.shape), "; expected U8 [shared inter, ", H / 2,
                "] (packed fp4, shared inter a positive multiple of ", kNvfp4BlockSize, ")");
@@ -396,8 +394,7 @@ SharedExpertWeights read_nvfp4_shared_expert(TensorSource& source, ExpertTensorR
 
 // The shared expert, whole or not at all; empty when the layer has none.
 std::optional<SharedExpertWeights> read_shared_expert(TensorSource& source, ExpertTensorReader& reader,
-                                                      const std::string& path, const std::string& prefix,
-                                                      int64_t H) {
+                                                      const std::string& path, const std::string& prefix, int64_t H) {
   const std::string gate_name = prefix + "shared_expert_gate.weight";
   const std::string stem = find_shared_expert_stem(source, prefix);
   FP4MOE_CHECK(!stem.empty() || !source.contains(gate_name), path, ": '", gate_name,
@@ -407,8 +404,8 @@ std::optional<SharedExpertWeights> read_shared_expert(TensorSource& source, Expe
   // A shared expert left in high precision is refused by name, not as a
   // missing scale: the layer runs it as extra NVFP4 experts of the same
   // GEMMs.
-  const TensorView* shared_w = source.contains(stem + "gate_proj.weight") ? source.get(stem + "gate_proj.weight").first
-                                                                            : nullptr;
+  const TensorView* shared_w =
+      source.contains(stem + "gate_proj.weight") ? source.get(stem + "gate_proj.weight").first : nullptr;
   SharedExpertWeights shared = shared_w != nullptr && shared_w->dtype != DType::U8
                                    ? read_dense_shared_expert(source, path, stem, *shared_w, H)
                                    : read_nvfp4_shared_expert(source, reader, path, prefix, stem, H);

@@ -48,10 +48,10 @@ void check_format(const json& q, const std::string& where, const std::string& wh
                algo.is_null() ? std::string("missing its quant_algo") : "quant_algo " + algo.dump(),
                "; fp4moe loads \"NVFP4\" or \"W4A16_NVFP4\" experts (group_size 16)");
   const std::optional<json> group_size = group_size_of(q);
-  FP4MOE_CHECK(group_size, where, ": ", what, " (", algo.get<std::string>(),
-               ") gives no group_size; expected ", kNvfp4BlockSize);
-  FP4MOE_CHECK(group_size->is_number_integer() && group_size->get<int64_t>() == kNvfp4BlockSize, where, ": ",
-               what, " is ", algo.get<std::string>(), " with group_size ", group_size->dump(), "; expected ",
+  FP4MOE_CHECK(group_size, where, ": ", what, " (", algo.get<std::string>(), ") gives no group_size; expected ",
+               kNvfp4BlockSize);
+  FP4MOE_CHECK(group_size->is_number_integer() && group_size->get<int64_t>() == kNvfp4BlockSize, where, ": ", what,
+               " is ", algo.get<std::string>(), " with group_size ", group_size->dump(), "; expected ",
                kNvfp4BlockSize);
 }
 
@@ -80,8 +80,8 @@ QuantConfig parse_quant_config(const json& q, const std::string& where) {
 QuantConfig read_hf_quant_config(const fs::path& path) {
   const json config = read_json_file(path);
   const std::string where = path.string();
-  FP4MOE_CHECK(config.is_object() && config.contains("quantization") && config["quantization"].is_object(),
-               where, ": expected an object with a \"quantization\" object");
+  FP4MOE_CHECK(config.is_object() && config.contains("quantization") && config["quantization"].is_object(), where,
+               ": expected an object with a \"quantization\" object");
   return parse_quant_config(config["quantization"], where);
 }
 
@@ -116,8 +116,8 @@ std::string check_layer_format(const QuantConfig& config, const std::string& pre
                  "; fp4moe loads a layer whose experts share one format");
     algo = layer_algo;
   }
-  FP4MOE_CHECK(!algo.empty(), config.where, ": this MIXED_PRECISION checkpoint lists no expert of prefix '",
-               prefix, "' in quantized_layers: that layer's experts are not quantised; fp4moe loads NVFP4 experts");
+  FP4MOE_CHECK(!algo.empty(), config.where, ": this MIXED_PRECISION checkpoint lists no expert of prefix '", prefix,
+               "' in quantized_layers: that layer's experts are not quantised; fp4moe loads NVFP4 experts");
   return algo;
 }
 

@@ -20,8 +20,8 @@
 namespace fp4moe {
 
 struct QuantConfig {
-  std::string where;                 // the file and key it came from, for messages
-  std::string quant_algo;            // "NVFP4", "W4A16_NVFP4" or "MIXED_PRECISION"
+  std::string where;                // the file and key it came from, for messages
+  std::string quant_algo;           // "NVFP4", "W4A16_NVFP4" or "MIXED_PRECISION"
   nlohmann::json quantized_layers;  // MIXED_PRECISION: module name -> {"quant_algo", "group_size"}
 };
 

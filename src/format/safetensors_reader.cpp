@@ -55,9 +55,8 @@ struct OtherDType {
   std::string_view name;
   size_t element_bytes;
 };
-constexpr OtherDType kOtherDTypes[] = {{"BOOL", 1}, {"I8", 1},  {"F8_E5M2", 1}, {"F8_E8M0", 1},
-                                       {"I16", 2},  {"U16", 2}, {"U32", 4},     {"U64", 8},
-                                       {"F64", 8}};
+constexpr OtherDType kOtherDTypes[] = {{"BOOL", 1}, {"I8", 1},  {"F8_E5M2", 1}, {"F8_E8M0", 1}, {"I16", 2},
+                                       {"U16", 2},  {"U32", 4}, {"U64", 8},     {"F64", 8}};
 
 // The value of a JSON non-negative integer (including "-0"), else nullopt.
 std::optional<uint64_t> as_offset(const json& value) {
@@ -74,8 +73,7 @@ std::string describe(const json& value) {
 }
 
 template <typename... Args>
-[[noreturn]] void throw_tensor_error(const std::string& path, std::string_view name,
-                                     const Args&... args) {
+[[noreturn]] void throw_tensor_error(const std::string& path, std::string_view name, const Args&... args) {
   FP4MOE_THROW(path, ": tensor '", name, "': ", args...);
 }
 
@@ -98,8 +96,7 @@ struct HeaderEntry {
 HeaderEntry parse_entry(const std::string& path, const std::string& name, const json& value,
                         uint64_t data_section_bytes) {
   if (!value.is_object()) {
-    throw_tensor_error(path, name, "entry must be an object with dtype, shape and data_offsets, got ",
-                       describe(value));
+    throw_tensor_error(path, name, "entry must be an object with dtype, shape and data_offsets, got ", describe(value));
   }
   HeaderEntry entry{name, std::nullopt, {}, {}, 0, 0};
 
@@ -122,19 +119,16 @@ HeaderEntry parse_entry(const std::string& path, const std::string& name, const 
   const auto shape_it = value.find("shape");
   if (shape_it == value.end()) throw_tensor_error(path, name, "missing 'shape'");
   if (!shape_it->is_array()) {
-    throw_tensor_error(path, name, "'shape' must be an array of dimensions, got ",
-                       describe(*shape_it));
+    throw_tensor_error(path, name, "'shape' must be an array of dimensions, got ", describe(*shape_it));
   }
   for (size_t dim_idx = 0; dim_idx < shape_it->size(); ++dim_idx) {
     const json& dim = (*shape_it)[dim_idx];
     const std::optional<uint64_t> extent = as_offset(dim);
     if (!extent) {
-      throw_tensor_error(path, name, "shape[", dim_idx, "] must be a non-negative integer, got ",
-                         describe(dim));
+      throw_tensor_error(path, name, "shape[", dim_idx, "] must be a non-negative integer, got ", describe(dim));
     }
     if (*extent > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      throw_tensor_error(path, name, "shape[", dim_idx, "] = ", *extent,
-                         " does not fit in a signed 64-bit dimension");
+      throw_tensor_error(path, name, "shape[", dim_idx, "] = ", *extent, " does not fit in a signed 64-bit dimension");
     }
     entry.shape.push_back(static_cast<int64_t>(*extent));
   }
@@ -148,21 +142,19 @@ HeaderEntry parse_entry(const std::string& path, const std::string& name, const 
   if (offsets_it == value.end()) throw_tensor_error(path, name, "missing 'data_offsets'");
   if (!offsets_it->is_array() || offsets_it->size() != 2) {
     throw_tensor_error(path, name, "'data_offsets' must be an array [begin, end], got ",
-                       offsets_it->is_array()
-                           ? "an array of " + std::to_string(offsets_it->size()) + " elements"
-                           : describe(*offsets_it));
+                       offsets_it->is_array() ? "an array of " + std::to_string(offsets_it->size()) + " elements"
+                                              : describe(*offsets_it));
   }
   const std::optional<uint64_t> begin = as_offset((*offsets_it)[0]);
   const std::optional<uint64_t> end = as_offset((*offsets_it)[1]);
   if (!begin || !end) {
-    throw_tensor_error(path, name, "data_offsets must be non-negative integers, got [",
-                       describe((*offsets_it)[0]), ", ", describe((*offsets_it)[1]), "]");
+    throw_tensor_error(path, name, "data_offsets must be non-negative integers, got [", describe((*offsets_it)[0]),
+                       ", ", describe((*offsets_it)[1]), "]");
   }
   entry.begin = *begin;
   entry.end = *end;
   if (entry.end < entry.begin) {
-    throw_tensor_error(path, name, "data_offsets [", entry.begin, ", ", entry.end,
-                       "] have end before begin");
+    throw_tensor_error(path, name, "data_offsets [", entry.begin, ", ", entry.end, "] have end before begin");
   }
   if (entry.end > data_section_bytes) {
     throw_tensor_error(path, name, "data_offsets [", entry.begin, ", ", entry.end,
@@ -170,21 +162,19 @@ HeaderEntry parse_entry(const std::string& path, const std::string& name, const 
   }
   if (element_bytes && entry.end - entry.begin != *nbytes) {
     throw_tensor_error(path, name, "data_offsets [", entry.begin, ", ", entry.end, "] but shape ",
-                       shape_to_string(entry.shape), " of ", dtype_string, " needs ", *nbytes,
-                       " bytes");
+                       shape_to_string(entry.shape), " of ", dtype_string, " needs ", *nbytes, " bytes");
   }
   return entry;
 }
 
 std::map<std::string, std::string> parse_metadata(const std::string& path, const json& value) {
   if (!value.is_object()) {
-    FP4MOE_THROW(path, ": '", kMetadataKey, "' must be an object of strings, got ",
-                 describe(value));
+    FP4MOE_THROW(path, ": '", kMetadataKey, "' must be an object of strings, got ", describe(value));
   }
   std::map<std::string, std::string> metadata;
   for (const auto& [key, item] : value.items()) {
-    FP4MOE_CHECK(item.is_string(), path, ": '", kMetadataKey, "' entry '", key,
-                 "' must be a string, got ", describe(item));
+    FP4MOE_CHECK(item.is_string(), path, ": '", kMetadataKey, "' entry '", key, "' must be a string, got ",
+                 describe(item));
     metadata.emplace(key, item.get<std::string>());
   }
   return metadata;
@@ -196,8 +186,7 @@ std::map<std::string, std::string> parse_metadata(const std::string& path, const
 json parse_header_json(const std::string& path, const char* text, size_t text_bytes) {
   std::set<std::string, std::less<>> top_level_keys;
   std::optional<std::string> repeated_key;
-  const json::parser_callback_t note_repeated_keys = [&](int depth, json::parse_event_t event,
-                                                         json& parsed) {
+  const json::parser_callback_t note_repeated_keys = [&](int depth, json::parse_event_t event, json& parsed) {
     if (event == json::parse_event_t::key && depth == 1 && !repeated_key) {
       if (!top_level_keys.insert(parsed.get<std::string>()).second) {
         repeated_key = parsed.get<std::string>();
@@ -272,16 +261,16 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   FP4MOE_CHECK(read_exactly(fd, prefix, kLengthPrefixBytes, 0, path), path,
                ": file ended while its length prefix was read (truncated while opening?)");
   const uint64_t header_bytes = read_le_u64(prefix);
-  FP4MOE_CHECK(header_bytes <= kMaxHeaderBytes, path, ": header length ", header_bytes,
-               " exceeds the limit of ", kMaxHeaderBytes, " bytes (corrupt length prefix?)");
-  FP4MOE_CHECK(header_bytes <= file_bytes - kLengthPrefixBytes, path, ": header length ",
-               header_bytes, " runs past the end of the file (", file_bytes, " bytes)");
+  FP4MOE_CHECK(header_bytes <= kMaxHeaderBytes, path, ": header length ", header_bytes, " exceeds the limit of ",
+               kMaxHeaderBytes, " bytes (corrupt length prefix?)");
+  FP4MOE_CHECK(header_bytes <= file_bytes - kLengthPrefixBytes, path, ": header length ", header_bytes,
+               " runs past the end of the file (", file_bytes, " bytes)");
   file.data_section_offset_ = kLengthPrefixBytes + header_bytes;
   const uint64_t data_section_bytes = file_bytes - kLengthPrefixBytes - header_bytes;
 
   std::string header_text(static_cast<size_t>(header_bytes), '\0');
-  FP4MOE_CHECK(read_exactly(fd, header_text.data(), header_text.size(), kLengthPrefixBytes, path),
-               path, ": file ended while its header was read (truncated while opening?)");
+  FP4MOE_CHECK(read_exactly(fd, header_text.data(), header_text.size(), kLengthPrefixBytes, path), path,
+               ": file ended while its header was read (truncated while opening?)");
   const json header = parse_header_json(path, header_text.data(), header_text.size());
 
   std::vector<HeaderEntry> entries;
@@ -304,9 +293,8 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     const HeaderEntry& previous = entries[entry_idx - 1];
     const HeaderEntry& current = entries[entry_idx];
     if (current.begin < previous.end) {
-      throw_tensor_error(path, current.name, "data_offsets [", current.begin, ", ", current.end,
-                         "] overlap tensor '", previous.name, "' at [", previous.begin, ", ",
-                         previous.end, "]");
+      throw_tensor_error(path, current.name, "data_offsets [", current.begin, ", ", current.end, "] overlap tensor '",
+                         previous.name, "' at [", previous.begin, ", ", previous.end, "]");
     }
   }
 
@@ -356,14 +344,12 @@ SafetensorsFile::~SafetensorsFile() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-bool SafetensorsFile::contains(std::string_view name) const {
-  return tensors_.find(name) != tensors_.end();
-}
+bool SafetensorsFile::contains(std::string_view name) const { return tensors_.find(name) != tensors_.end(); }
 
 SafetensorsFile::StoredTensor& SafetensorsFile::readable(std::string_view name) const {
   const auto it = tensors_.find(name);
-  FP4MOE_CHECK(it != tensors_.end(), path_, ": no tensor named '", name, "' (the file has ",
-               tensors_.size(), " tensors)");
+  FP4MOE_CHECK(it != tensors_.end(), path_, ": no tensor named '", name, "' (the file has ", tensors_.size(),
+               " tensors)");
   StoredTensor& stored = it->second;
   if (!stored.readable)
     throw_tensor_error(path_, name, "dtype '", stored.dtype_name,
@@ -393,13 +379,11 @@ const TensorView& SafetensorsFile::get(std::string_view name) const {
   if (::fstat(fd_, &now) != 0) FP4MOE_THROW(path_, ": cannot stat: ", errno_message(errno));
   const auto now_bytes = static_cast<uint64_t>(now.st_size);
   if (now_bytes < end)
-    throw_tensor_error(path_, name, "the file is now ", now_bytes, " bytes, shorter than the ",
-                       file_bytes_, " it had when opened (truncated while open?); the tensor ends at byte ",
-                       end);
+    throw_tensor_error(path_, name, "the file is now ", now_bytes, " bytes, shorter than the ", file_bytes_,
+                       " it had when opened (truncated while open?); the tensor ends at byte ", end);
   auto bytes = std::make_unique_for_overwrite<uint8_t[]>(nbytes);
   if (!read_exactly(fd_, bytes.get(), nbytes, end - nbytes, path_))
-    throw_tensor_error(path_, name, "the file ended before byte ", end,
-                       " (truncated while being read?)");
+    throw_tensor_error(path_, name, "the file ended before byte ", end, " (truncated while being read?)");
   stored.bytes = std::move(bytes);
   stored.view.data = stored.bytes.get();
   return stored.view;

@@ -63,12 +63,11 @@ uint64_t checked_spec_bytes(std::string_view who, const std::string& name, DType
   FP4MOE_CHECK(name != kMetadataKey, who, ": a tensor cannot be named '", kMetadataKey,
                "' (the key is reserved for metadata)");
   for (int64_t dim : shape) {
-    FP4MOE_CHECK(dim >= 0, who, ": tensor '", name, "': shape ", shape_to_string(shape),
-                 " has a negative dimension");
+    FP4MOE_CHECK(dim >= 0, who, ": tensor '", name, "': shape ", shape_to_string(shape), " has a negative dimension");
   }
   const std::optional<uint64_t> expected_bytes = checked_nbytes(shape, dtype_size(dtype));
-  FP4MOE_CHECK(expected_bytes.has_value(), who, ": tensor '", name, "': shape ",
-               shape_to_string(shape), " of ", dtype_name(dtype), " overflows a 64-bit byte count");
+  FP4MOE_CHECK(expected_bytes.has_value(), who, ": tensor '", name, "': shape ", shape_to_string(shape), " of ",
+               dtype_name(dtype), " overflows a 64-bit byte count");
   return *expected_bytes;
 }
 
@@ -84,8 +83,7 @@ SafetensorsStreamWriter::SafetensorsStreamWriter(std::string path, std::vector<T
   nbytes_.reserve(tensors_.size());
   for (const TensorSpec& spec : tensors_) {
     nbytes_.push_back(checked_spec_bytes("SafetensorsStreamWriter", spec.name, spec.dtype, spec.shape));
-    FP4MOE_CHECK(names.insert(spec.name).second, "SafetensorsStreamWriter: tensor '", spec.name,
-                 "' is listed twice");
+    FP4MOE_CHECK(names.insert(spec.name).second, "SafetensorsStreamWriter: tensor '", spec.name, "' is listed twice");
   }
 
   // ordered_json keeps "__metadata__" first and the tensors in the given
@@ -109,11 +107,9 @@ SafetensorsStreamWriter::SafetensorsStreamWriter(std::string path, std::vector<T
   try {
     header_text = header.dump();
   } catch (const nlohmann::ordered_json::exception& e) {
-    FP4MOE_THROW(path_, ": cannot write: a tensor name or metadata string is not valid UTF-8 (",
-                 e.what(), ")");
+    FP4MOE_THROW(path_, ": cannot write: a tensor name or metadata string is not valid UTF-8 (", e.what(), ")");
   }
-  header_text.append((kHeaderAlignment - header_text.size() % kHeaderAlignment) % kHeaderAlignment,
-                     ' ');
+  header_text.append((kHeaderAlignment - header_text.size() % kHeaderAlignment) % kHeaderAlignment, ' ');
   uint8_t length_prefix[kLengthPrefixBytes];
   for (size_t byte_idx = 0; byte_idx < kLengthPrefixBytes; ++byte_idx) {
     length_prefix[byte_idx] = static_cast<uint8_t>(uint64_t{header_text.size()} >> (8 * byte_idx));
@@ -147,24 +143,23 @@ std::string_view SafetensorsStreamWriter::next_name() const {
 
 void SafetensorsStreamWriter::write(std::string_view name, const void* data, size_t nbytes) {
   FP4MOE_CHECK(!committed_, "SafetensorsStreamWriter: ", path_, ": write of '", name, "' after commit()");
-  FP4MOE_CHECK(next_ < tensors_.size(), "SafetensorsStreamWriter: ", path_, ": tensor '", name,
-               "' written but all ", tensors_.size(), " listed tensors are already written");
+  FP4MOE_CHECK(next_ < tensors_.size(), "SafetensorsStreamWriter: ", path_, ": tensor '", name, "' written but all ",
+               tensors_.size(), " listed tensors are already written");
   const TensorSpec& spec = tensors_[next_];
   FP4MOE_CHECK(name == spec.name, "SafetensorsStreamWriter: ", path_, ": tensor '", name,
                "' written where the header lists '", spec.name, "' next");
   FP4MOE_CHECK(nbytes == nbytes_[next_], "SafetensorsStreamWriter: tensor '", name, "': ", nbytes,
-               " bytes given but shape ", shape_to_string(spec.shape), " of ", dtype_name(spec.dtype),
-               " needs ", nbytes_[next_], " bytes");
-  FP4MOE_CHECK(data != nullptr || nbytes == 0, "SafetensorsStreamWriter: tensor '", name,
-               "': data is null");
+               " bytes given but shape ", shape_to_string(spec.shape), " of ", dtype_name(spec.dtype), " needs ",
+               nbytes_[next_], " bytes");
+  FP4MOE_CHECK(data != nullptr || nbytes == 0, "SafetensorsStreamWriter: tensor '", name, "': data is null");
   write_all(fd_, data, nbytes, tmp_path_);
   ++next_;
 }
 
 void SafetensorsStreamWriter::commit() {
   FP4MOE_CHECK(!committed_, "SafetensorsStreamWriter: ", path_, ": commit() called twice");
-  FP4MOE_CHECK(next_ == tensors_.size(), "SafetensorsStreamWriter: ", path_, ": commit() after ", next_,
-               " of ", tensors_.size(), " tensors; '", tensors_[next_].name, "' was not written");
+  FP4MOE_CHECK(next_ == tensors_.size(), "SafetensorsStreamWriter: ", path_, ": commit() after ", next_, " of ",
+               tensors_.size(), " tensors; '", tensors_[next_].name, "' was not written");
   if (::fsync(fd_) != 0) FP4MOE_THROW(tmp_path_, ": fsync failed: ", errno_message(errno));
   // close() can report a deferred write error (NFS, quotas).
   if (::close(std::exchange(fd_, -1)) != 0) {
@@ -180,27 +175,21 @@ void SafetensorsStreamWriter::commit() {
 // ---------------------------------------------------------------------------
 // SafetensorsWriter
 
-void SafetensorsWriter::add(const std::string& name, DType dtype, std::vector<int64_t> shape,
-                            const void* data, size_t nbytes) {
-  FP4MOE_CHECK(!names_.contains(name), "SafetensorsWriter: tensor '", name,
-               "' was already added");
+void SafetensorsWriter::add(const std::string& name, DType dtype, std::vector<int64_t> shape, const void* data,
+                            size_t nbytes) {
+  FP4MOE_CHECK(!names_.contains(name), "SafetensorsWriter: tensor '", name, "' was already added");
   const uint64_t expected_bytes = checked_spec_bytes("SafetensorsWriter", name, dtype, shape);
-  FP4MOE_CHECK(nbytes == expected_bytes, "SafetensorsWriter: tensor '", name, "': ", nbytes,
-               " bytes given but shape ", shape_to_string(shape), " of ", dtype_name(dtype),
-               " needs ", expected_bytes, " bytes");
-  FP4MOE_CHECK(data != nullptr || nbytes == 0, "SafetensorsWriter: tensor '", name,
-               "': data is null");
+  FP4MOE_CHECK(nbytes == expected_bytes, "SafetensorsWriter: tensor '", name, "': ", nbytes, " bytes given but shape ",
+               shape_to_string(shape), " of ", dtype_name(dtype), " needs ", expected_bytes, " bytes");
+  FP4MOE_CHECK(data != nullptr || nbytes == 0, "SafetensorsWriter: tensor '", name, "': data is null");
 
   const auto* first = static_cast<const uint8_t*>(data);
   tensors_.push_back(Entry{name, dtype, std::move(shape),
-                           nbytes == 0 ? std::vector<uint8_t>{}
-                                       : std::vector<uint8_t>(first, first + nbytes)});
+                           nbytes == 0 ? std::vector<uint8_t>{} : std::vector<uint8_t>(first, first + nbytes)});
   names_.insert(name);
 }
 
-void SafetensorsWriter::set_metadata(const std::string& key, const std::string& value) {
-  metadata_[key] = value;
-}
+void SafetensorsWriter::set_metadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
 
 void SafetensorsWriter::write(const std::string& path) const {
   std::vector<TensorSpec> specs;

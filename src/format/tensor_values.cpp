@@ -11,18 +11,15 @@
 
 namespace fp4moe {
 
-bool is_float_dtype(DType dtype) {
-  return dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16;
-}
+bool is_float_dtype(DType dtype) { return dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16; }
 
 namespace {
 
 // Calls fn(index, value) for elements [begin, begin + count) of a float tensor.
 template <typename Fn>
 void for_each_float(const TensorView& view, int64_t begin, int64_t count, Fn&& fn) {
-  FP4MOE_CHECK(begin >= 0 && count >= 0 && begin + count <= view.numel(),
-               "tensor '", view.name, "': element range [", begin, ", ", begin + count,
-               ") outside its ", view.numel(), " elements");
+  FP4MOE_CHECK(begin >= 0 && count >= 0 && begin + count <= view.numel(), "tensor '", view.name, "': element range [",
+               begin, ", ", begin + count, ") outside its ", view.numel(), " elements");
   const uint8_t* data = view.data;
   // The mapped data of a safetensors file need not be aligned: memcpy each element.
   switch (view.dtype) {

@@ -53,9 +53,7 @@ __device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
 __device__ __forceinline__ __nv_bfloat162 bf16x2_of_bits(uint32_t bits) {
   return *reinterpret_cast<const __nv_bfloat162*>(&bits);
 }
-__device__ __forceinline__ uint32_t bits_of_bf16x2(__nv_bfloat162 v) {
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
+__device__ __forceinline__ uint32_t bits_of_bf16x2(__nv_bfloat162 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 // A bf16 bit pattern in both halves.
 __device__ __forceinline__ uint32_t both_halves(uint32_t h) { return h | (h << 16); }
 

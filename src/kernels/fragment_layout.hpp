@@ -59,8 +59,8 @@
 
 namespace fp4moe::layout {
 
-inline constexpr int kPadN = 128;  // N padding: the largest BLOCK_N, and the row tile of the layout
-inline constexpr int kPadK = 256;  // K padding: the largest BLOCK_K
+inline constexpr int kPadN = 128;               // N padding: the largest BLOCK_N, and the row tile of the layout
+inline constexpr int kPadK = 256;               // K padding: the largest BLOCK_K
 inline constexpr int kTileGroups = kPadN / 16;  // 16-row fragment groups per 128-row tile
 
 // Index of fragment (expert e, 16-row group, 64-wide K step kf) in the
@@ -80,9 +80,9 @@ inline constexpr float kEpilogueScale = 128.0f;
 // k in 0..15) of an m16 x k16 block, for lane (g, t) with g = r % 8,
 // t = (k % 8) / 2.
 FP4MOE_HOST_DEVICE int code_slot(int r, int k) {
-  const bool high_row = r >= 8;   // row g+8
-  const bool high_k = k >= 8;     // k 2t+8..2t+9
-  const bool odd = k & 1;         // second element of the bf16x2 pair
+  const bool high_row = r >= 8;  // row g+8
+  const bool high_k = k >= 8;    // k 2t+8..2t+9
+  const bool odd = k & 1;        // second element of the bf16x2 pair
   // a0 -> 3, a1 -> 2, a2 -> 1, a3 -> 0; the odd element sits 4 slots higher.
   const int pair = (high_k ? 2 : 0) + (high_row ? 1 : 0);
   return (3 - pair) + (odd ? 4 : 0);
@@ -99,10 +99,14 @@ struct SlotBits {
 FP4MOE_HOST_DEVICE constexpr SlotBits slot_bits(int slot) {
   const int high = slot >= 4 ? 16 : 0;
   switch (slot % 4) {
-    case 3: return {15 + high, 6 + high};   // a0: where the bf16 wants them
-    case 2: return {12 + high, 3 + high};   // a1: both 3 bits lower
-    case 1: return {14 + high, 9 + high};   // a2: sign 1 lower, magnitude 3 higher
-    default: return {13 + high, 0 + high};  // a3: sign 2 lower, magnitude 6 lower
+    case 3:
+      return {15 + high, 6 + high};  // a0: where the bf16 wants them
+    case 2:
+      return {12 + high, 3 + high};  // a1: both 3 bits lower
+    case 1:
+      return {14 + high, 9 + high};  // a2: sign 1 lower, magnitude 3 higher
+    default:
+      return {13 + high, 0 + high};  // a3: sign 2 lower, magnitude 6 lower
   }
 }
 
@@ -126,10 +130,14 @@ FP4MOE_HOST_DEVICE uint32_t placed_pair(uint32_t word, int j) {
   constexpr uint32_t kSigns = 0x80008000u;
   constexpr uint32_t kMagnitudes = 0x01C001C0u;
   switch (j) {
-    case 0: return word & (kSigns | kMagnitudes);
-    case 1: return (word << 3) & (kSigns | kMagnitudes);
-    case 2: return ((word << 1) & kSigns) | ((word >> 3) & kMagnitudes);
-    default: return ((word << 2) & kSigns) | ((word << 6) & kMagnitudes);
+    case 0:
+      return word & (kSigns | kMagnitudes);
+    case 1:
+      return (word << 3) & (kSigns | kMagnitudes);
+    case 2:
+      return ((word << 1) & kSigns) | ((word >> 3) & kMagnitudes);
+    default:
+      return ((word << 2) & kSigns) | ((word << 6) & kMagnitudes);
   }
 }
 
@@ -146,7 +154,10 @@ FP4MOE_HOST_DEVICE uint8_t scale_code_from_e4m3(uint8_t e4m3) {
   // Subnormal man * 2^-9: normalise so the leading one is implicit.
   int e = -9;
   uint32_t m = man;
-  while (m < 4) { m <<= 1; --e; }  // m in 4..7 means 1.xx * 2^(e+2)
+  while (m < 4) {
+    m <<= 1;
+    --e;
+  }  // m in 4..7 means 1.xx * 2^(e+2)
   e += 2;
   // m is 1xx in binary: mantissa bits are the two below the leading one.
   return static_cast<uint8_t>(((e + 10) << 3) | ((m & 3u) << 1));

@@ -31,9 +31,9 @@ using KernelEntry = kernels::GroupedGemmKernel;
 const std::vector<KernelEntry>& kernel_table() {
   static const std::vector<KernelEntry> table = [] {
     std::vector<KernelEntry> entries = {
-#define FP4MOE_X(BN, BM, BK, S, W, EPI)                                      \
-  {TileConfig{BN, BM, BK, S, W, EPI, KernelFamily::kPortable},              \
-   &kernels::portable_grouped_gemm_kernel<BN, BM, BK, S, W, EPI>,            \
+#define FP4MOE_X(BN, BM, BK, S, W, EPI)                           \
+  {TileConfig{BN, BM, BK, S, W, EPI, KernelFamily::kPortable},    \
+   &kernels::portable_grouped_gemm_kernel<BN, BM, BK, S, W, EPI>, \
    portable_smem_layout(BN, BM, BK, S, EPI).total_bytes},
         FP4MOE_PORTABLE_KERNELS(FP4MOE_X)
 #undef FP4MOE_X
@@ -49,10 +49,8 @@ const KernelEntry& find_kernel(const TileConfig& config) {
   for (const auto& entry : kernel_table())
     if (entry.config == config) return entry;
   std::string compiled;
-  for (const auto& entry : kernel_table())
-    compiled += (compiled.empty() ? "" : ", ") + entry.config.to_string();
-  FP4MOE_THROW("tile config ", config.to_string(), " is not compiled into this build; compiled: ",
-               compiled);
+  for (const auto& entry : kernel_table()) compiled += (compiled.empty() ? "" : ", ") + entry.config.to_string();
+  FP4MOE_THROW("tile config ", config.to_string(), " is not compiled into this build; compiled: ", compiled);
 }
 
 using kernels::current_device;
@@ -67,11 +65,11 @@ int occupancy(const KernelEntry& entry, int device) {
   const auto key = std::make_pair(device, reinterpret_cast<const void*>(entry.fn));
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  FP4MOE_CUDA_CHECK(cudaFuncSetAttribute(entry.fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(entry.smem_bytes)));
+  FP4MOE_CUDA_CHECK(
+      cudaFuncSetAttribute(entry.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(entry.smem_bytes)));
   int blocks = 0;
-  FP4MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, entry.fn, entry.config.warps * 32, static_cast<size_t>(entry.smem_bytes)));
+  FP4MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, entry.fn, entry.config.warps * 32,
+                                                                  static_cast<size_t>(entry.smem_bytes)));
   cache.emplace(key, blocks);
   return blocks;
 }
@@ -80,8 +78,8 @@ int occupancy(const KernelEntry& entry, int device) {
 // device or that does not fit it, with the region-by-region breakdown.
 void check_fits_device(const KernelEntry& entry, const DeviceInfo& dev) {
   const TileConfig& config = entry.config;
-  FP4MOE_CHECK(family_runs_on(config.family, kernels::compute_capability(dev)), "tile config ",
-               config.to_string(), " is of the ", to_string(config.family), " family, which needs ",
+  FP4MOE_CHECK(family_runs_on(config.family, kernels::compute_capability(dev)), "tile config ", config.to_string(),
+               " is of the ", to_string(config.family), " family, which needs ",
                config.family == KernelFamily::kSm90 ? "an SM90 GPU (H100/H200, compute capability 9.0)"
                                                     : "compute capability 8.0 or newer",
                "; this GPU has compute capability ", dev.cc_major, ".", dev.cc_minor);
@@ -141,46 +139,45 @@ bool encode_activation_map(const kernels::GroupedGemmParams& p, const TileConfig
     return false;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.k), static_cast<cuuint64_t>(p.x_rows)};
   const cuuint64_t row_pitch[1] = {static_cast<cuuint64_t>(p.k) * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kFragK),
-                             static_cast<cuuint32_t>(
-                                 sm90_mma_width_step(config.block_m, sm90_smem_layout(config).blocks_per_sm))};
+  const cuuint32_t box[2] = {
+      static_cast<cuuint32_t>(kFragK),
+      static_cast<cuuint32_t>(sm90_mma_width_step(config.block_m, sm90_smem_layout(config).blocks_per_sm))};
   const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult result = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<__nv_bfloat16*>(p.x), dims,
-                                 row_pitch, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  FP4MOE_CHECK(result == CUDA_SUCCESS, "grouped_gemm: cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(result),
-               ") for x [", p.x_rows, ", ", p.k, "] at ", static_cast<const void*>(p.x));
+  const CUresult result =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<__nv_bfloat16*>(p.x), dims, row_pitch, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  FP4MOE_CHECK(result == CUDA_SUCCESS, "grouped_gemm: cuTensorMapEncodeTiled failed (CUresult ",
+               static_cast<int>(result), ") for x [", p.x_rows, ", ", p.k, "] at ", static_cast<const void*>(p.x));
   return true;
 }
 
 // `for_launch`: also check what only the launch needs (the workspace).
 void validate_args(const GroupedGemmArgs& a, bool for_launch, Epilogue epilogue) {
-  FP4MOE_CHECK(a.num_experts >= 1 && a.num_experts <= kMaxExperts, "grouped_gemm: num_experts = ",
-               a.num_experts, "; expected 1..", kMaxExperts);
-  FP4MOE_CHECK(a.n >= 16 && a.n % 16 == 0, "grouped_gemm: n = ", a.n,
-               "; expected a positive multiple of 16");
+  FP4MOE_CHECK(a.num_experts >= 1 && a.num_experts <= kMaxExperts, "grouped_gemm: num_experts = ", a.num_experts,
+               "; expected 1..", kMaxExperts);
+  FP4MOE_CHECK(a.n >= 16 && a.n % 16 == 0, "grouped_gemm: n = ", a.n, "; expected a positive multiple of 16");
   FP4MOE_CHECK(a.k >= 16 && a.k % 16 == 0, "grouped_gemm: k = ", a.k,
                "; expected a positive multiple of 16 (the NVFP4 block size)");
-  FP4MOE_CHECK(a.num_rows >= 0 && a.num_rows < (int64_t{1} << 31), "grouped_gemm: num_rows = ",
-               a.num_rows, "; expected 0..2^31-1");
+  FP4MOE_CHECK(a.num_rows >= 0 && a.num_rows < (int64_t{1} << 31), "grouped_gemm: num_rows = ", a.num_rows,
+               "; expected 0..2^31-1");
   // The kernels index n, k and their padded sizes with int.
   constexpr int64_t kMaxDim = (int64_t{1} << 31) - layout::kPadK;
-  FP4MOE_CHECK(a.n <= kMaxDim && a.k <= kMaxDim, "grouped_gemm: n = ", a.n, ", k = ", a.k,
-               "; expected each at most ", kMaxDim, " (32-bit indexing)");
-  FP4MOE_CHECK(a.n * a.k < (int64_t{1} << 40), "grouped_gemm: n * k = ", a.n * a.k,
-               " per expert; expected < 2^40");
+  FP4MOE_CHECK(a.n <= kMaxDim && a.k <= kMaxDim, "grouped_gemm: n = ", a.n, ", k = ", a.k, "; expected each at most ",
+               kMaxDim, " (32-bit indexing)");
+  FP4MOE_CHECK(a.n * a.k < (int64_t{1} << 40), "grouped_gemm: n * k = ", a.n * a.k, " per expert; expected < 2^40");
   if (a.num_rows == 0) return;
-  const std::pair<const void*, const char*> required[] = {
-      {a.weights, "weights"}, {a.scales, "scales"}, {a.global_scales, "global_scales"},
-      {a.x, "x"},             {a.expert_offsets, "expert_offsets"}};
+  const std::pair<const void*, const char*> required[] = {{a.weights, "weights"},
+                                                          {a.scales, "scales"},
+                                                          {a.global_scales, "global_scales"},
+                                                          {a.x, "x"},
+                                                          {a.expert_offsets, "expert_offsets"}};
   for (const auto& [ptr, name] : required)
     FP4MOE_CHECK(ptr != nullptr, "grouped_gemm: ", name, " is null but num_rows = ", a.num_rows);
-  FP4MOE_CHECK(a.gather_rows == nullptr || a.x_rows >= 1, "grouped_gemm: gather_rows given but x_rows = ",
-               a.x_rows, "; expected the number of rows of x");
+  FP4MOE_CHECK(a.gather_rows == nullptr || a.x_rows >= 1, "grouped_gemm: gather_rows given but x_rows = ", a.x_rows,
+               "; expected the number of rows of x");
   FP4MOE_CHECK(a.x_rows < (int64_t{1} << 31), "grouped_gemm: x_rows = ", a.x_rows, "; expected < 2^31");
-  FP4MOE_CHECK(!for_launch || a.workspace != nullptr, "grouped_gemm: workspace is null but num_rows = ",
-               a.num_rows);
+  FP4MOE_CHECK(!for_launch || a.workspace != nullptr, "grouped_gemm: workspace is null but num_rows = ", a.num_rows);
   // Fixed storage: this runs on every launch.
   std::pair<const void*, const char*> vectors[5] = {{a.weights, "weights"}, {a.scales, "scales"}, {a.x, "x"}};
   int num_vectors = 3;
@@ -188,8 +185,8 @@ void validate_args(const GroupedGemmArgs& a, bool for_launch, Epilogue epilogue)
     FP4MOE_CHECK(a.out_f32 != nullptr && a.scatter_rows != nullptr,
                  "grouped_gemm: the finalize epilogue needs out_f32 and scatter_rows");
     FP4MOE_CHECK(a.out_row_divisor >= 1 && a.out_rows >= 1 && a.out_rows < (int64_t{1} << 31),
-                 "grouped_gemm: finalize out_rows = ", a.out_rows, ", out_row_divisor = ",
-                 a.out_row_divisor, "; expected both >= 1 and out_rows < 2^31");
+                 "grouped_gemm: finalize out_rows = ", a.out_rows, ", out_row_divisor = ", a.out_row_divisor,
+                 "; expected both >= 1 and out_rows < 2^31");
     vectors[num_vectors++] = {a.out_f32, "out_f32"};
     if (a.bias) vectors[num_vectors++] = {a.bias, "bias"};
   } else {
@@ -209,17 +206,16 @@ void validate_args(const GroupedGemmArgs& a, bool for_launch, Epilogue epilogue)
     const int32_t* off = a.host_expert_offsets;
     FP4MOE_CHECK(off[0] == 0, "grouped_gemm: expert_offsets[0] = ", off[0], "; expected 0");
     for (int64_t e = 0; e < a.num_experts; ++e)
-      FP4MOE_CHECK(off[e + 1] >= off[e], "grouped_gemm: expert_offsets not monotone: offsets[",
-                   e + 1, "] = ", off[e + 1], " < offsets[", e, "] = ", off[e]);
-    FP4MOE_CHECK(off[a.num_experts] == a.num_rows, "grouped_gemm: expert_offsets[",
-                 a.num_experts, "] = ", off[a.num_experts], "; expected num_rows = ", a.num_rows);
+      FP4MOE_CHECK(off[e + 1] >= off[e], "grouped_gemm: expert_offsets not monotone: offsets[", e + 1,
+                   "] = ", off[e + 1], " < offsets[", e, "] = ", off[e]);
+    FP4MOE_CHECK(off[a.num_experts] == a.num_rows, "grouped_gemm: expert_offsets[", a.num_experts,
+                 "] = ", off[a.num_experts], "; expected num_rows = ", a.num_rows);
   }
 }
 
 }  // namespace
 
-GemmPlan plan_grouped_gemm(const GroupedGemmArgs& args, const std::optional<TileConfig>& forced,
-                           Epilogue epilogue) {
+GemmPlan plan_grouped_gemm(const GroupedGemmArgs& args, const std::optional<TileConfig>& forced, Epilogue epilogue) {
   validate_args(args, /*for_launch=*/false, epilogue);
   return plan_grouped_gemm(problem_of(args, epilogue), forced);
 }
@@ -235,8 +231,7 @@ GemmPlan plan_grouped_gemm(const GemmProblem& problem, const std::optional<TileC
     check_fits_device(entry, dev);
     return plan_gemm_with(problem, config, dev.num_sms, occupancy(entry, dev.device), split_k);
   }
-  const GemmPlan first =
-      plan_gemm(problem, dev.smem_per_block, dev.num_sms, kernels::compute_capability(dev));
+  const GemmPlan first = plan_gemm(problem, dev.smem_per_block, dev.num_sms, kernels::compute_capability(dev));
   const KernelEntry& entry = find_kernel(first.config);
   GemmPlan plan = plan_gemm_with(problem, first.config, dev.num_sms, occupancy(entry, dev.device));
   for (const GemmPlan::RowClass& stage : first.row_classes)
@@ -248,8 +243,8 @@ size_t grouped_gemm_workspace_bytes(const GemmPlan& plan) {
   size_t bytes = 16;  // error flags
   if (plan.split_k > 1) {
     bytes += align16(static_cast<size_t>(plan.max_tiles) * sizeof(int32_t));
-    bytes += static_cast<size_t>(plan.max_tiles) * plan.split_k * plan.config.block_n *
-             plan.config.block_m * sizeof(float);
+    bytes +=
+        static_cast<size_t>(plan.max_tiles) * plan.split_k * plan.config.block_n * plan.config.block_m * sizeof(float);
   }
   return bytes;
 }
@@ -261,8 +256,8 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   const DeviceInfo dev = current_device();
   check_fits_device(entry, dev);
   const int64_t tiles_needed = max_tiles(problem_of(args, epilogue), plan.config);
-  FP4MOE_CHECK(plan.max_tiles >= tiles_needed, "grouped_gemm: the plan covers ", plan.max_tiles,
-               " tiles but ", args.num_rows, " rows may need ", tiles_needed, "; plan again for this problem");
+  FP4MOE_CHECK(plan.max_tiles >= tiles_needed, "grouped_gemm: the plan covers ", plan.max_tiles, " tiles but ",
+               args.num_rows, " rows may need ", tiles_needed, "; plan again for this problem");
   for (const GemmPlan::RowClass& stage : plan.row_classes) {
     FP4MOE_CHECK(stage.config.epilogue == epilogue, "grouped_gemm: the row class config ", stage.config.to_string(),
                  " has another epilogue than ", plan.config.to_string());
@@ -275,10 +270,9 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   FP4MOE_CHECK(plan.split_k >= 1 && plan.split_k <= 64, "grouped_gemm: split_k = ", plan.split_k);
   if (args.num_rows == 0) return;
   const size_t workspace_needed = grouped_gemm_workspace_bytes(plan);
-  FP4MOE_CHECK(args.workspace_bytes >= workspace_needed, "grouped_gemm: workspace of ",
-               args.workspace_bytes, " B; this plan needs ", workspace_needed, " B");
-  FP4MOE_CHECK(reinterpret_cast<uintptr_t>(args.workspace) % 16 == 0,
-               "grouped_gemm: workspace is not 16-byte aligned");
+  FP4MOE_CHECK(args.workspace_bytes >= workspace_needed, "grouped_gemm: workspace of ", args.workspace_bytes,
+               " B; this plan needs ", workspace_needed, " B");
+  FP4MOE_CHECK(reinterpret_cast<uintptr_t>(args.workspace) % 16 == 0, "grouped_gemm: workspace is not 16-byte aligned");
 
   kernels::GroupedGemmParams p{};
   p.weights = args.weights;
@@ -304,12 +298,11 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   p.tile_counters = reinterpret_cast<int32_t*>(ws + 16);
   if (args.split_counters) {
     FP4MOE_CHECK(plan.split_k == 1 || args.split_counters_capacity >= plan.max_tiles,
-                 "grouped_gemm: split_counters hold ", args.split_counters_capacity,
-                 " tiles; this plan needs ", plan.max_tiles);
+                 "grouped_gemm: split_counters hold ", args.split_counters_capacity, " tiles; this plan needs ",
+                 plan.max_tiles);
     p.tile_counters = args.split_counters;
   }
-  p.partials = reinterpret_cast<float*>(
-      ws + 16 + align16(static_cast<size_t>(plan.max_tiles) * sizeof(int32_t)));
+  p.partials = reinterpret_cast<float*>(ws + 16 + align16(static_cast<size_t>(plan.max_tiles) * sizeof(int32_t)));
   p.num_experts = static_cast<int>(args.num_experts);
   p.n = static_cast<int>(args.n);
   p.k = static_cast<int>(args.k);

@@ -29,13 +29,13 @@ namespace fp4moe {
 // Weights of one grouped GEMM in the kernel's layout (host memory).
 struct PreparedGemmWeights {
   int64_t num_experts = 0;
-  int64_t n = 0;         // output features
-  int64_t k = 0;         // reduction length
-  int64_t n_padded = 0;  // n rounded up to 128 (zero codes past n)
-  int64_t k_padded = 0;  // k rounded up to 256 (zero codes past k)
-  std::vector<uint8_t> weights;       // [E][n_padded/16][k_padded/64][512] fp4 fragments
-  std::vector<uint8_t> scales;        // [E][n_padded/16][k_padded/64][64] scale codes
-  std::vector<float> global_scales;   // [E] weight_scale_2
+  int64_t n = 0;                     // output features
+  int64_t k = 0;                     // reduction length
+  int64_t n_padded = 0;              // n rounded up to 128 (zero codes past n)
+  int64_t k_padded = 0;              // k rounded up to 256 (zero codes past k)
+  std::vector<uint8_t> weights;      // [E][n_padded/16][k_padded/64][512] fp4 fragments
+  std::vector<uint8_t> scales;       // [E][n_padded/16][k_padded/64][64] scale codes
+  std::vector<float> global_scales;  // [E] weight_scale_2
 
   // Dequantised element (r, c) of expert e, read back from the packed form.
   float value(int64_t e, int64_t r, int64_t c) const;
@@ -134,16 +134,15 @@ struct GroupedGemmArgs {
 // configs with `epilogue`. A forced config must be compiled and fit the
 // device, else the call throws with the region-by-region breakdown; its
 // epilogue field is replaced by `epilogue`.
-GemmPlan plan_grouped_gemm(const GroupedGemmArgs& args,
-                           const std::optional<TileConfig>& forced = std::nullopt,
+GemmPlan plan_grouped_gemm(const GroupedGemmArgs& args, const std::optional<TileConfig>& forced = std::nullopt,
                            Epilogue epilogue = Epilogue::kNone);
 
 // The same for a problem description (shapes, rows, epilogue) without
 // pointers, e.g. to size a workspace ahead of the calls. With a forced
 // config, split_k > 0 also forces the split (plan_gemm_with: 1 .. the
 // config's k-tiles); 0 lets the planner choose it.
-GemmPlan plan_grouped_gemm(const GemmProblem& problem,
-                           const std::optional<TileConfig>& forced = std::nullopt, int split_k = 0);
+GemmPlan plan_grouped_gemm(const GemmProblem& problem, const std::optional<TileConfig>& forced = std::nullopt,
+                           int split_k = 0);
 
 size_t grouped_gemm_workspace_bytes(const GemmPlan& plan);
 

@@ -45,22 +45,22 @@ struct GroupedGemmParams {
   // NVFP4 per 16 features against it and stored as e2m1 x e4m3 (exact in
   // bf16; GEMM2's epilogue applies the input_scale). Null: plain bf16.
   const float* act_quant_scales;
-  const int32_t* scatter_rows;    // kFinalize [num_rows]: output slot of each row
-  const float* row_weights;       // kFinalize: router weight per slot (indexed by scatter row)
-  float* out_f32;                 // kFinalize: fp32 [out_rows, n], row = slot / out_row_divisor
+  const int32_t* scatter_rows;  // kFinalize [num_rows]: output slot of each row
+  const float* row_weights;     // kFinalize: router weight per slot (indexed by scatter row)
+  float* out_f32;               // kFinalize: fp32 [out_rows, n], row = slot / out_row_divisor
   int out_rows;
-  int out_row_divisor;            // kFinalize: 1 (one row per slot) or top_k (one per token)
-  int atomic_out;                 // kFinalize: add atomically instead of storing
-  int32_t* error_flags;           // workspace: kError* bits, sticky
-  int32_t* tile_counters;         // workspace: split-K arrivals per tile, zero at rest
-  float* partials;                // workspace: split-K fp32 tiles [tile][slice][BLOCK_N][BLOCK_M]
+  int out_row_divisor;     // kFinalize: 1 (one row per slot) or top_k (one per token)
+  int atomic_out;          // kFinalize: add atomically instead of storing
+  int32_t* error_flags;    // workspace: kError* bits, sticky
+  int32_t* tile_counters;  // workspace: split-K arrivals per tile, zero at rest
+  float* partials;         // workspace: split-K fp32 tiles [tile][slice][BLOCK_N][BLOCK_M]
   int num_experts;
-  int n;                          // output features (logical)
-  int k;                          // reduction length (logical)
-  int n_groups;                   // n_pad / 16
-  int k_frags;                    // k_pad / 64
+  int n;         // output features (logical)
+  int k;         // reduction length (logical)
+  int n_groups;  // n_pad / 16
+  int k_frags;   // k_pad / 64
   int num_rows;
-  int split_k;                    // k-slices per tile
+  int split_k;  // k-slices per tile
   // Experts whose row count lies outside [min_expert_rows, max_expert_rows]
   // get no tiles in this launch (GemmPlan::row_classes); 0 and
   // INT32_MAX take every expert.
@@ -83,8 +83,7 @@ namespace detail {
 // Builds s_prefix[e] = number of m-tiles of experts < e (e = 0..E) from the
 // device offsets; flags malformed offsets. All threads participate.
 template <int THREADS, int BLOCK_M>
-__device__ __forceinline__ void build_schedule(const GroupedGemmParams& p, int32_t* s_prefix,
-                                               int32_t* s_warp_sums) {
+__device__ __forceinline__ void build_schedule(const GroupedGemmParams& p, int32_t* s_prefix, int32_t* s_warp_sums) {
   constexpr int kPerThread = (kMaxExperts + THREADS - 1) / THREADS;
   const int tid = threadIdx.x;
   const int lane = tid % 32;
@@ -132,13 +131,15 @@ __device__ __forceinline__ void build_schedule(const GroupedGemmParams& p, int32
 }
 
 // Finds the expert owning unit `unit`: the largest e with prefix[e] * units_per_mtile <= unit.
-__device__ __forceinline__ int find_expert(const int32_t* s_prefix, int num_experts,
-                                           int64_t unit, int units_per_mtile) {
+__device__ __forceinline__ int find_expert(const int32_t* s_prefix, int num_experts, int64_t unit,
+                                           int units_per_mtile) {
   int lo = 0, hi = num_experts - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (static_cast<int64_t>(s_prefix[mid]) * units_per_mtile <= unit) lo = mid;
-    else hi = mid - 1;
+    if (static_cast<int64_t>(s_prefix[mid]) * units_per_mtile <= unit)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
@@ -160,8 +161,8 @@ struct WorkUnit {
 // Units are numbered with m-tiles fastest, so blocks running side by side
 // share a weight tile in L2 when an expert has many rows.
 template <int BLOCK_M>
-__device__ __forceinline__ WorkUnit decode_unit(const GroupedGemmParams& p, const int32_t* s_prefix,
-                                                int64_t unit, int units_per_mtile, int k_tiles_total) {
+__device__ __forceinline__ WorkUnit decode_unit(const GroupedGemmParams& p, const int32_t* s_prefix, int64_t unit,
+                                                int units_per_mtile, int k_tiles_total) {
   WorkUnit u;
   u.expert = find_expert(s_prefix, p.num_experts, unit, units_per_mtile);
   const int64_t local = unit - static_cast<int64_t>(s_prefix[u.expert]) * units_per_mtile;
@@ -217,9 +218,8 @@ __device__ __forceinline__ float up_epilogue_scale(const GroupedGemmParams& p, i
 
 // The kSwiglu epilogue of output feature `feature` (< n/2) of expert e from
 // the gate and up sums: scaled, biases added, activated, rounded to bf16.
-__device__ __forceinline__ __nv_bfloat16 swiglu_output(const GroupedGemmParams& p, int e, int feature,
-                                                       float gate_sum, float up_sum, float gate_scale,
-                                                       float up_scale) {
+__device__ __forceinline__ __nv_bfloat16 swiglu_output(const GroupedGemmParams& p, int e, int feature, float gate_sum,
+                                                       float up_sum, float gate_scale, float up_scale) {
   float gate = gate_sum * gate_scale;
   float up = up_sum * up_scale;
   const int n_half = p.n / 2;
@@ -253,8 +253,8 @@ __device__ __forceinline__ float4 finalize_bias(const GroupedGemmParams& p, int 
 // scaled by the global scale): + bias (finalize_bias), x the slot's router
 // weight, stored to (or, with atomic_out, added into) output row `out_row`
 // (finalize_out_row: the slot's or the token's).
-__device__ __forceinline__ void finalize_store(const GroupedGemmParams& p, int out_row, int col, float4 v,
-                                               float4 bias, float router_weight) {
+__device__ __forceinline__ void finalize_store(const GroupedGemmParams& p, int out_row, int col, float4 v, float4 bias,
+                                               float router_weight) {
   if (p.bias) {  // (without one, -0 stays -0 as before)
     v.x += bias.x;
     v.y += bias.y;

@@ -53,32 +53,31 @@ namespace fp4moe::kernels {
 // only bounds registers at 255: without it ptxas picked 168 for the m64
 // finalize tile and spilled.
 template <int BLOCK_N, int BLOCK_M, int BLOCK_K, int STAGES, int WARPS, Epilogue EPI>
-__global__ void __launch_bounds__(WARPS * 32, 2)
-    portable_grouped_gemm_kernel(const GroupedGemmParams p) {
+__global__ void __launch_bounds__(WARPS * 32, 2) portable_grouped_gemm_kernel(const GroupedGemmParams p) {
   constexpr PortableSmemLayout L = portable_smem_layout(BLOCK_N, BLOCK_M, BLOCK_K, STAGES, EPI);
   static_assert(L.total_bytes <= kPortableSmemLimit, "config exceeds the 99 KB portable budget");
   constexpr int THREADS = WARPS * 32;
-  constexpr int WARP_ROWS = BLOCK_N / WARPS;      // weight rows per warp
-  constexpr int ROW_TILES = WARP_ROWS / 16;       // 16-weight-row MMA tiles per warp (the MMA M side)
-  constexpr int TOKEN_TILES = BLOCK_M / 8;        // 8-token MMA tiles (the MMA N side)
-  constexpr int K_FRAGS = BLOCK_K / kFragK;       // 64-wide K fragments per stage
-  constexpr int N_GROUPS = BLOCK_N / kFragRows;   // 16-row groups per tile
-  constexpr int X_CHUNKS = BLOCK_K / 8;           // 16-byte chunks per activation row
-  static_assert(WARP_ROWS % 16 == 0 && BLOCK_M % 8 == 0 && BLOCK_N == layout::kPadN &&
-                    layout::kPadK % BLOCK_K == 0 && BLOCK_M <= THREADS,
+  constexpr int WARP_ROWS = BLOCK_N / WARPS;     // weight rows per warp
+  constexpr int ROW_TILES = WARP_ROWS / 16;      // 16-weight-row MMA tiles per warp (the MMA M side)
+  constexpr int TOKEN_TILES = BLOCK_M / 8;       // 8-token MMA tiles (the MMA N side)
+  constexpr int K_FRAGS = BLOCK_K / kFragK;      // 64-wide K fragments per stage
+  constexpr int N_GROUPS = BLOCK_N / kFragRows;  // 16-row groups per tile
+  constexpr int X_CHUNKS = BLOCK_K / 8;          // 16-byte chunks per activation row
+  static_assert(WARP_ROWS % 16 == 0 && BLOCK_M % 8 == 0 && BLOCK_N == layout::kPadN && layout::kPadK % BLOCK_K == 0 &&
+                    BLOCK_M <= THREADS,
                 "unsupported tile shape");
 
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* s_weights = smem + L.weight_offset;      // (STAGES, K_FRAGS, N_GROUPS, 512 B)
-  uint8_t* s_scales = smem + L.scale_offset;        // (STAGES, K_FRAGS, N_GROUPS, 64 B)
-  uint8_t* s_act = smem + L.act_offset;             // (STAGES, BLOCK_M, BLOCK_K) bf16, swizzled
+  uint8_t* s_weights = smem + L.weight_offset;  // (STAGES, K_FRAGS, N_GROUPS, 512 B)
+  uint8_t* s_scales = smem + L.scale_offset;    // (STAGES, K_FRAGS, N_GROUPS, 64 B)
+  uint8_t* s_act = smem + L.act_offset;         // (STAGES, BLOCK_M, BLOCK_K) bf16, swizzled
   __nv_bfloat16* s_out = reinterpret_cast<__nv_bfloat16*>(smem + L.epilogue_offset);  // (BLOCK_M, epi_row_elems) bf16
-  float* s_out_f32 = reinterpret_cast<float*>(smem + L.epilogue_offset);  // kFinalize: (BLOCK_M, epi_row_elems) fp32
-  int32_t* s_gather = reinterpret_cast<int32_t*>(smem + L.rows_offset);  // (BLOCK_M) x row per tile row
-  int32_t* s_out_row = s_gather + BLOCK_M;                                // (BLOCK_M) kFinalize output row, -1: none
-  float* s_row_weight = reinterpret_cast<float*>(s_out_row + BLOCK_M);    // (BLOCK_M) router weight
+  float* s_out_f32 = reinterpret_cast<float*>(smem + L.epilogue_offset);     // kFinalize: (BLOCK_M, epi_row_elems) fp32
+  int32_t* s_gather = reinterpret_cast<int32_t*>(smem + L.rows_offset);      // (BLOCK_M) x row per tile row
+  int32_t* s_out_row = s_gather + BLOCK_M;                                   // (BLOCK_M) kFinalize output row, -1: none
+  float* s_row_weight = reinterpret_cast<float*>(s_out_row + BLOCK_M);       // (BLOCK_M) router weight
   int32_t* s_prefix = reinterpret_cast<int32_t*>(smem + L.schedule_offset);  // (kMaxExperts + 1)
-  int32_t* s_warp_sums = s_prefix + kMaxExperts + 1;                           // (32)
+  int32_t* s_warp_sums = s_prefix + kMaxExperts + 1;                         // (32)
   int32_t* s_flag = reinterpret_cast<int32_t*>(smem + L.flag_offset);
 
   const int tid = threadIdx.x;
@@ -99,8 +98,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
   // matrices alternate k halves (hi) and, for x4, pair two 8-token tiles.
   const int ldsm_row = lane % 8;
   const int ldsm_hi = (lane / 8) % 2;
-  const uint32_t ldsm_lane_offset =
-      ((TOKEN_TILES == 1 ? 0 : (lane / 16) * 8) + ldsm_row) * X_CHUNKS * 16;
+  const uint32_t ldsm_lane_offset = ((TOKEN_TILES == 1 ? 0 : (lane / 16) * 8) + ldsm_row) * X_CHUNKS * 16;
   uint32_t ldsm_ks_offset[4];
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) ldsm_ks_offset[ks] = ((2 * ks + ldsm_hi) ^ ldsm_row) * 16;
@@ -243,10 +241,9 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
 #pragma unroll
         for (int mt = 0; mt < ROW_TILES; ++mt) {
           const int group = warp * ROW_TILES + mt;
-          codes[mt] = *reinterpret_cast<const uint4*>(
-              w_stage + (kf * N_GROUPS + group) * kFragBytes + lane * 16);
-          scales[mt] = *reinterpret_cast<const uint2*>(
-              s_stage + (kf * N_GROUPS + group) * kFragScaleBytes + (lane / 4) * 8);
+          codes[mt] = *reinterpret_cast<const uint4*>(w_stage + (kf * N_GROUPS + group) * kFragBytes + lane * 16);
+          scales[mt] =
+              *reinterpret_cast<const uint2*>(s_stage + (kf * N_GROUPS + group) * kFragScaleBytes + (lane / 4) * 8);
         }
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
@@ -255,8 +252,8 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
           uint32_t b[TOKEN_TILES][2];
 #pragma unroll
           for (int nt = 0; nt < TOKEN_TILES; nt += 2) {
-            const uint32_t addr = a_stage + ldsm_lane_offset + ldsm_ks_offset[ks] + kf * 8 * 16 +
-                                  nt * 8 * X_CHUNKS * 16;
+            const uint32_t addr =
+                a_stage + ldsm_lane_offset + ldsm_ks_offset[ks] + kf * 8 * 16 + nt * 8 * X_CHUNKS * 16;
             if constexpr (TOKEN_TILES == 1) {
               uint32_t v[2];
               ptx::ldmatrix_x2(v, addr);
@@ -273,15 +270,11 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
           }
 #pragma unroll
           for (int mt = 0; mt < ROW_TILES; ++mt) {
-            const uint32_t word = ks == 0   ? codes[mt].x
-                                  : ks == 1 ? codes[mt].y
-                                  : ks == 2 ? codes[mt].z
-                                            : codes[mt].w;
+            const uint32_t word = ks == 0 ? codes[mt].x : ks == 1 ? codes[mt].y : ks == 2 ? codes[mt].z : codes[mt].w;
             uint32_t a[4];
             detail::dequant_a_fragment(word, detail::scale_pair(scales[mt], ks), a);
 #pragma unroll
-            for (int nt = 0; nt < TOKEN_TILES; ++nt)
-              ptx::mma_m16n8k16_bf16(acc[mt][nt], a, b[nt][0], b[nt][1]);
+            for (int nt = 0; nt < TOKEN_TILES; ++nt) ptx::mma_m16n8k16_bf16(acc[mt][nt], a, b[nt][0], b[nt][1]);
           }
         }
       }
@@ -337,9 +330,12 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
         auto sum_slices = [&](int f, int tok) {
           float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
           for (int s = 0; s < p.split_k; ++s) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(
-                tile_partials + s * (BLOCK_N * BLOCK_M) + f * BLOCK_M + tok));
-            sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+            const float4 v =
+                __ldcg(reinterpret_cast<const float4*>(tile_partials + s * (BLOCK_N * BLOCK_M) + f * BLOCK_M + tok));
+            sum.x += v.x;
+            sum.y += v.y;
+            sum.z += v.z;
+            sum.w += v.w;
           }
           return sum;
         };
@@ -383,8 +379,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
           } else {
 #pragma unroll
             for (int i = 0; i < 4; ++i)
-              stage(warp * WARP_ROWS + mt * 16 + g + (i / 2) * 8, nt * 8 + 2 * t + i % 2,
-                    acc[mt][nt][i]);
+              stage(warp * WARP_ROWS + mt * 16 + g + (i / 2) * 8, nt * 8 + 2 * t + i % 2, acc[mt][nt][i]);
           }
         }
     }

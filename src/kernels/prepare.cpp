@@ -27,8 +27,8 @@ size_t fragment_index(const PreparedGemmWeights& p, int64_t e, int64_t group, in
 
 PreparedGemmWeights prepare_gemm_weights(std::span<const Nvfp4Matrix* const> experts) {
   FP4MOE_CHECK(!experts.empty(), "prepare_gemm_weights: no experts given");
-  FP4MOE_CHECK(static_cast<int64_t>(experts.size()) <= kMaxExperts, "prepare_gemm_weights: ",
-               experts.size(), " experts, but one launch supports at most ", kMaxExperts);
+  FP4MOE_CHECK(static_cast<int64_t>(experts.size()) <= kMaxExperts, "prepare_gemm_weights: ", experts.size(),
+               " experts, but one launch supports at most ", kMaxExperts);
   PreparedGemmWeights p;
   p.num_experts = static_cast<int64_t>(experts.size());
   p.n = experts[0]->rows;
@@ -49,21 +49,19 @@ PreparedGemmWeights prepare_gemm_weights(std::span<const Nvfp4Matrix* const> exp
   // DeepSeek-V3 layer is ~10^10 elements).
   auto pack_expert = [&](int64_t e) {
     const Nvfp4Matrix& m = *experts[static_cast<size_t>(e)];
-    FP4MOE_CHECK(m.rows == p.n && m.cols == p.k, "prepare_gemm_weights: expert ", e, " is [",
-                 m.rows, ", ", m.cols, "], expected [", p.n, ", ", p.k, "] like expert 0");
+    FP4MOE_CHECK(m.rows == p.n && m.cols == p.k, "prepare_gemm_weights: expert ", e, " is [", m.rows, ", ", m.cols,
+                 "], expected [", p.n, ", ", p.k, "] like expert 0");
     FP4MOE_CHECK(m.packed.size() == static_cast<size_t>(m.rows * m.cols / 2) &&
                      m.scales.size() == static_cast<size_t>(m.rows * m.cols / 16),
-                 "prepare_gemm_weights: expert ", e, " has ", m.packed.size(), " packed bytes and ",
-                 m.scales.size(), " scales; expected ", m.rows * m.cols / 2, " and ",
-                 m.rows * m.cols / 16);
+                 "prepare_gemm_weights: expert ", e, " has ", m.packed.size(), " packed bytes and ", m.scales.size(),
+                 " scales; expected ", m.rows * m.cols / 2, " and ", m.rows * m.cols / 16);
     FP4MOE_CHECK(std::isfinite(m.global_scale), "prepare_gemm_weights: expert ", e,
                  " has a non-finite weight_scale_2 (", m.global_scale, ")");
     p.global_scales[static_cast<size_t>(e)] = m.global_scale;
     for (int64_t scale_idx = 0; scale_idx < static_cast<int64_t>(m.scales.size()); ++scale_idx) {
       const uint8_t s = m.scales[static_cast<size_t>(scale_idx)];
-      FP4MOE_CHECK(!(s & 0x80) && !e4m3_is_nan(s), "prepare_gemm_weights: expert ", e,
-                   " block scale #", scale_idx, " is ", e4m3_to_float(s),
-                   "; block scales must be finite and non-negative");
+      FP4MOE_CHECK(!(s & 0x80) && !e4m3_is_nan(s), "prepare_gemm_weights: expert ", e, " block scale #", scale_idx,
+                   " is ", e4m3_to_float(s), "; block scales must be finite and non-negative");
     }
     for (int64_t group = 0; group < groups; ++group) {
       for (int64_t kf = 0; kf < frags; ++kf) {
@@ -109,12 +107,10 @@ PreparedGemmWeights prepare_gemm_weights(std::span<const Nvfp4Matrix* const> exp
 }
 
 Nvfp4Matrix interleave_gate_up(const Nvfp4Matrix& gate, const Nvfp4Matrix& up) {
-  FP4MOE_CHECK(gate.rows == up.rows && gate.cols == up.cols, "interleave_gate_up: gate is [",
-               gate.rows, ", ", gate.cols, "] but up is [", up.rows, ", ", up.cols,
-               "]; expected the same shape");
-  FP4MOE_CHECK(gate.rows > 0 && gate.rows % 8 == 0 && gate.cols % 16 == 0,
-               "interleave_gate_up: [", gate.rows, ", ", gate.cols,
-               "]; expected rows a positive multiple of 8 and cols of 16");
+  FP4MOE_CHECK(gate.rows == up.rows && gate.cols == up.cols, "interleave_gate_up: gate is [", gate.rows, ", ",
+               gate.cols, "] but up is [", up.rows, ", ", up.cols, "]; expected the same shape");
+  FP4MOE_CHECK(gate.rows > 0 && gate.rows % 8 == 0 && gate.cols % 16 == 0, "interleave_gate_up: [", gate.rows, ", ",
+               gate.cols, "]; expected rows a positive multiple of 8 and cols of 16");
   const size_t row_bytes = static_cast<size_t>(gate.cols / 2);
   const size_t row_scales = static_cast<size_t>(gate.cols / 16);
   FP4MOE_CHECK(gate.packed.size() == row_bytes * gate.rows && up.packed.size() == row_bytes * up.rows &&
@@ -138,8 +134,8 @@ Nvfp4Matrix interleave_gate_up(const Nvfp4Matrix& gate, const Nvfp4Matrix& up) {
 }
 
 float PreparedGemmWeights::value(int64_t e, int64_t r, int64_t c) const {
-  FP4MOE_CHECK(e >= 0 && e < num_experts && r >= 0 && r < n && c >= 0 && c < k,
-               "PreparedGemmWeights::value: index (", e, ", ", r, ", ", c, ") out of range");
+  FP4MOE_CHECK(e >= 0 && e < num_experts && r >= 0 && r < n && c >= 0 && c < k, "PreparedGemmWeights::value: index (",
+               e, ", ", r, ", ", c, ") out of range");
   const int64_t group = r / kFragRows, kf = c / kFragK;
   const int rr = static_cast<int>(r % kFragRows);
   const int kc = static_cast<int>(c % kFragK);
@@ -147,8 +143,8 @@ float PreparedGemmWeights::value(int64_t e, int64_t r, int64_t c) const {
   const int g = rr % 8, t = (kk % 8) / 2;
   const size_t frag = fragment_index(*this, e, group, kf);
   const uint8_t* word_bytes = weights.data() + frag * kFragBytes + (g * 4 + t) * 16 + ks * 4;
-  const uint32_t word = word_bytes[0] | (word_bytes[1] << 8) | (word_bytes[2] << 16) |
-                        (static_cast<uint32_t>(word_bytes[3]) << 24);
+  const uint32_t word =
+      word_bytes[0] | (word_bytes[1] << 8) | (word_bytes[2] << 16) | (static_cast<uint32_t>(word_bytes[3]) << 24);
   const uint8_t code = static_cast<uint8_t>(layout::code_of_slot(word, layout::code_slot(rr, kk)));
   const uint8_t scode = scales[frag * kFragScaleBytes + layout::scale_byte(g, ks, rr >= 8 ? 1 : 0)];
   // scale code -> bf16 bits carry the block scale times 2^119.

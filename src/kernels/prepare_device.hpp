@@ -27,7 +27,6 @@ struct DevicePackedGemm {
 // naming `what` and the first offending element), then packs. Synchronises
 // `stream` once, for the check. `source` must be device memory of the current
 // device; n and k multiples of 16.
-DevicePackedGemm prepare_gemm_weights_device(const layout::StackedNvfp4& source, const char* what,
-                                             cudaStream_t stream);
+DevicePackedGemm prepare_gemm_weights_device(const layout::StackedNvfp4& source, const char* what, cudaStream_t stream);
 
 }  // namespace fp4moe

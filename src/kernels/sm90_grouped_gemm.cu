@@ -9,8 +9,8 @@ namespace fp4moe::kernels {
 
 const std::vector<GroupedGemmKernel>& sm90_kernels() {
   static const std::vector<GroupedGemmKernel> table = {
-#define FP4MOE_X(BM, BK, S, EPI)                                                                     \
-  {TileConfig{kSm90BlockN, BM, BK, S, kSm90Threads / 32, EPI, KernelFamily::kSm90},                  \
+#define FP4MOE_X(BM, BK, S, EPI)                                                    \
+  {TileConfig{kSm90BlockN, BM, BK, S, kSm90Threads / 32, EPI, KernelFamily::kSm90}, \
    &sm90_grouped_gemm_kernel<BM, BK, S, EPI>, sm90_smem_layout(BM, BK, S, EPI).total_bytes},
       FP4MOE_SM90_KERNELS(FP4MOE_X)
 #undef FP4MOE_X

@@ -50,7 +50,7 @@ namespace fp4moe::kernels {
 template <int BLOCK_M, int BLOCK_K, int STAGES, Epilogue EPI>
 __global__ void __launch_bounds__(kSm90Threads)
     __maxnreg__(sm90::launch_regs(sm90_smem_layout(BLOCK_M, BLOCK_K, STAGES, EPI).blocks_per_sm))
-    sm90_grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p) {
+        sm90_grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p) {
 #if FP4MOE_SM90_DEVICE_CODE
   using T = sm90::Tile<BLOCK_M, BLOCK_K, STAGES, EPI>;
   extern __shared__ __align__(1024) uint8_t smem[];

@@ -25,9 +25,7 @@
 
 namespace fp4moe {
 
-std::string to_string(FinalizeMode mode) {
-  return mode == FinalizeMode::kAtomic ? "atomic" : "deterministic";
-}
+std::string to_string(FinalizeMode mode) { return mode == FinalizeMode::kAtomic ? "atomic" : "deterministic"; }
 FinalizeMode parse_finalize_mode(const std::string& name) {
   if (name == "deterministic") return FinalizeMode::kDeterministic;
   if (name == "atomic") return FinalizeMode::kAtomic;
@@ -45,16 +43,16 @@ void check_device(int layer_device, const char* what) {
   int current = -1;
   FP4MOE_CUDA_CHECK(cudaGetDevice(&current));
   FP4MOE_CHECK(current == layer_device, what, ": the current CUDA device is ", current,
-               " but the layer's weights are on device ", layer_device,
-               " (where prepare() ran); call cudaSetDevice(", layer_device, ") first");
+               " but the layer's weights are on device ", layer_device, " (where prepare() ran); call cudaSetDevice(",
+               layer_device, ") first");
 }
 void record(cudaEvent_t event, cudaStream_t stream) {
   if (event) FP4MOE_CUDA_CHECK(cudaEventRecord(event, stream));
 }
 }  // namespace
 
-void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace,
-                       size_t workspace_bytes, cudaStream_t stream) const {
+void MoeLayer::forward(const MoeForwardArgs& args, void* output, void* workspace, size_t workspace_bytes,
+                       cudaStream_t stream) const {
   impl_->run(args, output, nullptr, workspace, workspace_bytes, stream, nullptr);
 }
 
@@ -63,12 +61,13 @@ void MoeLayerInternals::forward(const MoeLayer& layer, const MoeForwardArgs& arg
   layer.impl_->run(args, output, nullptr, workspace, workspace_bytes, stream, &events);
 }
 
-void MoeLayer::forward_pair_rows(const MoeForwardArgs& args, float* pair_rows, void* workspace,
-                                 size_t workspace_bytes, cudaStream_t stream) const {
+void MoeLayer::forward_pair_rows(const MoeForwardArgs& args, float* pair_rows, void* workspace, size_t workspace_bytes,
+                                 cudaStream_t stream) const {
   FP4MOE_CHECK(impl_->options.finalize == FinalizeMode::kDeterministic,
                "MoeLayer::forward_pair_rows: needs FinalizeMode::kDeterministic (the atomic mode "
                "never holds a row per slot)");
-  FP4MOE_CHECK(impl_->num_shared == 0, "MoeLayer::forward_pair_rows: the layer has a shared expert, whose rows "
+  FP4MOE_CHECK(impl_->num_shared == 0,
+               "MoeLayer::forward_pair_rows: the layer has a shared expert, whose rows "
                "are not part of the [num_tokens * top_k] pair rows; use forward()");
   impl_->run(args, nullptr, pair_rows, workspace, workspace_bytes, stream, nullptr);
 }
@@ -81,29 +80,31 @@ void MoeLayer::Impl::run(const MoeForwardArgs& args, void* output, float* pair_r
                "; expected 0 .. 2^31 / top_k");
   if (T == 0) return;
   FP4MOE_CHECK(args.hidden_states && aligned16(args.hidden_states),
-               "MoeLayer::forward: hidden_states must be a 16-byte aligned device pointer (bf16 [",
-               T, ", ", m.hidden, "])");
+               "MoeLayer::forward: hidden_states must be a 16-byte aligned device pointer (bf16 [", T, ", ", m.hidden,
+               "])");
   if (pair_rows)
-    FP4MOE_CHECK(aligned16(pair_rows), "MoeLayer::forward_pair_rows: pair_rows must be a 16-byte "
-                 "aligned device pointer (fp32 [", T * m.top_k, ", ", m.hidden, "])");
+    FP4MOE_CHECK(aligned16(pair_rows),
+                 "MoeLayer::forward_pair_rows: pair_rows must be a 16-byte "
+                 "aligned device pointer (fp32 [",
+                 T * m.top_k, ", ", m.hidden, "])");
   else
     FP4MOE_CHECK(output && aligned16(output),
-                 "MoeLayer::forward: output must be a 16-byte aligned device pointer (bf16 [", T,
-                 ", ", m.hidden, "])");
+                 "MoeLayer::forward: output must be a 16-byte aligned device pointer (bf16 [", T, ", ", m.hidden, "])");
   const bool device_routing = args.router_logits != nullptr;
   FP4MOE_CHECK(device_routing != (args.topk_ids != nullptr || args.topk_weights != nullptr),
                "MoeLayer::forward: give either router_logits or topk_ids + topk_weights, not both");
   FP4MOE_CHECK(device_routing || (args.topk_ids && args.topk_weights),
                "MoeLayer::forward: topk_ids and topk_weights go together");
-  FP4MOE_CHECK(workspace && aligned16(workspace), "MoeLayer::forward: workspace must be a 16-byte "
+  FP4MOE_CHECK(workspace && aligned16(workspace),
+               "MoeLayer::forward: workspace must be a 16-byte "
                "aligned device pointer");
   check_device(m.device, "MoeLayer::forward");
   const std::shared_ptr<const MoeLayerPlan> plan_ptr = m.plan(T);  // one cached lookup per forward
   const MoeLayerPlan& plan = *plan_ptr;
   const bool separate_gather = m.separate_gather(T, plan, workspace_bytes);
   const layer::ScratchLayout s = m.scratch(T, plan, separate_gather);
-  FP4MOE_CHECK(workspace_bytes >= s.end, "MoeLayer::forward: workspace of ", workspace_bytes,
-               " B; ", T, " tokens need ", s.end, " B (allocate workspace_bytes(max_tokens))");
+  FP4MOE_CHECK(workspace_bytes >= s.end, "MoeLayer::forward: workspace of ", workspace_bytes, " B; ", T,
+               " tokens need ", s.end, " B (allocate workspace_bytes(max_tokens))");
 
   auto* ws = static_cast<uint8_t*>(workspace);
   auto* layer_errors = reinterpret_cast<int32_t*>(ws);
@@ -140,34 +141,32 @@ void MoeLayer::Impl::run(const MoeForwardArgs& args, void* output, float* pair_r
   shared_slots.hidden = m.hidden;
   if (device_routing) {
     // One kernel for small batches, so the stage boundary is not observable.
-    kernels::launch_route_and_sort(args.router_logits, args.correction_bias, T, m.num_experts,
-                                   m.options.routing, ids, weights, offsets, token_of_row,
-                                   pair_of_row, layer_errors, route_arrivals, sort_scratch, stream, pdl,
-                                   shared_slots);
+    kernels::launch_route_and_sort(args.router_logits, args.correction_bias, T, m.num_experts, m.options.routing, ids,
+                                   weights, offsets, token_of_row, pair_of_row, layer_errors, route_arrivals,
+                                   sort_scratch, stream, pdl, shared_slots);
     topk_ids = ids;
     topk_weights = weights;
     record(ev.routed, stream);
   } else if (m.num_shared > 0) {
     kernels::launch_append_shared_slots(topk_ids, topk_weights, T, m.top_k, m.num_experts, m.num_shared,
-                                        args.hidden_states, m.shared_gate.get(), m.hidden, ids, weights, stream,
-                                        pdl);
+                                        args.hidden_states, m.shared_gate.get(), m.hidden, ids, weights, stream, pdl);
     topk_ids = ids;
     topk_weights = weights;
     record(ev.routed, stream);
-    kernels::launch_sort_by_expert(topk_ids, T, rows, gemm_experts, offsets, token_of_row, pair_of_row,
-                                   layer_errors, sort_scratch, stream, pdl);
+    kernels::launch_sort_by_expert(topk_ids, T, rows, gemm_experts, offsets, token_of_row, pair_of_row, layer_errors,
+                                   sort_scratch, stream, pdl);
   } else {
     record(ev.routed, stream);
-    kernels::launch_sort_by_expert(topk_ids, T, m.top_k, m.num_experts, offsets, token_of_row,
-                                   pair_of_row, layer_errors, sort_scratch, stream, pdl);
+    kernels::launch_sort_by_expert(topk_ids, T, m.top_k, m.num_experts, offsets, token_of_row, pair_of_row,
+                                   layer_errors, sort_scratch, stream, pdl);
   }
   record(ev.sorted, stream);
   if (m.fp4_activations)
     kernels::launch_gather_rows_fp4(args.hidden_states, token_of_row, offsets, gemm_experts, pairs, m.hidden,
                                     m.input_scales13.get(), ws + s.x_sorted, stream, pdl);
   else if (separate_gather)
-    kernels::launch_gather_rows(args.hidden_states, token_of_row, offsets, gemm_experts, pairs,
-                                m.hidden, ws + s.x_sorted, stream, pdl);
+    kernels::launch_gather_rows(args.hidden_states, token_of_row, offsets, gemm_experts, pairs, m.hidden,
+                                ws + s.x_sorted, stream, pdl);
   record(ev.gathered, stream);
 
   GroupedGemmArgs g1;
@@ -197,8 +196,7 @@ void MoeLayer::Impl::run(const MoeForwardArgs& args, void* output, float* pair_r
   record(ev.gemm1, stream);
 
   const bool atomic = m.options.finalize == FinalizeMode::kAtomic;
-  if (atomic)
-    FP4MOE_CUDA_CHECK(cudaMemsetAsync(finalize, 0, static_cast<size_t>(T * m.hidden) * 4, stream));
+  if (atomic) FP4MOE_CUDA_CHECK(cudaMemsetAsync(finalize, 0, static_cast<size_t>(T * m.hidden) * 4, stream));
   GroupedGemmArgs g2;
   g2.weights = m.w2.weights.get();
   g2.scales = m.w2.scales.get();
@@ -232,8 +230,8 @@ void MoeLayer::Impl::run(const MoeForwardArgs& args, void* output, float* pair_r
   else
     // The routing kernel's ids are all valid: no id check (a round trip
     // before the rows' loads at small T).
-    kernels::launch_finalize_pairs(finalize, device_routing ? nullptr : topk_ids, T, rows, gemm_experts,
-                                   m.hidden, output, stream, pdl);
+    kernels::launch_finalize_pairs(finalize, device_routing ? nullptr : topk_ids, T, rows, gemm_experts, m.hidden,
+                                   output, stream, pdl);
   record(ev.end, stream);
 }
 
@@ -249,8 +247,7 @@ std::string MoeLayer::device_errors(void* workspace, cudaStream_t stream) const 
   if (words[0] & kernels::kErrorNonFiniteLogits)
     out += "non-finite router logits (their experts were excluded, docs/design.md §3); ";
   for (int gemm = 1; gemm <= 2; ++gemm) {
-    const std::string errors = grouped_gemm_device_errors(
-        static_cast<const uint8_t*>(workspace) + 16 * gemm, stream);
+    const std::string errors = grouped_gemm_device_errors(static_cast<const uint8_t*>(workspace) + 16 * gemm, stream);
     if (!errors.empty()) out += "GEMM" + std::to_string(gemm) + ": " + errors;
   }
   // Reported once: the words are cleared for the next forwards.

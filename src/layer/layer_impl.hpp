@@ -45,8 +45,7 @@ inline constexpr size_t kAlign = 256;
 // (kMaxSplitKTiles each: limit_split_k runs larger plans unsplit). All zero
 // between forwards.
 inline constexpr size_t kErrorWordsBytes = 48;
-inline constexpr size_t kHeaderBytes =
-    (kErrorWordsBytes + 2 * kMaxSplitKTiles * 4 + kAlign - 1) / kAlign * kAlign;
+inline constexpr size_t kHeaderBytes = (kErrorWordsBytes + 2 * kMaxSplitKTiles * 4 + kAlign - 1) / kAlign * kAlign;
 
 // Token counts are limited to T * top_k < 2^31 (rows are int on the device);
 // compared as T < ceil(2^31 / top_k) so that no product can overflow.
@@ -104,9 +103,9 @@ struct MoeLayer::Impl {
   // [E] the up rows' weight_scale_2 where it differs from the gate rows' (in
   // w13.global_scales); empty when they share it, as ModelOpt's exports do.
   DeviceBuffer<float> w13_up_scales;
-  layer::DeviceGemmWeights w2;   // down, [E][hidden, inter]
-  DeviceBuffer<float> bias13;  // [E][2 inter]: gate biases then up biases
-  DeviceBuffer<float> bias2;   // [E][hidden]
+  layer::DeviceGemmWeights w2;  // down, [E][hidden, inter]
+  DeviceBuffer<float> bias13;   // [E][2 inter]: gate biases then up biases
+  DeviceBuffer<float> bias2;    // [E][hidden]
   // W4A4 (fp4 activations): [E] the input_scale each GEMM's input is
   // quantised with. Its activations are then stored as e2m1 x e4m3, so the
   // GEMMs' global scales above hold weight_scale_2 x input_scale.
@@ -114,7 +113,7 @@ struct MoeLayer::Impl {
   DeviceBuffer<float> input_scales13;  // gate/up's (gemm1_input_scale)
   DeviceBuffer<float> input_scales2;   // down_proj's
 
-  mutable PlanCache<MoeLayerPlan> plans{layer::kPlanCacheCapacity};  // by token count
+  mutable PlanCache<MoeLayerPlan> plans{layer::kPlanCacheCapacity};          // by token count
   mutable PlanCache<size_t> workspace_by_tokens{layer::kPlanCacheCapacity};  // by max_tokens
   // GEMM1's and GEMM2's tuned choices, read once by prepare() and never
   // changed after: workspace_bytes() plans with them too, so the workspace

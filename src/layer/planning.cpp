@@ -26,9 +26,12 @@ namespace fp4moe {
 
 std::string PlanOrigin::describe() const {
   switch (kind) {
-    case Kind::kForced: return "forced";
-    case Kind::kTuned: return "tuned (bucket " + std::to_string(bucket) + " of " + cache_path + ")";
-    case Kind::kHeuristic: break;
+    case Kind::kForced:
+      return "forced";
+    case Kind::kTuned:
+      return "tuned (bucket " + std::to_string(bucket) + " of " + cache_path + ")";
+    case Kind::kHeuristic:
+      break;
   }
   const std::string why = note();
   return why.empty() ? "heuristic" : "heuristic; " + why;
@@ -42,11 +45,10 @@ std::string PlanOrigin::note() const {
 std::string MoeLayerPlan::describe() const {
   std::ostringstream os;
   os << num_tokens << " tokens -> " << num_rows << " routed rows\n"
-     << "  GEMM1 + SwiGLU  " << describe_row_classes(gemm1) << gemm1.config.to_string() << " split_k "
-     << gemm1.split_k << " [" << gemm1_origin.describe() << "]: " << gemm1.reason() << "\n"
-     << "  GEMM2 + finalize " << describe_row_classes(gemm2) << gemm2.config.to_string() << " split_k "
-     << gemm2.split_k << " ["
-     << gemm2_origin.describe() << "]: " << gemm2.reason() << "\n";
+     << "  GEMM1 + SwiGLU  " << describe_row_classes(gemm1) << gemm1.config.to_string() << " split_k " << gemm1.split_k
+     << " [" << gemm1_origin.describe() << "]: " << gemm1.reason() << "\n"
+     << "  GEMM2 + finalize " << describe_row_classes(gemm2) << gemm2.config.to_string() << " split_k " << gemm2.split_k
+     << " [" << gemm2_origin.describe() << "]: " << gemm2.reason() << "\n";
   return os.str();
 }
 
@@ -100,8 +102,8 @@ void MoeLayer::Impl::read_tuned_choices(const std::string& path) {
   const tune::DeviceLimits limits{dev.smem_per_block, kernels::compute_capability(dev)};
   std::vector<std::string> warnings;
   for (int gemm : {1, 2})
-    tuned[gemm - 1] = tune::TunedGemm(cache, identity, problem(gemm, 1), top_k, limits, options.batch_invariant,
-                                      &warnings);
+    tuned[gemm - 1] =
+        tune::TunedGemm(cache, identity, problem(gemm, 1), top_k, limits, options.batch_invariant, &warnings);
   for (const std::string& warning : warnings) tune::report_once(warning);
 }
 
@@ -126,9 +128,8 @@ GemmPlan MoeLayer::Impl::plan_one_gemm(int gemm, int64_t num_tokens, PlanOrigin*
       const GemmPlan heuristic = limit_split_k(plan_grouped_gemm(p), options.batch_invariant);
       if (heuristic.config == tuned_choice->choice.config && heuristic.split_k == tuned_choice->choice.split_k)
         return heuristic;
-      return limit_split_k(
-          plan_grouped_gemm(p, tuned_choice->choice.config, tuned_choice->choice.split_k),
-          options.batch_invariant);
+      return limit_split_k(plan_grouped_gemm(p, tuned_choice->choice.config, tuned_choice->choice.split_k),
+                           options.batch_invariant);
     }
     origin->bucket = tuned_choice->bucket;  // note() says so, when asked
     origin->unused_tuned_entry = tuned_choice->rejected;

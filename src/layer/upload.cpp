@@ -69,8 +69,7 @@ MoeLayer MoeLayer::prepare(const MoeWeights& weights, const MoeLayerOptions& opt
   return MoeLayerInternals::prepare(weights, options, GatherMode::kAuto);
 }
 
-MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOptions& options,
-                                    GatherMode gather) {
+MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOptions& options, GatherMode gather) {
   layer::validate_weights(weights, options);
   auto impl = std::make_unique<MoeLayer::Impl>();
   impl->num_shared = layer::shared_chunks(weights, options);
@@ -161,8 +160,7 @@ MoeLayer MoeLayerInternals::prepare(const MoeWeights& weights, const MoeLayerOpt
   return MoeLayer(std::move(impl));
 }
 
-MoeLayer MoeLayer::prepare_device(const MoeDeviceWeights& w, const MoeLayerOptions& options,
-                                  cudaStream_t stream) {
+MoeLayer MoeLayer::prepare_device(const MoeDeviceWeights& w, const MoeLayerOptions& options, cudaStream_t stream) {
   layer::validate_shape(w.num_experts, w.hidden, w.inter, options);
   const int k = options.routing.top_k;
   FP4MOE_CHECK((w.w13_bias == nullptr) == (w.w2_bias == nullptr),
@@ -177,10 +175,9 @@ MoeLayer MoeLayer::prepare_device(const MoeDeviceWeights& w, const MoeLayerOptio
     check_device_pointer(w.w13_bias, device, "w13_bias");
     check_device_pointer(w.w2_bias, device, "w2_bias");
   }
-  const bool fp4_activations =
-      resolve_stacked_activation_numerics(options.activations, w.w13_input_scale != nullptr,
-                                          w.w2_input_scale != nullptr, "MoeLayer::prepare_device") ==
-      ActivationNumerics::kFp4;
+  const bool fp4_activations = resolve_stacked_activation_numerics(
+                                   options.activations, w.w13_input_scale != nullptr, w.w2_input_scale != nullptr,
+                                   "MoeLayer::prepare_device") == ActivationNumerics::kFp4;
   if (w.w13_input_scale != nullptr) {
     check_device_pointer(w.w13_input_scale, device, "w13_input_scale");
     check_device_pointer(w.w2_input_scale, device, "w2_input_scale");
@@ -252,10 +249,10 @@ MoeLayer MoeLayer::prepare_device(const MoeDeviceWeights& w, const MoeLayerOptio
     // The layer's bias layouts are the engines': [E][gate; up] and [E][H].
     impl->bias13 = DeviceBuffer<float>(static_cast<size_t>(E * 2 * w.inter));
     impl->bias2 = DeviceBuffer<float>(static_cast<size_t>(E * w.hidden));
-    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(impl->bias13.get(), w.w13_bias, impl->bias13.bytes(),
-                                      cudaMemcpyDeviceToDevice, stream));
-    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(impl->bias2.get(), w.w2_bias, impl->bias2.bytes(),
-                                      cudaMemcpyDeviceToDevice, stream));
+    FP4MOE_CUDA_CHECK(
+        cudaMemcpyAsync(impl->bias13.get(), w.w13_bias, impl->bias13.bytes(), cudaMemcpyDeviceToDevice, stream));
+    FP4MOE_CUDA_CHECK(
+        cudaMemcpyAsync(impl->bias2.get(), w.w2_bias, impl->bias2.bytes(), cudaMemcpyDeviceToDevice, stream));
   }
   // Complete on return, like prepare(): the caller may free its tensors.
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -263,8 +260,7 @@ MoeLayer MoeLayer::prepare_device(const MoeDeviceWeights& w, const MoeLayerOptio
   return MoeLayer(std::move(impl));
 }
 
-MoeLayer MoeLayer::load(const std::string& path, const std::string& prefix,
-                        const MoeLayerOptions& options) {
+MoeLayer MoeLayer::load(const std::string& path, const std::string& prefix, const MoeLayerOptions& options) {
   return prepare(load_moe_weights(path, prefix), options);
 }
 

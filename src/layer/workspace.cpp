@@ -23,9 +23,12 @@ namespace fp4moe {
 
 std::string to_string(GatherMode mode) {
   switch (mode) {
-    case GatherMode::kAuto: return "auto";
-    case GatherMode::kFused: return "fused";
-    case GatherMode::kSeparate: return "separate";
+    case GatherMode::kAuto:
+      return "auto";
+    case GatherMode::kFused:
+      return "fused";
+    case GatherMode::kSeparate:
+      return "separate";
   }
   return "?";
 }
@@ -54,8 +57,7 @@ bool MoeLayer::Impl::wants_separate_gather(const MoeLayerPlan& p) const {
 // largest one's does not runs fused).
 bool MoeLayer::Impl::separate_gather(int64_t num_tokens, const MoeLayerPlan& p, size_t workspace_bytes) const {
   if (!wants_separate_gather(p)) return false;
-  return fp4_activations || gather == GatherMode::kSeparate ||
-         workspace_bytes >= scratch(num_tokens, p, true).end;
+  return fp4_activations || gather == GatherMode::kSeparate || workspace_bytes >= scratch(num_tokens, p, true).end;
 }
 
 // The fewest workspace bytes a forward of num_tokens with plan `p` runs
@@ -79,8 +81,8 @@ layer::ScratchLayout MoeLayer::Impl::scratch(int64_t num_tokens, const MoeLayerP
   s.offsets = take(static_cast<size_t>(gemm_experts() + 1) * 4);
   s.token_of_row = take(pairs * 4);
   s.pair_of_row = take(pairs * 4);
-  s.sort_scratch = take(static_cast<size_t>(kernels::sort_scratch_ints(static_cast<int64_t>(pairs), gemm_experts())) *
-                        4);
+  s.sort_scratch =
+      take(static_cast<size_t>(kernels::sort_scratch_ints(static_cast<int64_t>(pairs), gemm_experts())) * 4);
   if (separate_gather) s.x_sorted = take(pairs * hidden * 2);
   s.activated = take(pairs * inter * 2);
   const size_t finalize_rows =
@@ -135,8 +137,7 @@ size_t MoeLayerInternals::min_forward_bytes(const MoeLayer& layer, int64_t num_t
 
 size_t MoeLayer::workspace_bytes(int64_t max_tokens) const {
   FP4MOE_CHECK(max_tokens >= 1 && max_tokens < layer::max_tokens_for(impl_->rows_per_token()),
-               "MoeLayer::workspace_bytes: max_tokens = ", max_tokens,
-               "; expected 1 .. 2^31 / top_k");
+               "MoeLayer::workspace_bytes: max_tokens = ", max_tokens, "; expected 1 .. 2^31 / top_k");
   return impl_->workspace_bytes(max_tokens);
 }
 

@@ -24,9 +24,9 @@
   X(128, 32, 128, 4, 4, EPI)          \
   X(128, 64, 128, 3, 4, EPI)
 
-#define FP4MOE_PORTABLE_KERNELS(X)                          \
-  FP4MOE_PORTABLE_TILES(X, ::fp4moe::Epilogue::kNone)       \
-  FP4MOE_PORTABLE_TILES(X, ::fp4moe::Epilogue::kSwiglu)     \
+#define FP4MOE_PORTABLE_KERNELS(X)                      \
+  FP4MOE_PORTABLE_TILES(X, ::fp4moe::Epilogue::kNone)   \
+  FP4MOE_PORTABLE_TILES(X, ::fp4moe::Epilogue::kSwiglu) \
   FP4MOE_PORTABLE_TILES(X, ::fp4moe::Epilogue::kFinalize)
 
 // The SM90a family (sm90_grouped_gemm.cuh): BLOCK_N is always kSm90BlockN
@@ -65,9 +65,9 @@
   X(160, 128, 4, EPI)             \
   X(256, 64, 4, EPI)
 
-#define FP4MOE_SM90_KERNELS(X)                          \
-  FP4MOE_SM90_TILES(X, ::fp4moe::Epilogue::kNone)       \
-  FP4MOE_SM90_TILES(X, ::fp4moe::Epilogue::kSwiglu)     \
+#define FP4MOE_SM90_KERNELS(X)                      \
+  FP4MOE_SM90_TILES(X, ::fp4moe::Epilogue::kNone)   \
+  FP4MOE_SM90_TILES(X, ::fp4moe::Epilogue::kSwiglu) \
   FP4MOE_SM90_TILES(X, ::fp4moe::Epilogue::kFinalize)
 
 namespace fp4moe {

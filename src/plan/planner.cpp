@@ -20,8 +20,7 @@ namespace fp4moe {
 double expected_active_experts(int64_t num_experts, int top_k, int64_t num_tokens) {
   if (num_experts <= 0) return 0.0;
   const double p_miss = 1.0 - static_cast<double>(top_k) / static_cast<double>(num_experts);
-  return static_cast<double>(num_experts) *
-         (1.0 - std::pow(std::max(p_miss, 0.0), static_cast<double>(num_tokens)));
+  return static_cast<double>(num_experts) * (1.0 - std::pow(std::max(p_miss, 0.0), static_cast<double>(num_tokens)));
 }
 
 namespace {
@@ -29,8 +28,8 @@ namespace {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 void validate_problem(const GemmProblem& p) {
-  FP4MOE_CHECK(p.num_experts >= 1 && p.num_experts <= kMaxExperts, "num_experts = ",
-               p.num_experts, ": expected 1..", kMaxExperts);
+  FP4MOE_CHECK(p.num_experts >= 1 && p.num_experts <= kMaxExperts, "num_experts = ", p.num_experts, ": expected 1..",
+               kMaxExperts);
   FP4MOE_CHECK(p.n >= 16 && p.n % 16 == 0, "n = ", p.n, ": expected a positive multiple of 16");
   FP4MOE_CHECK(p.k >= 16 && p.k % 16 == 0, "k = ", p.k, ": expected a positive multiple of 16");
   FP4MOE_CHECK(p.num_rows >= 0, "num_rows = ", p.num_rows, ": expected >= 0");
@@ -110,13 +109,11 @@ bool split_k_allowed(const GemmProblem& p, const TileConfig& config, int split_k
   return split_k == 1 || (split_k >= 2 && split_k <= kMaxSplitK && k_tiles / split_k >= 2);
 }
 
-GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_sms,
-                        int blocks_per_sm, int split_k) {
+GemmPlan plan_gemm_with(const GemmProblem& p, const TileConfig& config, int num_sms, int blocks_per_sm, int split_k) {
   validate_problem(p);
   const int64_t k_tiles = ceil_div(p.k, config.block_k);
-  FP4MOE_CHECK(split_k >= 0 && split_k <= k_tiles, "split_k = ", split_k, " for ", config.to_string(),
-               " at k = ", p.k, ": expected 0 (the planner's choice) or 1 .. ", k_tiles,
-               " (one k-tile per slice at least)");
+  FP4MOE_CHECK(split_k >= 0 && split_k <= k_tiles, "split_k = ", split_k, " for ", config.to_string(), " at k = ", p.k,
+               ": expected 0 (the planner's choice) or 1 .. ", k_tiles, " (one k-tile per slice at least)");
   GemmPlan plan;
   plan.config = config;
   plan.split_k = std::max(split_k, 1);
@@ -169,12 +166,15 @@ std::string GemmPlan::reason() const {
        << why.k_tiles << " k-tiles each";
   for (const Rationale::Note& note : why.notes) {
     switch (note.kind) {
-      case Rationale::Note::Kind::kSplitKOffBatchInvariant: os << "; split-K off (batch invariant)"; break;
+      case Rationale::Note::Kind::kSplitKOffBatchInvariant:
+        os << "; split-K off (batch invariant)";
+        break;
       case Rationale::Note::Kind::kSplitKOffTileCounters:
         os << "; split-K off (more tiles than the workspace's counters)";
         break;
       case Rationale::Note::Kind::kRowClass:
-        os << "; experts of " << note.first_rows << "-" << note.max_rows << " rows first on " << note.config.to_string();
+        os << "; experts of " << note.first_rows << "-" << note.max_rows << " rows first on "
+           << note.config.to_string();
         break;
     }
   }
@@ -210,15 +210,14 @@ GemmProblem moe_gemm_problem(int gemm, int64_t num_experts, int top_k, int64_t h
   return p;
 }
 
-GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
-                   int compute_capability, int blocks_per_sm) {
+GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms, int compute_capability,
+                   int blocks_per_sm) {
   validate_problem(p);
   // The SM90 family where it runs and a config of it fits, else the portable one.
   auto candidates = [&](KernelFamily family) {
     std::vector<TileConfig> out;
     for (const auto& c : compiled_configs())
-      if (c.family == family && c.epilogue == p.epilogue && smem_bytes(c) <= smem_budget_bytes)
-        out.push_back(c);
+      if (c.family == family && c.epilogue == p.epilogue && smem_bytes(c) <= smem_budget_bytes) out.push_back(c);
     return out;
   };
   const double rows_per_expert = rows_per_active_expert(p);
@@ -229,11 +228,10 @@ GemmPlan plan_gemm(const GemmProblem& p, int64_t smem_budget_bytes, int num_sms,
   if (fitting.empty()) fitting = candidates(KernelFamily::kPortable);
   if (fitting.empty()) {
     std::ostringstream os;
-    os << "no compiled tile config with the " << to_string(p.epilogue) << " epilogue fits "
-       << smem_budget_bytes << " B of shared memory per block:";
+    os << "no compiled tile config with the " << to_string(p.epilogue) << " epilogue fits " << smem_budget_bytes
+       << " B of shared memory per block:";
     for (const auto& c : compiled_configs())
-      if (c.epilogue == p.epilogue)
-        os << "\n  " << c.to_string() << ": " << check_fit(c, smem_budget_bytes).advice;
+      if (c.epilogue == p.epilogue) os << "\n  " << c.to_string() << ": " << check_fit(c, smem_budget_bytes).advice;
     FP4MOE_THROW(os.str());
   }
   // The smallest token tile that holds the expected rows of an expert; the

@@ -37,17 +37,15 @@ inline constexpr int kMaxExperts = 512;
 // satisfies the 16-B alignment of cp.async and ldmatrix.
 inline constexpr int64_t kSmemAlign = 128;
 
-constexpr int64_t align_up(int64_t value, int64_t alignment) {
-  return (value + alignment - 1) / alignment * alignment;
-}
+constexpr int64_t align_up(int64_t value, int64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
 
 // Packed weights in smem and global memory are grouped in 512-byte fragments:
 // 16 weight rows x 64 K values, laid out so that lane l of a warp reads the 16
 // bytes it needs for four m16n8k16 MMAs with one 16-byte load.
 inline constexpr int kFragRows = 16;
 inline constexpr int kFragK = 64;
-inline constexpr int kFragBytes = kFragRows * kFragK / 2;           // 512
-inline constexpr int kFragScaleBytes = kFragRows * kFragK / 16;     // 64
+inline constexpr int kFragBytes = kFragRows * kFragK / 2;        // 512
+inline constexpr int kFragScaleBytes = kFragRows * kFragK / 16;  // 64
 
 // One token's row of an epilogue staging tile over `weight_rows` rows of the
 // weight tile: bf16 outputs (half as many for SwiGLU, where gate and up rows
@@ -59,9 +57,12 @@ struct EpilogueRow {
 };
 constexpr EpilogueRow epilogue_row(Epilogue epilogue, int weight_rows) {
   switch (epilogue) {
-    case Epilogue::kSwiglu: return {weight_rows / 2 + 8, 2};
-    case Epilogue::kFinalize: return {weight_rows + 4, 4};
-    case Epilogue::kNone: break;
+    case Epilogue::kSwiglu:
+      return {weight_rows / 2 + 8, 2};
+    case Epilogue::kFinalize:
+      return {weight_rows + 4, 4};
+    case Epilogue::kNone:
+      break;
   }
   return {weight_rows + 8, 2};
 }
@@ -105,8 +106,8 @@ struct PortableSmemLayout {
   int64_t total_bytes = 0;
 };
 
-constexpr PortableSmemLayout portable_smem_layout(int block_n, int block_m, int block_k,
-                                                  int stages, Epilogue epilogue) {
+constexpr PortableSmemLayout portable_smem_layout(int block_n, int block_m, int block_k, int stages,
+                                                  Epilogue epilogue) {
   PortableSmemLayout l;
   l.weight_stage_bytes = int64_t{block_n} * block_k / 2;
   l.scale_stage_bytes = int64_t{block_n} * block_k / 16;
@@ -125,8 +126,7 @@ constexpr PortableSmemLayout portable_smem_layout(int block_n, int block_m, int 
   l.epi_elem_bytes = row.elem_bytes;
   l.epilogue_offset = 0;
   l.epilogue_bytes = int64_t{block_m} * l.epi_row_elems * l.epi_elem_bytes;
-  l.union_end = align_up(l.mainloop_end > l.epilogue_bytes ? l.mainloop_end : l.epilogue_bytes,
-                         kSmemAlign);
+  l.union_end = align_up(l.mainloop_end > l.epilogue_bytes ? l.mainloop_end : l.epilogue_bytes, kSmemAlign);
 
   l.rows_offset = l.union_end;
   l.rows_bytes = 3 * int64_t{block_m} * 4;
@@ -259,9 +259,7 @@ constexpr Sm90SmemLayout sm90_smem_layout(int block_m, int block_k, int stages, 
 
   // Tokens per epilogue round: the tile's up to kSm90EpilogueChunk, in whole
   // rounds (m48: 16).
-  l.chunk_tokens = block_m < kSm90EpilogueChunk          ? block_m
-                   : block_m % kSm90EpilogueChunk == 0 ? kSm90EpilogueChunk
-                                                         : 16;
+  l.chunk_tokens = block_m < kSm90EpilogueChunk ? block_m : block_m % kSm90EpilogueChunk == 0 ? kSm90EpilogueChunk : 16;
   const EpilogueRow row = epilogue_row(epilogue, kSm90WarpgroupRows);
   l.epi_row_elems = row.elems;
   l.epi_elem_bytes = row.elem_bytes;

@@ -41,8 +41,7 @@ const CodeTables& code_tables() {
   static const CodeTables tables = [] {
     CodeTables t{};
     for (int c = 0; c < 256; ++c) {
-      t.pair[c] = {e2m1_to_float(static_cast<uint8_t>(c & 0xF)),
-                   e2m1_to_float(static_cast<uint8_t>(c >> 4))};
+      t.pair[c] = {e2m1_to_float(static_cast<uint8_t>(c & 0xF)), e2m1_to_float(static_cast<uint8_t>(c >> 4))};
       t.e4m3[c] = e4m3_to_float(static_cast<uint8_t>(c));
     }
     return t;
@@ -76,44 +75,37 @@ double row_dot(const Nvfp4Matrix& m, int64_t r, const double* x) {
 
 double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
 
-void check_matrix(const Nvfp4Matrix& m, int64_t expert_idx, const char* name, int64_t rows,
-                  int64_t cols) {
-  FP4MOE_CHECK(m.rows == rows && m.cols == cols, "moe_reference: expert ", expert_idx, " ", name,
-               " is [", m.rows, ", ", m.cols, "]; expected [", rows, ", ", cols, "]");
-  FP4MOE_CHECK(m.packed.size() == static_cast<size_t>(rows * cols / 2), "moe_reference: expert ",
-               expert_idx, " ", name, " packed has ", m.packed.size(), " bytes; expected ",
-               rows * cols / 2, " ([", rows, ", ", cols / 2, "])");
-  FP4MOE_CHECK(m.scales.size() == static_cast<size_t>(rows * cols / kNvfp4BlockSize),
-               "moe_reference: expert ", expert_idx, " ", name, " scales has ", m.scales.size(),
-               " entries; expected ", rows * cols / kNvfp4BlockSize, " ([", rows, ", ",
-               cols / kNvfp4BlockSize, "])");
+void check_matrix(const Nvfp4Matrix& m, int64_t expert_idx, const char* name, int64_t rows, int64_t cols) {
+  FP4MOE_CHECK(m.rows == rows && m.cols == cols, "moe_reference: expert ", expert_idx, " ", name, " is [", m.rows, ", ",
+               m.cols, "]; expected [", rows, ", ", cols, "]");
+  FP4MOE_CHECK(m.packed.size() == static_cast<size_t>(rows * cols / 2), "moe_reference: expert ", expert_idx, " ", name,
+               " packed has ", m.packed.size(), " bytes; expected ", rows * cols / 2, " ([", rows, ", ", cols / 2,
+               "])");
+  FP4MOE_CHECK(m.scales.size() == static_cast<size_t>(rows * cols / kNvfp4BlockSize), "moe_reference: expert ",
+               expert_idx, " ", name, " scales has ", m.scales.size(), " entries; expected ",
+               rows * cols / kNvfp4BlockSize, " ([", rows, ", ", cols / kNvfp4BlockSize, "])");
   FP4MOE_CHECK(std::isfinite(m.global_scale), "moe_reference: expert ", expert_idx, " ", name,
                " global_scale = ", m.global_scale, "; expected finite");
 }
 
-void check_bias(const std::vector<float>& bias, int64_t expert_idx, const char* name,
-                int64_t size) {
-  FP4MOE_CHECK(bias.empty() || bias.size() == static_cast<size_t>(size), "moe_reference: expert ",
-               expert_idx, " ", name, " has ", bias.size(), " entries; expected 0 (none) or ",
-               size);
+void check_bias(const std::vector<float>& bias, int64_t expert_idx, const char* name, int64_t size) {
+  FP4MOE_CHECK(bias.empty() || bias.size() == static_cast<size_t>(size), "moe_reference: expert ", expert_idx, " ",
+               name, " has ", bias.size(), " entries; expected 0 (none) or ", size);
 }
 
 void validate_weights(const MoeWeights& w) {
-  FP4MOE_CHECK(w.num_experts >= 1, "moe_reference: num_experts = ", w.num_experts,
-               "; expected >= 1");
-  FP4MOE_CHECK(w.experts.size() == static_cast<size_t>(w.num_experts), "moe_reference: ",
-               w.experts.size(), " experts given; expected num_experts = ", w.num_experts);
-  FP4MOE_CHECK(w.hidden >= kNvfp4BlockSize && w.hidden % kNvfp4BlockSize == 0,
-               "moe_reference: hidden = ", w.hidden, "; expected a positive multiple of ",
-               kNvfp4BlockSize);
-  FP4MOE_CHECK(w.inter >= kNvfp4BlockSize && w.inter % kNvfp4BlockSize == 0,
-               "moe_reference: inter = ", w.inter, "; expected a positive multiple of ",
-               kNvfp4BlockSize);
+  FP4MOE_CHECK(w.num_experts >= 1, "moe_reference: num_experts = ", w.num_experts, "; expected >= 1");
+  FP4MOE_CHECK(w.experts.size() == static_cast<size_t>(w.num_experts), "moe_reference: ", w.experts.size(),
+               " experts given; expected num_experts = ", w.num_experts);
+  FP4MOE_CHECK(w.hidden >= kNvfp4BlockSize && w.hidden % kNvfp4BlockSize == 0, "moe_reference: hidden = ", w.hidden,
+               "; expected a positive multiple of ", kNvfp4BlockSize);
+  FP4MOE_CHECK(w.inter >= kNvfp4BlockSize && w.inter % kNvfp4BlockSize == 0, "moe_reference: inter = ", w.inter,
+               "; expected a positive multiple of ", kNvfp4BlockSize);
   // Before rows * cols is formed for the buffer checks (the GPU layer's
   // grouped GEMM has the same bound on N and K).
   constexpr int64_t kMaxDim = (int64_t{1} << 31) - 256;
-  FP4MOE_CHECK(w.hidden <= kMaxDim && w.inter <= kMaxDim, "moe_reference: hidden = ", w.hidden,
-               ", inter = ", w.inter, "; expected each at most ", kMaxDim);
+  FP4MOE_CHECK(w.hidden <= kMaxDim && w.inter <= kMaxDim, "moe_reference: hidden = ", w.hidden, ", inter = ", w.inter,
+               "; expected each at most ", kMaxDim);
   for (int64_t e = 0; e < w.num_experts; ++e) {
     const ExpertWeights& ex = w.experts[static_cast<size_t>(e)];
     check_matrix(ex.gate, e, "gate", w.inter, w.hidden);
@@ -130,8 +122,8 @@ void validate_weights(const MoeWeights& w) {
                      sh.dense_gate_up.size() == static_cast<size_t>(2 * sh.inter * w.hidden) &&
                      sh.dense_down.size() == static_cast<size_t>(w.hidden * sh.inter),
                  "moe_reference: the unquantised shared expert has ", sh.dense_gate_up.size(), " gate/up and ",
-                 sh.dense_down.size(), " down values; expected ", 2 * sh.inter * w.hidden, " and ",
-                 w.hidden * sh.inter, " (inter = ", sh.inter, ")");
+                 sh.dense_down.size(), " down values; expected ", 2 * sh.inter * w.hidden, " and ", w.hidden * sh.inter,
+                 " (inter = ", sh.inter, ")");
   } else {
     FP4MOE_CHECK(sh.inter >= kNvfp4BlockSize && sh.inter % kNvfp4BlockSize == 0 && sh.inter <= kMaxDim,
                  "moe_reference: shared expert inter = ", sh.inter, "; expected a positive multiple of ",
@@ -144,8 +136,8 @@ void validate_weights(const MoeWeights& w) {
   FP4MOE_CHECK(sh.mlp.gate_bias.empty() && sh.mlp.up_bias.empty() && sh.mlp.down_bias.empty(),
                "moe_reference: the shared expert has biases; expected none");
   FP4MOE_CHECK(sh.gate.empty() || sh.gate.size() == static_cast<size_t>(w.hidden),
-               "moe_reference: the shared expert's gate has ", sh.gate.size(), " values; expected 0 (none) or hidden = ",
-               w.hidden);
+               "moe_reference: the shared expert's gate has ", sh.gate.size(),
+               " values; expected 0 (none) or hidden = ", w.hidden);
 }
 
 // Dot product of float weights with double activations, in double (an
@@ -166,8 +158,7 @@ struct WorkUnit {
 std::vector<WorkUnit> split_rows(const std::vector<int64_t>& active_experts, int64_t rows) {
   std::vector<WorkUnit> units;
   for (int64_t e : active_experts)
-    for (int64_t r = 0; r < rows; r += kRowsPerUnit)
-      units.push_back({e, r, std::min(rows, r + kRowsPerUnit)});
+    for (int64_t r = 0; r < rows; r += kRowsPerUnit) units.push_back({e, r, std::min(rows, r + kRowsPerUnit)});
   return units;
 }
 
@@ -190,9 +181,12 @@ void quantize_activation_row(double* row, int64_t n, float input_scale) {
 
 std::string to_string(ActivationNumerics numerics) {
   switch (numerics) {
-    case ActivationNumerics::kCheckpoint: return "checkpoint";
-    case ActivationNumerics::kBf16: return "bf16";
-    case ActivationNumerics::kFp4: return "fp4";
+    case ActivationNumerics::kCheckpoint:
+      return "checkpoint";
+    case ActivationNumerics::kBf16:
+      return "bf16";
+    case ActivationNumerics::kFp4:
+      return "fp4";
   }
   FP4MOE_THROW("to_string: unknown ActivationNumerics ", static_cast<int>(numerics));
 }
@@ -222,8 +216,8 @@ ActivationNumerics resolve_activation_numerics(const MoeWeights& weights, Activa
       if (m[p]->has_input_scale) continue;
       if (requested == ActivationNumerics::kCheckpoint) return ActivationNumerics::kBf16;
       FP4MOE_THROW("fp4 activations (W4A4) need an input_scale for every expert matrix; ",
-                   is_shared ? std::string("the shared expert's") : "expert " + std::to_string(e), " ",
-                   kProj[p], " has none (",
+                   is_shared ? std::string("the shared expert's") : "expert " + std::to_string(e), " ", kProj[p],
+                   " has none (",
                    weights.checkpoint_format.empty() ? std::string("the checkpoint declares no format")
                                                      : "a " + weights.checkpoint_format + " checkpoint",
                    "): use bf16 activations");
@@ -243,9 +237,12 @@ float gemm1_input_scale(float gate_input_scale, float up_input_scale) {
 
 int64_t input_scale_count(InputScaleExtent extent, int64_t num_experts) {
   switch (extent) {
-    case InputScaleExtent::kPerExpert: return num_experts;
-    case InputScaleExtent::kPerExpertGateUp: return 2 * num_experts;
-    case InputScaleExtent::kPerLayer: return 1;
+    case InputScaleExtent::kPerExpert:
+      return num_experts;
+    case InputScaleExtent::kPerExpertGateUp:
+      return 2 * num_experts;
+    case InputScaleExtent::kPerLayer:
+      return 1;
   }
   FP4MOE_THROW("input_scale_count: unknown InputScaleExtent ", static_cast<int>(extent));
 }
@@ -272,9 +269,12 @@ std::vector<ExpertInputScales> stacked_input_scales(int64_t num_experts, const f
   };
   const auto at = [&](InputScaleExtent extent, int64_t e, int half) {
     switch (extent) {
-      case InputScaleExtent::kPerExpert: return e;
-      case InputScaleExtent::kPerExpertGateUp: return 2 * e + half;
-      case InputScaleExtent::kPerLayer: return int64_t{0};
+      case InputScaleExtent::kPerExpert:
+        return e;
+      case InputScaleExtent::kPerExpertGateUp:
+        return 2 * e + half;
+      case InputScaleExtent::kPerLayer:
+        return int64_t{0};
     }
     return int64_t{0};
   };
@@ -314,14 +314,13 @@ double activate(Activation activation, double gate, double up) {
   return 0.0;  // unreachable: the activation is validated up front
 }
 
-void moe_reference(const MoeWeights& weights, const float* hidden_states,
-                   const Routing& routing, Activation activation, float* output) {
+void moe_reference(const MoeWeights& weights, const float* hidden_states, const Routing& routing, Activation activation,
+                   float* output) {
   moe_reference(weights, hidden_states, routing, activation, output, 0);
 }
 
-void moe_reference(const MoeWeights& weights, const float* hidden_states,
-                   const Routing& routing, Activation activation, float* output,
-                   int num_threads, Intermediate intermediate, ActivationNumerics numerics) {
+void moe_reference(const MoeWeights& weights, const float* hidden_states, const Routing& routing, Activation activation,
+                   float* output, int num_threads, Intermediate intermediate, ActivationNumerics numerics) {
   validate_weights(weights);
   const bool fp4_activations = resolve_activation_numerics(weights, numerics) == ActivationNumerics::kFp4;
   if (fp4_activations) {
@@ -352,15 +351,15 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
   // activations, the quantised activations per (token, slot): each slot's
   // expert has its own input_scale; and per token for the shared expert).
   const size_t bytes_per_token =
-      sizeof(double) * static_cast<size_t>(hidden + top_k * (inter + hidden + (fp4_activations ? hidden : 0)) +
-                                           (shared ? shared_inter + hidden + 1 : 0) +
-                                           (shared && fp4_activations ? hidden : 0));
+      sizeof(double) *
+      static_cast<size_t>(hidden + top_k * (inter + hidden + (fp4_activations ? hidden : 0)) +
+                          (shared ? shared_inter + hidden + 1 : 0) + (shared && fp4_activations ? hidden : 0));
   const int64_t chunk_tokens = std::max<int64_t>(1, static_cast<int64_t>(kChunkBufferBytes / bytes_per_token));
 
-  std::vector<double> x;     // [chunk, hidden]
-  std::vector<double> act;   // [chunk * top_k, inter]   act(gate x, up x) per (token, slot)
-  std::vector<double> y;     // [chunk * top_k, hidden]  down(act) per (token, slot)
-  std::vector<double> xq;    // fp4: [chunk * top_k, hidden] x quantised with the slot's expert's input_scale
+  std::vector<double> x;              // [chunk, hidden]
+  std::vector<double> act;            // [chunk * top_k, inter]   act(gate x, up x) per (token, slot)
+  std::vector<double> y;              // [chunk * top_k, hidden]  down(act) per (token, slot)
+  std::vector<double> xq;             // fp4: [chunk * top_k, hidden] x quantised with the slot's expert's input_scale
   std::vector<double> shared_act;     // [chunk, shared_inter]
   std::vector<double> shared_y;       // [chunk, hidden]
   std::vector<double> shared_weight;  // [chunk]: 1, or sigmoid(gate · x)
@@ -383,12 +382,15 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
     // input_scale of its expert when activations are fp4.
     if (fp4_activations) {
       xq.resize(static_cast<size_t>(num_pairs * hidden));
-      parallel_for(num_pairs, [&](int64_t p) {
-        const int64_t e = routing.topk_ids[static_cast<size_t>(t0 * top_k + p)];
-        double* row = xq.data() + p * hidden;
-        std::copy_n(x.data() + (p / top_k) * hidden, hidden, row);
-        quantize_activation_row(row, hidden, gemm1_input_scale(weights.experts[static_cast<size_t>(e)]));
-      }, num_threads);
+      parallel_for(
+          num_pairs,
+          [&](int64_t p) {
+            const int64_t e = routing.topk_ids[static_cast<size_t>(t0 * top_k + p)];
+            double* row = xq.data() + p * hidden;
+            std::copy_n(x.data() + (p / top_k) * hidden, hidden, row);
+            quantize_activation_row(row, hidden, gemm1_input_scale(weights.experts[static_cast<size_t>(e)]));
+          },
+          num_threads);
     }
     auto gemm1_input = [&](int64_t p) {
       return fp4_activations ? xq.data() + p * hidden : x.data() + (p / top_k) * hidden;
@@ -396,45 +398,54 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
 
     // act[p, i] = act(gate_e[i]·x_t + gate_bias, up_e[i]·x_t + up_bias).
     const std::vector<WorkUnit> gate_up_units = split_rows(active_experts, inter);
-    parallel_for(static_cast<int64_t>(gate_up_units.size()), [&](int64_t u) {
-      const WorkUnit& unit = gate_up_units[static_cast<size_t>(u)];
-      const ExpertWeights& ex = weights.experts[static_cast<size_t>(unit.expert_idx)];
-      for (int64_t i = unit.row_begin; i < unit.row_end; ++i) {
-        const double gate_bias = ex.gate_bias.empty() ? 0.0 : ex.gate_bias[static_cast<size_t>(i)];
-        const double up_bias = ex.up_bias.empty() ? 0.0 : ex.up_bias[static_cast<size_t>(i)];
-        for (int64_t p : pairs_of[static_cast<size_t>(unit.expert_idx)]) {
-          const double* xt = gemm1_input(p);
-          const double g = row_dot(ex.gate, i, xt) + gate_bias;
-          const double v = row_dot(ex.up, i, xt) + up_bias;
-          const double a = activate(activation, g, v);
-          act[static_cast<size_t>(p * inter + i)] =
-              intermediate == Intermediate::kBf16
-                  ? static_cast<double>(bf16_to_float(float_to_bf16(static_cast<float>(a))))
-                  : a;
-        }
-      }
-    }, num_threads);
+    parallel_for(
+        static_cast<int64_t>(gate_up_units.size()),
+        [&](int64_t u) {
+          const WorkUnit& unit = gate_up_units[static_cast<size_t>(u)];
+          const ExpertWeights& ex = weights.experts[static_cast<size_t>(unit.expert_idx)];
+          for (int64_t i = unit.row_begin; i < unit.row_end; ++i) {
+            const double gate_bias = ex.gate_bias.empty() ? 0.0 : ex.gate_bias[static_cast<size_t>(i)];
+            const double up_bias = ex.up_bias.empty() ? 0.0 : ex.up_bias[static_cast<size_t>(i)];
+            for (int64_t p : pairs_of[static_cast<size_t>(unit.expert_idx)]) {
+              const double* xt = gemm1_input(p);
+              const double g = row_dot(ex.gate, i, xt) + gate_bias;
+              const double v = row_dot(ex.up, i, xt) + up_bias;
+              const double a = activate(activation, g, v);
+              act[static_cast<size_t>(p * inter + i)] =
+                  intermediate == Intermediate::kBf16
+                      ? static_cast<double>(bf16_to_float(float_to_bf16(static_cast<float>(a))))
+                      : a;
+            }
+          }
+        },
+        num_threads);
 
     // GEMM2's input with fp4 activations: act quantised with down's input_scale.
     if (fp4_activations) {
-      parallel_for(num_pairs, [&](int64_t p) {
-        const int64_t e = routing.topk_ids[static_cast<size_t>(t0 * top_k + p)];
-        quantize_activation_row(act.data() + p * inter, inter,
-                                weights.experts[static_cast<size_t>(e)].down.input_scale);
-      }, num_threads);
+      parallel_for(
+          num_pairs,
+          [&](int64_t p) {
+            const int64_t e = routing.topk_ids[static_cast<size_t>(t0 * top_k + p)];
+            quantize_activation_row(act.data() + p * inter, inter,
+                                    weights.experts[static_cast<size_t>(e)].down.input_scale);
+          },
+          num_threads);
     }
 
     // y[p, n] = down_e[n]·act[p] + down_bias.
     const std::vector<WorkUnit> down_units = split_rows(active_experts, hidden);
-    parallel_for(static_cast<int64_t>(down_units.size()), [&](int64_t u) {
-      const WorkUnit& unit = down_units[static_cast<size_t>(u)];
-      const ExpertWeights& ex = weights.experts[static_cast<size_t>(unit.expert_idx)];
-      for (int64_t n = unit.row_begin; n < unit.row_end; ++n) {
-        const double down_bias = ex.down_bias.empty() ? 0.0 : ex.down_bias[static_cast<size_t>(n)];
-        for (int64_t p : pairs_of[static_cast<size_t>(unit.expert_idx)])
-          y[static_cast<size_t>(p * hidden + n)] = row_dot(ex.down, n, act.data() + p * inter) + down_bias;
-      }
-    }, num_threads);
+    parallel_for(
+        static_cast<int64_t>(down_units.size()),
+        [&](int64_t u) {
+          const WorkUnit& unit = down_units[static_cast<size_t>(u)];
+          const ExpertWeights& ex = weights.experts[static_cast<size_t>(unit.expert_idx)];
+          for (int64_t n = unit.row_begin; n < unit.row_end; ++n) {
+            const double down_bias = ex.down_bias.empty() ? 0.0 : ex.down_bias[static_cast<size_t>(n)];
+            for (int64_t p : pairs_of[static_cast<size_t>(unit.expert_idx)])
+              y[static_cast<size_t>(p * hidden + n)] = row_dot(ex.down, n, act.data() + p * inter) + down_bias;
+          }
+        },
+        num_threads);
 
     // The shared expert, whole (never chunked: an independent check of the
     // GPU layer, which runs it as extra experts of the routed width).
@@ -447,44 +458,55 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
       const bool shared_fp4 = fp4_activations && !shared->dense();
       if (shared_fp4) {
         shared_xq = x;
-        parallel_for(num_tokens, [&](int64_t t) {
-          quantize_activation_row(shared_xq.data() + t * hidden, hidden, gemm1_input_scale(shared->mlp));
-        }, num_threads);
+        parallel_for(
+            num_tokens,
+            [&](int64_t t) {
+              quantize_activation_row(shared_xq.data() + t * hidden, hidden, gemm1_input_scale(shared->mlp));
+            },
+            num_threads);
       }
       const std::vector<double>& shared_x = shared_fp4 ? shared_xq : x;
       const std::vector<WorkUnit> act_units = split_rows({0}, shared_inter);
-      parallel_for(static_cast<int64_t>(act_units.size()), [&](int64_t u) {
-        const WorkUnit& unit = act_units[static_cast<size_t>(u)];
-        for (int64_t i = unit.row_begin; i < unit.row_end; ++i)
-          for (int64_t t = 0; t < num_tokens; ++t) {
-            const double* xt = shared_x.data() + t * hidden;
-            const double a =
-                shared->dense()
-                    ? activate(activation, dense_dot(shared->dense_gate_up.data() + i * hidden, xt, hidden),
-                               dense_dot(shared->dense_gate_up.data() + (shared_inter + i) * hidden, xt, hidden))
-                    : activate(activation, row_dot(shared->mlp.gate, i, xt), row_dot(shared->mlp.up, i, xt));
-            shared_act[static_cast<size_t>(t * shared_inter + i)] =
-                intermediate == Intermediate::kBf16
-                    ? static_cast<double>(bf16_to_float(float_to_bf16(static_cast<float>(a))))
-                    : a;
-          }
-      }, num_threads);
+      parallel_for(
+          static_cast<int64_t>(act_units.size()),
+          [&](int64_t u) {
+            const WorkUnit& unit = act_units[static_cast<size_t>(u)];
+            for (int64_t i = unit.row_begin; i < unit.row_end; ++i)
+              for (int64_t t = 0; t < num_tokens; ++t) {
+                const double* xt = shared_x.data() + t * hidden;
+                const double a =
+                    shared->dense()
+                        ? activate(activation, dense_dot(shared->dense_gate_up.data() + i * hidden, xt, hidden),
+                                   dense_dot(shared->dense_gate_up.data() + (shared_inter + i) * hidden, xt, hidden))
+                        : activate(activation, row_dot(shared->mlp.gate, i, xt), row_dot(shared->mlp.up, i, xt));
+                shared_act[static_cast<size_t>(t * shared_inter + i)] =
+                    intermediate == Intermediate::kBf16
+                        ? static_cast<double>(bf16_to_float(float_to_bf16(static_cast<float>(a))))
+                        : a;
+              }
+          },
+          num_threads);
       if (shared_fp4) {
-        parallel_for(num_tokens, [&](int64_t t) {
-          quantize_activation_row(shared_act.data() + t * shared_inter, shared_inter, shared->mlp.down.input_scale);
-        }, num_threads);
+        parallel_for(
+            num_tokens,
+            [&](int64_t t) {
+              quantize_activation_row(shared_act.data() + t * shared_inter, shared_inter, shared->mlp.down.input_scale);
+            },
+            num_threads);
       }
       const std::vector<WorkUnit> down_units_shared = split_rows({0}, hidden);
-      parallel_for(static_cast<int64_t>(down_units_shared.size()), [&](int64_t u) {
-        const WorkUnit& unit = down_units_shared[static_cast<size_t>(u)];
-        for (int64_t n = unit.row_begin; n < unit.row_end; ++n)
-          for (int64_t t = 0; t < num_tokens; ++t)
-            shared_y[static_cast<size_t>(t * hidden + n)] =
-                shared->dense()
-                    ? dense_dot(shared->dense_down.data() + n * shared_inter, shared_act.data() + t * shared_inter,
-                                shared_inter)
-                    : row_dot(shared->mlp.down, n, shared_act.data() + t * shared_inter);
-      }, num_threads);
+      parallel_for(
+          static_cast<int64_t>(down_units_shared.size()),
+          [&](int64_t u) {
+            const WorkUnit& unit = down_units_shared[static_cast<size_t>(u)];
+            for (int64_t n = unit.row_begin; n < unit.row_end; ++n)
+              for (int64_t t = 0; t < num_tokens; ++t)
+                shared_y[static_cast<size_t>(t * hidden + n)] =
+                    shared->dense() ? dense_dot(shared->dense_down.data() + n * shared_inter,
+                                                shared_act.data() + t * shared_inter, shared_inter)
+                                    : row_dot(shared->mlp.down, n, shared_act.data() + t * shared_inter);
+          },
+          num_threads);
       for (int64_t t = 0; t < num_tokens; ++t) {
         double logit = 0.0;
         for (size_t h = 0; h < shared->gate.size(); ++h)
@@ -495,20 +517,22 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states,
 
     // output[t] = sum over slots j, in slot order, of w_j * y[(t, j)], then
     // the shared expert's weighted output.
-    parallel_for(num_tokens, [&](int64_t t) {
-      float* out = output + (t0 + t) * hidden;
-      for (int64_t n = 0; n < hidden; ++n) {
-        double sum = 0.0;
-        for (int j = 0; j < top_k; ++j) {
-          const int64_t p = t * top_k + j;
-          sum += static_cast<double>(routing.topk_weights[static_cast<size_t>(t0 * top_k + p)]) *
-                 y[static_cast<size_t>(p * hidden + n)];
-        }
-        if (shared)
-          sum += shared_weight[static_cast<size_t>(t)] * shared_y[static_cast<size_t>(t * hidden + n)];
-        out[n] = static_cast<float>(sum);
-      }
-    }, num_threads);
+    parallel_for(
+        num_tokens,
+        [&](int64_t t) {
+          float* out = output + (t0 + t) * hidden;
+          for (int64_t n = 0; n < hidden; ++n) {
+            double sum = 0.0;
+            for (int j = 0; j < top_k; ++j) {
+              const int64_t p = t * top_k + j;
+              sum += static_cast<double>(routing.topk_weights[static_cast<size_t>(t0 * top_k + p)]) *
+                     y[static_cast<size_t>(p * hidden + n)];
+            }
+            if (shared) sum += shared_weight[static_cast<size_t>(t)] * shared_y[static_cast<size_t>(t * hidden + n)];
+            out[n] = static_cast<float>(sum);
+          }
+        },
+        num_threads);
   }
 }
 

@@ -11,8 +11,8 @@
 namespace fp4moe::tune {
 
 const std::vector<int64_t>& default_buckets() {
-  static const std::vector<int64_t> buckets = {1,    2,    4,    8,    16,   32,   64,    128,   256,   384,  512,
-                                               768,  1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384};
+  static const std::vector<int64_t> buckets = {1,   2,    4,    8,    16,   32,   64,   128,  256,   384,  512,
+                                               768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384};
   return buckets;
 }
 
@@ -68,8 +68,8 @@ std::string check_choice(const std::string& config, int split_k, const GemmProbl
     return name + " needs " + std::to_string(fit.total_bytes) + " B of shared memory per block; this GPU allows " +
            std::to_string(fit.limit_bytes) + " B";
   if (!split_k_allowed(problem, c, split_k))
-    return "split_k " + std::to_string(split_k) + " is not a split the planner could pick for " + name + " at k = " +
-           std::to_string(problem.k) + " (1, or 2 .. " + std::to_string(kMaxSplitK) +
+    return "split_k " + std::to_string(split_k) + " is not a split the planner could pick for " + name +
+           " at k = " + std::to_string(problem.k) + " (1, or 2 .. " + std::to_string(kMaxSplitK) +
            " slices of at least two k-tiles)";
   return {};
 }
@@ -78,8 +78,7 @@ std::string check_batch_invariant(const Candidate& choice, Epilogue epilogue, co
   if (choice.split_k != 1)
     return "split_k " + std::to_string(choice.split_k) + " changes the order in which K is summed";
   const KernelFamily only = invariant_family(epilogue, limits);
-  if (choice.config.family != only)
-    return "a batch-invariant layer keeps to the " + to_string(only) + " family";
+  if (choice.config.family != only) return "a batch-invariant layer keeps to the " + to_string(only) + " family";
   return {};
 }
 

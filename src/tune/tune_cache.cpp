@@ -42,8 +42,8 @@ std::string DeviceIdentity::describe() const {
 
 std::string GemmKey::describe() const {
   std::ostringstream os;
-  os << "n " << n << ", k " << k << ", " << num_experts << " experts, top-" << top_k << ", "
-     << to_string(epilogue) << (batch_invariant ? ", batch invariant" : "");
+  os << "n " << n << ", k " << k << ", " << num_experts << " experts, top-" << top_k << ", " << to_string(epilogue)
+     << (batch_invariant ? ", batch invariant" : "");
   return os.str();
 }
 
@@ -252,8 +252,8 @@ void replace_file(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   FILE* f = std::fopen(tmp.c_str(), "wb");
   FP4MOE_CHECK(f != nullptr, "cannot write the tune cache ", tmp, ": ", std::strerror(errno));
-  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0 &&
-                       ::fsync(::fileno(f)) == 0;
+  const bool written =
+      std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
   const int err = errno;
   const bool closed = std::fclose(f) == 0;
   if (!written || !closed) {
@@ -288,8 +288,8 @@ MergeSummary write_cache(const std::string& path, const std::vector<CacheEntry>&
   for (const CacheEntry& old : existing.entries) {
     const bool superseded =
         std::any_of(entries.begin(), entries.end(), [&](const CacheEntry& e) { return e.same_key(old); });
-    const bool stale_here = old.device.gpu_name == writer.gpu_name && old.device.num_sms == writer.num_sms &&
-                            !(old.device == writer);
+    const bool stale_here =
+        old.device.gpu_name == writer.gpu_name && old.device.num_sms == writer.num_sms && !(old.device == writer);
     if (superseded) continue;  // counted below, once per key
     if (stale_here) {
       ++summary.dropped_stale;
@@ -301,8 +301,8 @@ MergeSummary write_cache(const std::string& path, const std::vector<CacheEntry>&
   const auto first_new = static_cast<std::ptrdiff_t>(merged.size());
   for (const CacheEntry& e : entries) {
     // Within one write the last entry of a key wins.
-    const auto same = std::find_if(merged.begin() + first_new, merged.end(),
-                                   [&](const CacheEntry& m) { return m.same_key(e); });
+    const auto same =
+        std::find_if(merged.begin() + first_new, merged.end(), [&](const CacheEntry& m) { return m.same_key(e); });
     if (same != merged.end()) {
       *same = e;
     } else {

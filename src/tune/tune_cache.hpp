@@ -109,7 +109,7 @@ enum class CacheStatus {
 struct CacheFile {
   std::string path;
   CacheStatus status = CacheStatus::kMissing;
-  std::string problem;  // one line naming the path and what is wrong; empty for kOk, kMissing
+  std::string problem;              // one line naming the path and what is wrong; empty for kOk, kMissing
   std::vector<CacheEntry> entries;  // empty unless kOk
 };
 
@@ -135,8 +135,7 @@ struct MergeSummary {
 // `writer`'s GPU (same name and SM count) tuned under another driver or
 // library version are dropped: they can no longer be used there. Throws
 // fp4moe::Error when the file cannot be written.
-MergeSummary write_cache(const std::string& path, const std::vector<CacheEntry>& entries,
-                         const DeviceIdentity& writer);
+MergeSummary write_cache(const std::string& path, const std::vector<CacheEntry>& entries, const DeviceIdentity& writer);
 
 // Where the cache lives unless a caller names a file: $FP4MOE_TUNE_CACHE, else
 // $XDG_CACHE_HOME/fp4moe/tune-cache.json (an absolute XDG_CACHE_HOME), else

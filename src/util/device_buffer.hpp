@@ -60,8 +60,8 @@ class DeviceBuffer {
   // freed first, so old and new are never held together; cudaFree waits for
   // the device, so work still using the old memory has finished.
   void resize(size_t count) {
-    FP4MOE_CHECK(count <= std::numeric_limits<size_t>::max() / sizeof(T), "DeviceBuffer: ", count,
-                 " elements of ", sizeof(T), " bytes overflow size_t");
+    FP4MOE_CHECK(count <= std::numeric_limits<size_t>::max() / sizeof(T), "DeviceBuffer: ", count, " elements of ",
+                 sizeof(T), " bytes overflow size_t");
     T* old = std::exchange(ptr_, nullptr);
     count_ = 0;
     if (old) FP4MOE_CUDA_CHECK(cudaFree(old));
@@ -72,8 +72,8 @@ class DeviceBuffer {
       // Out of memory is not sticky: clear it from the runtime's last error,
       // so that the next launch's check does not report this allocation.
       cudaGetLastError();
-      FP4MOE_THROW("cudaMalloc of ", count * sizeof(T), " bytes failed: ", cudaGetErrorName(status),
-                   " (", cudaGetErrorString(status), ")");
+      FP4MOE_THROW("cudaMalloc of ", count * sizeof(T), " bytes failed: ", cudaGetErrorName(status), " (",
+                   cudaGetErrorString(status), ")");
     }
     ptr_ = static_cast<T*>(ptr);
     count_ = count;
@@ -93,11 +93,9 @@ class DeviceBuffer {
   // returns once the bytes are staged, so `host` may change or go as soon as
   // it returns.
   void upload(const std::vector<T>& host, cudaStream_t stream) {
-    FP4MOE_CHECK(host.size() <= count_, "DeviceBuffer::upload: ", host.size(),
-                 " elements into a buffer of ", count_);
+    FP4MOE_CHECK(host.size() <= count_, "DeviceBuffer::upload: ", host.size(), " elements into a buffer of ", count_);
     if (!host.empty())
-      FP4MOE_CUDA_CHECK(cudaMemcpyAsync(ptr_, host.data(), host.size() * sizeof(T),
-                                        cudaMemcpyHostToDevice, stream));
+      FP4MOE_CUDA_CHECK(cudaMemcpyAsync(ptr_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
   }
   // The same, complete on return (then visible to work on any stream).
   void upload(const std::vector<T>& host) {
@@ -109,8 +107,7 @@ class DeviceBuffer {
   // The whole buffer, after the work queued on `stream` (waits for it).
   std::vector<T> download(cudaStream_t stream = nullptr) const {
     std::vector<T> host(count_);
-    if (count_)
-      FP4MOE_CUDA_CHECK(cudaMemcpyAsync(host.data(), ptr_, bytes(), cudaMemcpyDeviceToHost, stream));
+    if (count_) FP4MOE_CUDA_CHECK(cudaMemcpyAsync(host.data(), ptr_, bytes(), cudaMemcpyDeviceToHost, stream));
     FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     return host;
   }

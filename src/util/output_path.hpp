@@ -17,8 +17,7 @@ namespace fp4moe {
 inline void check_output_path(const std::string& path) {
   namespace fs = std::filesystem;
   const fs::path parent = fs::absolute(fs::path(path)).parent_path();
-  FP4MOE_CHECK(fs::is_directory(parent), "output ", path, ": directory ", parent.string(),
-               " does not exist");
+  FP4MOE_CHECK(fs::is_directory(parent), "output ", path, ": directory ", parent.string(), " does not exist");
   FP4MOE_CHECK(!fs::is_directory(path), "output ", path, " is a directory; expected a file name");
 }
 

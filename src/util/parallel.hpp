@@ -19,9 +19,7 @@ namespace fp4moe {
 
 // Threads the hardware runs at once (std::thread::hardware_concurrency, which
 // may report 0 when unknown): at least 1.
-inline int hardware_threads() {
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-}
+inline int hardware_threads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
 
 // Runs body(i) once for every i in [0, count), on min(count, num_threads)
 // threads, the calling thread among them; num_threads <= 0 means one per

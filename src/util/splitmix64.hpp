@@ -25,8 +25,8 @@ class SplitMix64 {
     return z ^ (z >> 31);
   }
   double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1), 53 bits
-  double normal() {                                                          // Box-Muller
-    const double u1 = 1.0 - uniform();                                       // (0, 1]
+  double normal() {                                                           // Box-Muller
+    const double u1 = 1.0 - uniform();                                        // (0, 1]
     const double u2 = uniform();
     return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
   }

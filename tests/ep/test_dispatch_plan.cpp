@@ -66,8 +66,12 @@ const MoeWeights& weights_for(int64_t num_experts) {
   w.hidden = kHidden;
   w.inter = kInter;
   for (int64_t e = 0; e < num_experts; ++e)
-    w.experts.push_back({random_matrix(kInter, kHidden, rng), random_matrix(kInter, kHidden, rng),
-                         random_matrix(kHidden, kInter, rng), {}, {}, {}});
+    w.experts.push_back({random_matrix(kInter, kHidden, rng),
+                         random_matrix(kInter, kHidden, rng),
+                         random_matrix(kHidden, kInter, rng),
+                         {},
+                         {},
+                         {}});
   return cache.emplace(num_experts, std::move(w)).first->second;
 }
 
@@ -93,8 +97,8 @@ struct Problem {
   std::vector<uint16_t> hidden_states;  // bf16 [num_tokens, kHidden]
   std::vector<int64_t> tokens_per_rank;
   std::string describe() const {
-    return "P=" + std::to_string(num_ranks) + " E=" + std::to_string(num_experts) + " top_k=" +
-           std::to_string(top_k) + " T=" + std::to_string(num_tokens);
+    return "P=" + std::to_string(num_ranks) + " E=" + std::to_string(num_experts) + " top_k=" + std::to_string(top_k) +
+           " T=" + std::to_string(num_tokens);
   }
 };
 
@@ -165,10 +169,12 @@ void check_dispatch_plan(const DispatchPlan& plan, const int32_t* ids, const flo
           expected_tokens.push_back(static_cast<int32_t>(t));
           break;
         }
-    const std::vector<int32_t> sent_tokens(plan.send_token_idx.begin() + plan.send_row_offsets[static_cast<size_t>(r)],
-                                           plan.send_token_idx.begin() + plan.send_row_offsets[static_cast<size_t>(r + 1)]);
+    const std::vector<int32_t> sent_tokens(
+        plan.send_token_idx.begin() + plan.send_row_offsets[static_cast<size_t>(r)],
+        plan.send_token_idx.begin() + plan.send_row_offsets[static_cast<size_t>(r + 1)]);
     ASSERT_EQ(sent_tokens, expected_tokens) << "rows to rank " << r;
-    for (int64_t row = plan.send_row_offsets[static_cast<size_t>(r)]; row < plan.send_row_offsets[static_cast<size_t>(r + 1)]; ++row) {
+    for (int64_t row = plan.send_row_offsets[static_cast<size_t>(r)];
+         row < plan.send_row_offsets[static_cast<size_t>(r + 1)]; ++row) {
       const int32_t* meta = plan.send_meta.data() + row * meta_words;
       const int32_t t = plan.send_token_idx[static_cast<size_t>(row)];
       ASSERT_EQ(meta[0], t);
@@ -184,7 +190,8 @@ void check_dispatch_plan(const DispatchPlan& plan, const int32_t* ids, const flo
       }
     }
     // Pairs: to the owner, in (token, slot) order.
-    for (int64_t p = plan.send_pair_offsets[static_cast<size_t>(r)]; p < plan.send_pair_offsets[static_cast<size_t>(r + 1)]; ++p) {
+    for (int64_t p = plan.send_pair_offsets[static_cast<size_t>(r)];
+         p < plan.send_pair_offsets[static_cast<size_t>(r + 1)]; ++p) {
       const SendPair& sp = plan.send_pairs[static_cast<size_t>(p)];
       ASSERT_TRUE(sp.token_idx >= 0 && sp.token_idx < T && sp.slot >= 0 && sp.slot < k);
       const int32_t expert = ids[sp.token_idx * k + sp.slot];
@@ -229,19 +236,23 @@ void check_receive_plans(const ExpertParallelSimulation& sim, const ExpertPlacem
     for (int s = 0; s < P; ++s) {
       const DispatchPlan& from = sim.dispatch[static_cast<size_t>(s)];
       EXPECT_EQ(recv.recv_row_offsets[static_cast<size_t>(s + 1)] - recv.recv_row_offsets[static_cast<size_t>(s)],
-                from.send_rows(r)) << "rows " << s << " -> " << r;
+                from.send_rows(r))
+          << "rows " << s << " -> " << r;
       EXPECT_EQ(recv.return_offsets[static_cast<size_t>(s + 1)] - recv.return_offsets[static_cast<size_t>(s)],
-                from.send_pair_count(r)) << "pairs " << s << " -> " << r;
+                from.send_pair_count(r))
+          << "pairs " << s << " -> " << r;
     }
     // pairs_by_expert: a permutation, grouped by expert, stable within a group.
     ASSERT_EQ(recv.pairs_by_expert.size(), recv.pairs.size());
     ASSERT_EQ(recv.expert_offsets.back(), recv.num_recv_pairs());
     std::vector<int> hit(recv.pairs.size(), 0);
     for (int64_t e = 0; e < recv.num_local_experts; ++e)
-      for (int64_t i = recv.expert_offsets[static_cast<size_t>(e)]; i < recv.expert_offsets[static_cast<size_t>(e + 1)]; ++i) {
+      for (int64_t i = recv.expert_offsets[static_cast<size_t>(e)]; i < recv.expert_offsets[static_cast<size_t>(e + 1)];
+           ++i) {
         const int64_t p = recv.pairs_by_expert[static_cast<size_t>(i)];
         ASSERT_EQ(recv.pairs[static_cast<size_t>(p)].local_expert_idx, e);
-        if (i > recv.expert_offsets[static_cast<size_t>(e)]) ASSERT_LT(recv.pairs_by_expert[static_cast<size_t>(i - 1)], p);
+        if (i > recv.expert_offsets[static_cast<size_t>(e)])
+          ASSERT_LT(recv.pairs_by_expert[static_cast<size_t>(i - 1)], p);
         ++hit[static_cast<size_t>(p)];
       }
     for (size_t i = 0; i < hit.size(); ++i) ASSERT_EQ(hit[i], 1);
@@ -260,8 +271,8 @@ int64_t first_difference(const std::vector<float>& a, const std::vector<float>& 
 void run_problem(const Problem& pb, const ExpertPlacement& placement, const std::string& label) {
   SCOPED_TRACE(pb.describe() + " " + label);
   const MoeWeights& w = weights_for(pb.num_experts);
-  const LocalExpertFn local = [&](int rank, int64_t n, const int32_t* local_idx, const float* weights,
-                                  const float* x, float* out) {
+  const LocalExpertFn local = [&](int rank, int64_t n, const int32_t* local_idx, const float* weights, const float* x,
+                                  float* out) {
     std::vector<int32_t> experts(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) experts[static_cast<size_t>(i)] = placement.global_expert(rank, local_idx[i]);
     reference_rows(w, n, experts.data(), weights, x, out);
@@ -287,7 +298,8 @@ void run_problem(const Problem& pb, const ExpertPlacement& placement, const std:
   std::vector<float> x(static_cast<size_t>(num_pairs * kHidden));
   for (int64_t p = 0; p < num_pairs; ++p)
     for (int64_t n = 0; n < kHidden; ++n)
-      x[static_cast<size_t>(p * kHidden + n)] = bf16_to_float(pb.hidden_states[static_cast<size_t>((p / pb.top_k) * kHidden + n)]);
+      x[static_cast<size_t>(p * kHidden + n)] =
+          bf16_to_float(pb.hidden_states[static_cast<size_t>((p / pb.top_k) * kHidden + n)]);
   std::vector<float> rows(static_cast<size_t>(num_pairs * kHidden));
   if (num_pairs > 0) reference_rows(w, num_pairs, pb.topk_ids.data(), pb.topk_weights.data(), x.data(), rows.data());
   std::vector<float> single(static_cast<size_t>(pb.num_tokens * kHidden), 0.0f);
@@ -340,7 +352,8 @@ TEST(ExpertPlacement, FromTableOrdersLocalExpertsByGlobalId) {
   EXPECT_EQ(p.local_idx_of_expert, (std::vector<int32_t>{0, 0, 0, 1, 1, 2, 1}));
   EXPECT_EQ(p.experts_by_rank, (std::vector<int32_t>{1, 3, 2, 6, 0, 4, 5}));
   for (int64_t e = 0; e < p.num_experts; ++e)
-    EXPECT_EQ(p.global_expert(p.rank_of_expert[static_cast<size_t>(e)], p.local_idx_of_expert[static_cast<size_t>(e)]), e);
+    EXPECT_EQ(p.global_expert(p.rank_of_expert[static_cast<size_t>(e)], p.local_idx_of_expert[static_cast<size_t>(e)]),
+              e);
 }
 
 TEST(ExpertPlacement, RejectsBadInputs) {
@@ -368,10 +381,10 @@ TEST(DispatchPlan, DeduplicatesSlotsOnOneRankAndKeepsSlotPositions) {
   EXPECT_EQ(plan.send_pair_offsets, (std::vector<int64_t>{0, 2, 6}));
   EXPECT_EQ(plan.send_token_idx, (std::vector<int32_t>{0, 0, 1}));
   const auto bits = [](float f) { return std::bit_cast<int32_t>(f); };
-  EXPECT_EQ(plan.send_meta, (std::vector<int32_t>{
-                                0, 1, -1, 2, bits(0.5f), 0, bits(0.125f),      // token 0 -> rank 0
-                                0, -1, 1, -1, 0, bits(0.25f), 0,              // token 0 -> rank 1
-                                1, 2, 3, 0, bits(1.0f), bits(2.0f), bits(3.0f)}));  // token 1 -> rank 1
+  EXPECT_EQ(plan.send_meta,
+            (std::vector<int32_t>{0, 1,  -1, 2,  bits(0.5f), 0,           bits(0.125f),   // token 0 -> rank 0
+                                  0, -1, 1,  -1, 0,          bits(0.25f), 0,              // token 0 -> rank 1
+                                  1, 2,  3,  0,  bits(1.0f), bits(2.0f),  bits(3.0f)}));  // token 1 -> rank 1
   EXPECT_EQ(plan.counts_messages(), (std::vector<int64_t>{1, 2, 2, 4}));
   // Return rows: rank 0 sends back (0,0), (0,2); rank 1 (0,1), (1,0), (1,1), (1,2).
   EXPECT_EQ(plan.combine.return_row_idx, (std::vector<int64_t>{0, 2, 1, 3, 4, 5}));
@@ -423,8 +436,11 @@ TEST(Simulation, RejectsATokenSplitThatDoesNotAddUp) {
   const std::vector<float> w = {1.0f};
   const std::vector<uint16_t> h(kHidden, 0);
   const LocalExpertFn none = [](int, int64_t, const int32_t*, const float*, const float*, float*) {};
-  expect_error([&] { simulate_expert_parallel(h.data(), kHidden, ids.data(), w.data(), 1, 1, {0, 0}, p, none); },
-               {"sums to 0", "num_tokens = 1"});
+  expect_error(
+      [&] {
+        simulate_expert_parallel(h.data(), kHidden, ids.data(), w.data(), 1, 1, {0, 0}, p, none);
+      },
+      {"sums to 0", "num_tokens = 1"});
   expect_error([&] { simulate_expert_parallel(h.data(), kHidden, ids.data(), w.data(), 1, 1, {1}, p, none); },
                {"1 entries", "num_ranks = 2"});
 }
@@ -476,7 +492,8 @@ TEST_P(EndToEnd, EveryTopKTokenCountPlacementAndRouting) {
               pb.tokens_per_rank, placement,
               [&](int rank, int64_t n, const int32_t* local_idx, const float* weights, const float* x, float* out) {
                 std::vector<int32_t> experts(static_cast<size_t>(n));
-                for (int64_t i = 0; i < n; ++i) experts[static_cast<size_t>(i)] = placement.global_expert(rank, local_idx[i]);
+                for (int64_t i = 0; i < n; ++i)
+                  experts[static_cast<size_t>(i)] = placement.global_expert(rank, local_idx[i]);
                 reference_rows(weights_for(num_experts), n, experts.data(), weights, x, out);
               });
           for (int r = 0; r < num_ranks; ++r)

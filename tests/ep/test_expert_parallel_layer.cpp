@@ -132,8 +132,8 @@ struct DeviceBatch {
 };
 
 // The single-GPU batch-invariant layer's output bits on the current device.
-std::vector<uint16_t> single_gpu_output(const MoeWeights& weights, const MoeLayerOptions& options,
-                                        const Shape& s, const Batch& b, const Routing* caller,
+std::vector<uint16_t> single_gpu_output(const MoeWeights& weights, const MoeLayerOptions& options, const Shape& s,
+                                        const Batch& b, const Routing* caller,
                                         const std::string& expected_device_errors = "") {
   if (b.num_tokens == 0) return {};
   MoeLayerOptions o = options;
@@ -169,8 +169,7 @@ void one_rank_equals_the_single_gpu_layer(ncclComm_t comm) {
     const MoeWeights weights = weights_for(s);
     const MoeLayerOptions options = options_for(s);
     ExpertParallelMoeLayer ep =
-        ExpertParallelMoeLayer::prepare(weights, ExpertPlacement::contiguous(s.num_experts, 1),
-                                        comm, options);
+        ExpertParallelMoeLayer::prepare(weights, ExpertPlacement::contiguous(s.num_experts, 1), comm, options);
     EXPECT_TRUE(ep.local_layer().options().batch_invariant);
     for (int64_t T : {int64_t{1}, int64_t{64}, int64_t{4096}, int64_t{0}, int64_t{3}}) {
       const Batch b = make_batch(s, T, rng);
@@ -188,8 +187,7 @@ void one_rank_equals_the_single_gpu_layer(ncclComm_t comm) {
         const ExpertParallelStats stats = ep.forward(d.args(), out.get(), stream, given ? &times : nullptr);
         FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
         if (given) {
-          for (double ms : {times.route_ms, times.dispatch_ms, times.experts_ms, times.return_ms,
-                            times.combine_ms})
+          for (double ms : {times.route_ms, times.dispatch_ms, times.experts_ms, times.return_ms, times.combine_ms})
             EXPECT_GE(ms, 0.0);
           EXPECT_GT(times.total_ms(), 0.0);
         }
@@ -217,14 +215,12 @@ void rejects_bad_configurations(ncclComm_t comm) {
     }
     return std::string("(no error)");
   };
-  EXPECT_NE(error_of(ExpertPlacement::contiguous(s.num_experts, 2), options_for(s)).find("2"),
-            std::string::npos);
+  EXPECT_NE(error_of(ExpertPlacement::contiguous(s.num_experts, 2), options_for(s)).find("2"), std::string::npos);
   EXPECT_NE(error_of(ExpertPlacement::contiguous(s.num_experts, 2), options_for(s)).find("communicator"),
             std::string::npos);
   MoeLayerOptions atomic = options_for(s);
   atomic.finalize = FinalizeMode::kAtomic;
-  EXPECT_NE(error_of(ExpertPlacement::contiguous(s.num_experts, 1), atomic).find("Deterministic"),
-            std::string::npos);
+  EXPECT_NE(error_of(ExpertPlacement::contiguous(s.num_experts, 1), atomic).find("Deterministic"), std::string::npos);
   EXPECT_NE(error_of(ExpertPlacement::contiguous(128, 1), options_for(s)).find("128"), std::string::npos);
 }
 
@@ -238,11 +234,10 @@ void nonfinite_logits_are_excluded_and_reported(ncclComm_t comm) {
       ExpertParallelMoeLayer::prepare(weights, ExpertPlacement::contiguous(s.num_experts, 1), comm, options);
   std::mt19937 rng(4);
   Batch b = make_batch(s, 5, rng);
-  b.logits[0] = std::numeric_limits<float>::quiet_NaN();                 // token 0, expert 0
+  b.logits[0] = std::numeric_limits<float>::quiet_NaN();  // token 0, expert 0
   b.logits[static_cast<size_t>(2 * s.num_experts + 1)] = std::numeric_limits<float>::infinity();
   const std::vector<uint16_t> want = single_gpu_output(
-      weights, options, s, b, nullptr,
-      "non-finite router logits (their experts were excluded, docs/design.md §3); ");
+      weights, options, s, b, nullptr, "non-finite router logits (their experts were excluded, docs/design.md §3); ");
   const DeviceBatch d(s, b, nullptr, 0, b.num_tokens);
   DeviceBuffer<uint16_t> out(static_cast<size_t>(b.num_tokens * s.hidden));
   out.fill_bytes(0xFF);

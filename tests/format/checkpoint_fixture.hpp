@@ -31,15 +31,17 @@ enum class Dist { kNormal, kUniform, kHeavyTailed };
 
 inline const char* dist_name(Dist d) {
   switch (d) {
-    case Dist::kNormal: return "normal";
-    case Dist::kUniform: return "uniform";
-    case Dist::kHeavyTailed: return "heavy-tailed";
+    case Dist::kNormal:
+      return "normal";
+    case Dist::kUniform:
+      return "uniform";
+    case Dist::kHeavyTailed:
+      return "heavy-tailed";
   }
   return "?";
 }
 
-inline std::vector<float> random_matrix(int64_t rows, int64_t cols, Dist dist, uint32_t seed,
-                                 float scale = 0.02f) {
+inline std::vector<float> random_matrix(int64_t rows, int64_t cols, Dist dist, uint32_t seed, float scale = 0.02f) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, scale);
   std::uniform_real_distribution<float> uniform(-scale, scale);
@@ -47,9 +49,15 @@ inline std::vector<float> random_matrix(int64_t rows, int64_t cols, Dist dist, u
   std::vector<float> out(static_cast<size_t>(rows * cols));
   for (float& x : out) {
     switch (dist) {
-      case Dist::kNormal: x = normal(rng); break;
-      case Dist::kUniform: x = uniform(rng); break;
-      case Dist::kHeavyTailed: x = scale * student(rng); break;
+      case Dist::kNormal:
+        x = normal(rng);
+        break;
+      case Dist::kUniform:
+        x = uniform(rng);
+        break;
+      case Dist::kHeavyTailed:
+        x = scale * student(rng);
+        break;
     }
   }
   return out;
@@ -70,9 +78,10 @@ inline std::string error_message(const std::function<void()>& fn) {
   return {};
 }
 
-#define EXPECT_CONTAINS(haystack, needle)                                            \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos)                  \
-      << "expected the message to contain \"" << (needle) << "\"; it is:\n" << (haystack)
+#define EXPECT_CONTAINS(haystack, needle)                                   \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos)          \
+      << "expected the message to contain \"" << (needle) << "\"; it is:\n" \
+      << (haystack)
 
 // The README promises one-line errors.
 #define EXPECT_ONE_LINE(message) \
@@ -103,7 +112,7 @@ inline const std::string kPrefix = "model.layers.3.mlp.";
 // Quantised experts from random weights, gate and up sharing the global
 // scale of their joint amax, as ModelOpt does.
 inline MoeWeights make_weights(int64_t num_experts, int64_t hidden, int64_t inter, uint32_t seed,
-                        bool with_bias = false) {
+                               bool with_bias = false) {
   MoeWeights m;
   m.num_experts = num_experts;
   m.hidden = hidden;
@@ -113,8 +122,7 @@ inline MoeWeights make_weights(int64_t num_experts, int64_t hidden, int64_t inte
     const std::vector<float> gate = random_matrix(inter, hidden, Dist::kNormal, s, 0.02f);
     const std::vector<float> up = random_matrix(inter, hidden, Dist::kNormal, s + 1, 0.05f);
     const std::vector<float> down = random_matrix(hidden, inter, Dist::kHeavyTailed, s + 2);
-    const float shared = nvfp4_global_scale(
-        std::max(abs_max(gate.data(), gate.size()), abs_max(up.data(), up.size())));
+    const float shared = nvfp4_global_scale(std::max(abs_max(gate.data(), gate.size()), abs_max(up.data(), up.size())));
     ExpertWeights x;
     x.gate = quantize_nvfp4(gate.data(), inter, hidden, shared);
     x.up = quantize_nvfp4(up.data(), inter, hidden, shared);
@@ -185,8 +193,7 @@ class ModeloptCheckpoint : public testing::Test {
     SafetensorsWriter writer;
     add_moe_weights(writer, w, kPrefix);
     const std::vector<uint16_t> router(static_cast<size_t>(kExperts * kHidden), 0x3F80);
-    writer.add(kPrefix + "gate.weight", DType::BF16, {kExperts, kHidden}, router.data(),
-               router.size() * 2);
+    writer.add(kPrefix + "gate.weight", DType::BF16, {kExperts, kHidden}, router.data(), router.size() * 2);
     add_moe_weights(writer, make_weights(2, 32, 16, 999), "model.layers.33.mlp.");
     const std::string path = dir_ / file;
     writer.write(path);

@@ -27,7 +27,7 @@ namespace fp4moe {
 namespace fs = std::filesystem;
 
 inline constexpr DType kAllDTypes[] = {DType::BF16, DType::F16, DType::F32, DType::F8_E4M3,
-                                DType::U8,   DType::I32, DType::I64};
+                                       DType::U8,   DType::I32, DType::I64};
 
 inline std::string read_file_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -89,8 +89,7 @@ inline OpenOutcome open_untrusted(const std::string& path, const std::string& wh
     g_checksum_sink = checksum;
     return OpenOutcome::kOpened;
   } catch (const Error& e) {
-    EXPECT_NE(e.message().find(path), std::string::npos)
-        << what << ": error does not name the file: " << e.message();
+    EXPECT_NE(e.message().find(path), std::string::npos) << what << ": error does not name the file: " << e.message();
     return OpenOutcome::kRejected;
   } catch (const std::exception& e) {
     ADD_FAILURE() << what << ": threw a std::exception that is not fp4moe::Error: " << e.what();

@@ -28,7 +28,7 @@ namespace fs = std::filesystem;
 // Splits `file` into two shards by expert (0..1 and the rest, plus every
 // non-expert tensor in the second), returning the weight_map.
 WeightMap split_into_shards(const std::string& file, const TempDir& dir, const std::string& shard1,
-                       const std::string& shard2) {
+                            const std::string& shard2) {
   const SafetensorsFile in = SafetensorsFile::open(file);
   SafetensorsWriter a, b;
   WeightMap weight_map;
@@ -45,8 +45,8 @@ WeightMap split_into_shards(const std::string& file, const TempDir& dir, const s
 TEST_F(ModeloptCheckpoint, RoundTripShardedDirectoryWithIndex) {
   TempDir ckpt;
   const std::string file = write_checkpoint("whole.safetensors", weights_);
-  const WeightMap weight_map = split_into_shards(file, ckpt, "model-00001-of-00002.safetensors",
-                                                 "model-00002-of-00002.safetensors");
+  const WeightMap weight_map =
+      split_into_shards(file, ckpt, "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors");
   write_text(ckpt / "model.safetensors.index.json", index_json(weight_map));
   write_text(ckpt / "hf_quant_config.json",
              R"({"producer": {"name": "modelopt", "version": "0.31.0"},
@@ -115,18 +115,15 @@ TEST_F(ModeloptCheckpoint, TensorNamesAreTheLoadersView) {
 }
 
 TEST_F(ModeloptCheckpoint, MissingPathsAreNamed) {
-  EXPECT_CONTAINS(error_message([&] { load_moe_weights(dir_ / "nope.safetensors", kPrefix); }),
-                  "nope.safetensors");
+  EXPECT_CONTAINS(error_message([&] { load_moe_weights(dir_ / "nope.safetensors", kPrefix); }), "nope.safetensors");
   TempDir empty;
-  EXPECT_CONTAINS(error_message([&] { load_moe_weights(empty.path().string(), kPrefix); }),
-                  "no *.safetensors file");
+  EXPECT_CONTAINS(error_message([&] { load_moe_weights(empty.path().string(), kPrefix); }), "no *.safetensors file");
   // An index that points at a shard that is not there.
   WeightMap weight_map;
   const SafetensorsFile whole = SafetensorsFile::open(write_checkpoint("layer.safetensors", weights_));
   for (const std::string& name : whole.names()) weight_map[name] = "gone.safetensors";
   write_text(empty / "model.safetensors.index.json", index_json(weight_map));
-  EXPECT_CONTAINS(error_message([&] { load_moe_weights(empty.path().string(), kPrefix); }),
-                  "gone.safetensors");
+  EXPECT_CONTAINS(error_message([&] { load_moe_weights(empty.path().string(), kPrefix); }), "gone.safetensors");
 }
 
 // A broken index is named, with what is wrong, by the loader and by the

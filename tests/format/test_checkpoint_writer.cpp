@@ -52,7 +52,7 @@ TEST_F(ModeloptCheckpoint, GateAndUpShareTheGlobalScaleOfTheirJointAmax) {
   const auto has_448 = [](const Nvfp4Matrix& m) {
     return std::find(m.scales.begin(), m.scales.end(), 0x7E) != m.scales.end();
   };
-  EXPECT_TRUE(has_448(x.up));     // up is drawn 2.5x wider than gate
+  EXPECT_TRUE(has_448(x.up));  // up is drawn 2.5x wider than gate
   EXPECT_FALSE(has_448(x.gate));
 
   MoeWeights bad = weights_;

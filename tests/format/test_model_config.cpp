@@ -230,8 +230,7 @@ TEST(RouterWeights, LoadedAndAppliedAsTheCheckpointSays) {
                {"'a.gate.weight'", "U8 [4, 8]", "expected F32, BF16 or F16"});
   expect_error([&] { load_router_weights(dir / "bad.safetensors", "b."); },
                {"'b.gate.e_score_correction_bias'", "[5]", "expected F32, BF16 or F16 [4]"});
-  expect_error([&] { load_router_weights(dir / "bad.safetensors", "c."); },
-               {"'c.router.weight' element 5", "finite"});
+  expect_error([&] { load_router_weights(dir / "bad.safetensors", "c."); }, {"'c.router.weight' element 5", "finite"});
 }
 
 }  // namespace

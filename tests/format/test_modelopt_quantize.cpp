@@ -81,8 +81,8 @@ TEST(ModeloptQuantize, ErrorIsWithinHalfAStepOnRandomData) {
         } else {
           const double b = std::max(block_amax / (6.0 * s2), 1.0 / 512.0);
           const auto [lo, hi] = e4m3_bracket(b);
-          ASSERT_TRUE(ws == lo || ws == hi) << "block (" << r << ", " << blk << ") b " << b
-                                            << " got scale " << e4m3_to_float(ws);
+          ASSERT_TRUE(ws == lo || ws == hi)
+              << "block (" << r << ", " << blk << ") b " << b << " got scale " << e4m3_to_float(ws);
           const double mid = (e4m3_to_float(lo) + e4m3_to_float(hi)) / 2;
           if (std::fabs(b - mid) > 1e-6 * b)
             EXPECT_EQ(ws, (b < mid) ? lo : hi) << "block (" << r << ", " << blk << ") b " << b;
@@ -159,8 +159,8 @@ TEST(ModeloptQuantize, RequantisingIsIdempotent) {
 // idempotent there. Pinned so that a change in this behaviour is noticed.
 TEST(ModeloptQuantize, SubnormalBlockScaleIsNotIdempotent) {
   std::vector<float> w(32, 0.0f);
-  w[0] = 2688.0f;                      // tensor amax: s2 = 1
-  w[16] = 6.0f * 1.5f / 512.0f;        // b = 1.5 * 2^-9: a tie, goes to 2 * 2^-9 (0x02)
+  w[0] = 2688.0f;                // tensor amax: s2 = 1
+  w[16] = 6.0f * 1.5f / 512.0f;  // b = 1.5 * 2^-9: a tie, goes to 2 * 2^-9 (0x02)
   const Nvfp4Matrix q = quantize_nvfp4(w.data(), 1, 32);
   ASSERT_EQ(q.global_scale, 1.0f);
   ASSERT_EQ(q.scales[1], 0x02);
@@ -168,7 +168,7 @@ TEST(ModeloptQuantize, SubnormalBlockScaleIsNotIdempotent) {
   const std::vector<float> deq = q.dequantize();
   EXPECT_EQ(deq[16], 4.0f * 2.0f / 512.0f);
   const Nvfp4Matrix q2 = quantize_nvfp4(deq.data(), 1, 32, 1.0f);
-  EXPECT_EQ(q2.scales[1], 0x01);  // 2^-6 / 6 rounds to 2^-9
+  EXPECT_EQ(q2.scales[1], 0x01);   // 2^-6 / 6 rounds to 2^-9
   EXPECT_EQ(q2.code(0, 16), 0x7);  // 8 saturates to 6
 }
 
@@ -251,8 +251,7 @@ TEST(ModeloptQuantize, HandComputedExamplePinsOrderOfOperations) {
   ASSERT_EQ(q.scales.size(), 2u);
   EXPECT_EQ(q.scales[0], 0x7E);
   EXPECT_EQ(q.scales[1], 0x7A);
-  const std::vector<uint8_t> expected_packed = {0xD7, 0x83, 0, 0, 0, 0, 0, 0,
-                                                0x47, 0x0F, 0, 0, 0, 0, 0, 0};
+  const std::vector<uint8_t> expected_packed = {0xD7, 0x83, 0, 0, 0, 0, 0, 0, 0x47, 0x0F, 0, 0, 0, 0, 0, 0};
   EXPECT_EQ(q.packed, expected_packed);
   EXPECT_EQ(q.code(0, 0), 0x7);
   EXPECT_EQ(q.code(0, 1), 0xD);

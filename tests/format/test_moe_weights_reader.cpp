@@ -106,8 +106,8 @@ TEST_F(ModeloptCheckpoint, AcceptsShapeOneScalarsAndMissingInputScale) {
 TEST_F(ModeloptCheckpoint, RefusesUnusableInputScales) {
   const std::string path = write_checkpoint("layer.safetensors", weights_);
   const std::string bad = expert_tensor_name(kPrefix, 2, "down_proj", "input_scale");
-  for (const float value : {0.0f, -0.5f, std::numeric_limits<float>::infinity(),
-                            std::numeric_limits<float>::quiet_NaN(), 1e-20f, 3e15f}) {
+  for (const float value :
+       {0.0f, -0.5f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(), 1e-20f, 3e15f}) {
     const std::string edited = dir_ / "edited.safetensors";
     rewrite(path, edited, [&](const TensorView& v, SafetensorsWriter& out) {
       if (v.name != bad) return true;
@@ -136,9 +136,8 @@ TEST_F(ModeloptCheckpoint, MissingTensorIsNamed) {
 TEST_F(ModeloptCheckpoint, MissingExpertIsNamed) {
   const std::string path = write_checkpoint("layer.safetensors", weights_);
   const std::string edited = dir_ / "edited.safetensors";
-  rewrite(path, edited, [](const TensorView& v, SafetensorsWriter&) {
-    return v.name.rfind(kPrefix + "experts.1.", 0) != 0;
-  });
+  rewrite(path, edited,
+          [](const TensorView& v, SafetensorsWriter&) { return v.name.rfind(kPrefix + "experts.1.", 0) != 0; });
   const std::string msg = error_message([&] { load_moe_weights(edited, kPrefix); });
   EXPECT_CONTAINS(msg, "'" + expert_tensor_name(kPrefix, 1, "gate_proj", "weight") + "'");
 }
@@ -159,10 +158,9 @@ TEST_F(ModeloptCheckpoint, WrongShapesAndDtypesAreNamedOnOneLine) {
   const std::string bad_dtype = expert_tensor_name(kPrefix, 0, "up_proj", "weight_scale");
   const std::string bad_scalar = expert_tensor_name(kPrefix, 1, "gate_proj", "input_scale");
   const std::string bad_shape = expert_tensor_name(kPrefix, 2, "down_proj", "weight");
-  const std::map<std::string, std::string> expected = {
-      {bad_dtype, "expected F8_E4M3 [32, 4], found U8 [32, 4]"},
-      {bad_scalar, "expected F32 [] or [1], found F32 [2]"},
-      {bad_shape, "expected U8 [64, 16], found U8 [64, 8]"}};
+  const std::map<std::string, std::string> expected = {{bad_dtype, "expected F8_E4M3 [32, 4], found U8 [32, 4]"},
+                                                       {bad_scalar, "expected F32 [] or [1], found F32 [2]"},
+                                                       {bad_shape, "expected U8 [64, 16], found U8 [64, 8]"}};
   const auto edit = [&](const std::set<std::string>& bad) {
     const std::string edited = dir_ / "edited.safetensors";
     rewrite(path, edited, [&](const TensorView& v, SafetensorsWriter& out) {

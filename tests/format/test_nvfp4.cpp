@@ -160,8 +160,7 @@ TEST(E2m1, RoundsToNearestTiesToEvenAtEveryBoundary) {
 }
 
 TEST(E2m1, SaturatesToSix) {
-  for (float x : {6.0f, std::nextafter(6.0f, kInf), 7.0f, 100.0f, 1e30f,
-                   std::numeric_limits<float>::max(), kInf}) {
+  for (float x : {6.0f, std::nextafter(6.0f, kInf), 7.0f, 100.0f, 1e30f, std::numeric_limits<float>::max(), kInf}) {
     EXPECT_EQ(float_to_e2m1(x), 0x7) << x;
     EXPECT_EQ(float_to_e2m1(-x), 0xF) << -x;
   }
@@ -170,8 +169,7 @@ TEST(E2m1, SaturatesToSix) {
 TEST(E2m1, SmallNegativeBecomesNegativeZeroCode) {
   for (float x : {-0.1f, -0.25f, -1e-30f, -std::numeric_limits<float>::denorm_min()})
     EXPECT_EQ(float_to_e2m1(x), 0x8) << x;
-  for (float x : {0.1f, 0.25f, 1e-30f, std::numeric_limits<float>::denorm_min()})
-    EXPECT_EQ(float_to_e2m1(x), 0x0) << x;
+  for (float x : {0.1f, 0.25f, 1e-30f, std::numeric_limits<float>::denorm_min()}) EXPECT_EQ(float_to_e2m1(x), 0x0) << x;
   EXPECT_EQ(float_to_e2m1(kNan), 0x0);
 }
 
@@ -250,17 +248,17 @@ TEST(E4m3, RoundsToNearestTiesToEvenBetweenEveryPairOfCodes) {
   // Spot checks written out by hand.
   EXPECT_EQ(float_to_e4m3(1.0f / 1024.0f), 0x00);                        // 2^-10: tie 0 / 2^-9
   EXPECT_EQ(float_to_e4m3(std::nextafter(1.0f / 1024.0f, 1.0f)), 0x01);  // just above it
-  EXPECT_EQ(float_to_e4m3(7.5f / 512.0f), 0x08);  // tie across the subnormal/normal border
-  EXPECT_EQ(float_to_e4m3(1.0625f), 0x38);        // tie 1 / 1.125 -> 1 (even)
-  EXPECT_EQ(float_to_e4m3(1.1875f), 0x3A);        // tie 1.125 / 1.25 -> 1.25 (even)
-  EXPECT_EQ(float_to_e4m3(15.5f), 0x58);          // tie 15 / 16 -> 16 (exponent step)
+  EXPECT_EQ(float_to_e4m3(7.5f / 512.0f), 0x08);                         // tie across the subnormal/normal border
+  EXPECT_EQ(float_to_e4m3(1.0625f), 0x38);                               // tie 1 / 1.125 -> 1 (even)
+  EXPECT_EQ(float_to_e4m3(1.1875f), 0x3A);                               // tie 1.125 / 1.25 -> 1.25 (even)
+  EXPECT_EQ(float_to_e4m3(15.5f), 0x58);                                 // tie 15 / 16 -> 16 (exponent step)
   EXPECT_EQ(float_to_e4m3(1e-30f), 0x00);
   EXPECT_EQ(float_to_e4m3(-1e-30f), 0x80);
 }
 
 TEST(E4m3, SaturatesAbove448AndKeepsNan) {
-  for (float x : {448.0f, std::nextafter(448.0f, kInf), 460.0f, std::nextafter(464.0f, 0.0f),
-                  464.0f, 479.0f, 480.0f, 1e6f, std::numeric_limits<float>::max(), kInf}) {
+  for (float x : {448.0f, std::nextafter(448.0f, kInf), 460.0f, std::nextafter(464.0f, 0.0f), 464.0f, 479.0f, 480.0f,
+                  1e6f, std::numeric_limits<float>::max(), kInf}) {
     EXPECT_EQ(float_to_e4m3(x), 0x7E) << x;
     EXPECT_EQ(float_to_e4m3(-x), 0xFE) << -x;
   }
@@ -398,7 +396,7 @@ TEST(F16, SubnormalsOverflowInfAndNan) {
   EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -24)), 0x0001);
   EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -25)), 0x0000);  // tie -> even (zero)
   EXPECT_EQ(float_to_f16(std::ldexp(1.5f, -25)), 0x0001);
-  EXPECT_EQ(float_to_f16(std::ldexp(3.0f, -25)), 0x0002);  // tie 1 / 2 -> 2
+  EXPECT_EQ(float_to_f16(std::ldexp(3.0f, -25)), 0x0002);     // tie 1 / 2 -> 2
   EXPECT_EQ(float_to_f16(std::ldexp(1023.5f, -24)), 0x0400);  // into the smallest normal
   EXPECT_EQ(float_to_f16(1e-30f), 0x0000);
   EXPECT_EQ(float_to_f16(-1e-30f), 0x8000);
@@ -485,7 +483,7 @@ TEST(Nvfp4Rule, BlockScaleOfZeroBlockIsOne) {
 
 TEST(Nvfp4Rule, BlockScaleClampsAtSmallestSubnormal) {
   // b = block_amax / 6 with global scale 1.
-  EXPECT_EQ(nvfp4_block_scale(1e-30f, 1.0f), 0x01);                  // far below 2^-9
+  EXPECT_EQ(nvfp4_block_scale(1e-30f, 1.0f), 0x01);                        // far below 2^-9
   EXPECT_EQ(nvfp4_block_scale(6.0f * std::ldexp(1.0f, -10), 1.0f), 0x01);  // 2^-10 would round to 0
   EXPECT_EQ(nvfp4_block_scale(6.0f * std::ldexp(1.0f, -9), 1.0f), 0x01);
   EXPECT_EQ(nvfp4_block_scale(6.0f * std::ldexp(1.5f, -9), 1.0f), 0x02);  // tie 1 / 2 -> 2
@@ -515,12 +513,11 @@ TEST(Nvfp4Rule, BlockScaleUsesModelOptOrderOfOperations) {
     const float s2 = nvfp4_global_scale(amax_dist(rng));
     // Aim at the midpoint between two e4m3 codes, where order can matter.
     const int c = code_dist(rng);
-    const float mid = static_cast<float>((ref_e4m3(static_cast<uint8_t>(c)) +
-                                          ref_e4m3(static_cast<uint8_t>(c + 1))) / 2);
+    const float mid =
+        static_cast<float>((ref_e4m3(static_cast<uint8_t>(c)) + ref_e4m3(static_cast<uint8_t>(c + 1))) / 2);
     float block_amax = mid * 6.0f * s2;
     std::uniform_int_distribution<int> ulps(-2, 2);
-    for (int k = ulps(rng); k != 0; k += k > 0 ? -1 : 1)
-      block_amax = std::nextafter(block_amax, k > 0 ? kInf : 0.0f);
+    for (int k = ulps(rng); k != 0; k += k > 0 ? -1 : 1) block_amax = std::nextafter(block_amax, k > 0 ? kInf : 0.0f);
     const volatile float six_s2 = 6.0f * s2;
     const float spec = block_amax / six_s2;
     const volatile float by6 = block_amax / 6.0f;
@@ -530,8 +527,7 @@ TEST(Nvfp4Rule, BlockScaleUsesModelOptOrderOfOperations) {
     const uint8_t expected = float_to_e4m3(spec < kMinBlockScale ? kMinBlockScale : spec);
     if (float_to_e4m3(alt1) == expected && float_to_e4m3(alt2) == expected) continue;
     ++found;
-    EXPECT_EQ(nvfp4_block_scale(block_amax, s2), expected)
-        << "block_amax " << block_amax << " s2 " << s2;
+    EXPECT_EQ(nvfp4_block_scale(block_amax, s2), expected) << "block_amax " << block_amax << " s2 " << s2;
   }
   EXPECT_GT(found, 0) << "no input distinguishes the orders; widen the search";
 }

@@ -102,18 +102,18 @@ int check_block(const float* x, float s, const char* what) {
   const RefBlock r = ref_quantize(x, s);
   int bad = 0;
   if (scale != r.scale) {
-    ADD_FAILURE() << what << ": block scale code 0x" << std::hex << int(scale) << ", expected 0x"
-                  << int(r.scale) << std::dec << " (s = " << s << ")";
+    ADD_FAILURE() << what << ": block scale code 0x" << std::hex << int(scale) << ", expected 0x" << int(r.scale)
+                  << std::dec << " (s = " << s << ")";
     return 1;
   }
   for (int i = 0; i < 16; ++i) {
     const double value = static_cast<double>(unscaled[i]) * s;
     if (codes[i] != r.codes[i] || value != r.values[i]) {
       if (bad++ < 4)
-        ADD_FAILURE() << what << ": element " << i << " x = " << x[i] << " got code 0x" << std::hex
-                      << int(codes[i]) << std::dec << " value " << value << ", expected code 0x"
-                      << std::hex << int(r.codes[i]) << std::dec << " value " << r.values[i]
-                      << " (s = " << s << ", scale code 0x" << std::hex << int(scale) << ")";
+        ADD_FAILURE() << what << ": element " << i << " x = " << x[i] << " got code 0x" << std::hex << int(codes[i])
+                      << std::dec << " value " << value << ", expected code 0x" << std::hex << int(r.codes[i])
+                      << std::dec << " value " << r.values[i] << " (s = " << s << ", scale code 0x" << std::hex
+                      << int(scale) << ")";
     }
   }
   return bad;

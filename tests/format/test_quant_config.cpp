@@ -99,7 +99,8 @@ TEST_F(ModeloptCheckpoint, MixedPrecisionLoadsItsNvfp4Layers) {
   write_text(ckpt / "hf_quant_config.json",
              R"({"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {
                  "model.layers.3.self_attn.o_proj": {"quant_algo": "FP8"},
-                 ")" + kPrefix + R"(experts": {"quant_algo": "W4A16_NVFP4", "group_size": 16},
+                 ")" +
+                 kPrefix + R"(experts": {"quant_algo": "W4A16_NVFP4", "group_size": 16},
                  "model.layers.33.mlp.experts": {"quant_algo": "NVFP4", "group_size": 32}}}})");
   loaded = load_moe_weights(dir, kPrefix);
   expect_same_weights(weights_, loaded);
@@ -126,7 +127,8 @@ TEST_F(ModeloptCheckpoint, ConfigJsonQuantizationConfigDeclaresTheFormat) {
   const std::string dir = ckpt.path().string();
   const auto write_config = [&](const std::string& algo, int group_size) {
     write_text(ckpt / "config.json", R"({"model_type": "qwen3_moe", "quantization_config": {
-        "quant_method": "modelopt", "quant_algo": ")" + algo + R"(", "ignore": ["lm_head"],
+        "quant_method": "modelopt", "quant_algo": ")" +
+                                         algo + R"(", "ignore": ["lm_head"],
         "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": )" +
                                          std::to_string(group_size) + R"(}, "targets": ["Linear"]}}}})");
   };

@@ -75,9 +75,7 @@ TEST_F(SafetensorsTest, RoundTripsEveryDTypeAndShape) {
     }
   }
   const std::map<std::string, std::string> expected_metadata = {
-      {"format", "pt"},
-      {"empty", ""},
-      {"unicode \xce\xbb", "value with \"quotes\", \\ and \xe2\x9c\x93"}};
+      {"format", "pt"}, {"empty", ""}, {"unicode \xce\xbb", "value with \"quotes\", \\ and \xe2\x9c\x93"}};
   EXPECT_EQ(file.metadata(), expected_metadata);
   EXPECT_FALSE(file.contains("layers.F32"));
   EXPECT_TRUE(temp_files_left().empty());
@@ -208,8 +206,7 @@ TEST_F(SafetensorsTest, MalformedHeadersRaiseOneClearError) {
       {entry(valid_shape + ", " + valid_offsets), "tensor 'x.weight': missing 'dtype'"},
       {entry(R"("dtype": 4, )" + valid_shape + ", " + valid_offsets),
        "tensor 'x.weight': 'dtype' must be a string, got 4"},
-      {entry(R"("dtype": null, )" + valid_shape + ", " + valid_offsets),
-       "'dtype' must be a string, got a JSON null"},
+      {entry(R"("dtype": null, )" + valid_shape + ", " + valid_offsets), "'dtype' must be a string, got a JSON null"},
       {entry(R"("dtype": "", )" + valid_shape + ", " + valid_offsets), "'dtype' is an empty string"},
       // A dtype fp4moe does not read opens (test_safetensors_robust.cpp), but
       // its byte count is still checked.
@@ -221,10 +218,13 @@ TEST_F(SafetensorsTest, MalformedHeadersRaiseOneClearError) {
       {entry(valid_dtype + R"(, "shape": {"0": 2}, )" + valid_offsets), "'shape' must be an array"},
       {entry(valid_dtype + R"(, "shape": [2, -1], )" + valid_offsets),
        "tensor 'x.weight': shape[1] must be a non-negative integer, got -1"},
-      {entry(valid_dtype + R"(, "shape": [2.5], )" + valid_offsets), "shape[0] must be a non-negative integer, got 2.5"},
-      {entry(valid_dtype + R"(, "shape": [2.0], )" + valid_offsets), "shape[0] must be a non-negative integer, got 2.0"},
+      {entry(valid_dtype + R"(, "shape": [2.5], )" + valid_offsets),
+       "shape[0] must be a non-negative integer, got 2.5"},
+      {entry(valid_dtype + R"(, "shape": [2.0], )" + valid_offsets),
+       "shape[0] must be a non-negative integer, got 2.0"},
       {entry(valid_dtype + R"(, "shape": [1e30], )" + valid_offsets), "shape[0] must be a non-negative integer"},
-      {entry(valid_dtype + R"(, "shape": ["2"], )" + valid_offsets), "shape[0] must be a non-negative integer, got a JSON string"},
+      {entry(valid_dtype + R"(, "shape": ["2"], )" + valid_offsets),
+       "shape[0] must be a non-negative integer, got a JSON string"},
       {entry(valid_dtype + R"(, "shape": [null], )" + valid_offsets), "got a JSON null"},
       {entry(valid_dtype + R"(, "shape": [[2]], )" + valid_offsets), "got a JSON array"},
       {entry(valid_dtype + R"(, "shape": [9223372036854775808], )" + valid_offsets),
@@ -241,8 +241,7 @@ TEST_F(SafetensorsTest, MalformedHeadersRaiseOneClearError) {
        "'data_offsets' must be an array [begin, end], got 8"},
       {entry(valid_dtype + ", " + valid_shape + R"(, "data_offsets": [8])"),
        "'data_offsets' must be an array [begin, end], got an array of 1 elements"},
-      {entry(valid_dtype + ", " + valid_shape + R"(, "data_offsets": [0, 8, 16])"),
-       "got an array of 3 elements"},
+      {entry(valid_dtype + ", " + valid_shape + R"(, "data_offsets": [0, 8, 16])"), "got an array of 3 elements"},
       {entry(valid_dtype + ", " + valid_shape + R"(, "data_offsets": [-8, 0])"),
        "data_offsets must be non-negative integers, got [-8, 0]"},
       {entry(valid_dtype + ", " + valid_shape + R"(, "data_offsets": [0, 8.5])"),
@@ -277,8 +276,7 @@ TEST_F(SafetensorsTest, MalformedHeadersRaiseOneClearError) {
       // Metadata.
       {R"({"__metadata__": 5})", "'__metadata__' must be an object of strings, got 5"},
       {R"({"__metadata__": ["format", "pt"]})", "'__metadata__' must be an object of strings, got a JSON array"},
-      {R"({"__metadata__": {"format": "pt", "version": 2}})",
-       "'__metadata__' entry 'version' must be a string, got 2"},
+      {R"({"__metadata__": {"format": "pt", "version": 2}})", "'__metadata__' entry 'version' must be a string, got 2"},
       {R"({"__metadata__": {"nested": {"a": "b"}}})", "entry 'nested' must be a string, got a JSON object"},
   };
   const std::string data(128, '\x5a');
@@ -328,9 +326,9 @@ TEST_F(SafetensorsTest, FuzzEveryTruncationIsRejected) {
     const std::string what = "truncated to " + std::to_string(length) + " bytes";
     EXPECT_EQ(open_untrusted(truncated_path, what), OpenOutcome::kRejected) << what;
     if (length < 8) {
-      EXPECT_NE(error_of([&] { SafetensorsFile::open(truncated_path); })
-                    .find("shorter than the 8-byte header length prefix"),
-                std::string::npos);
+      EXPECT_NE(
+          error_of([&] { SafetensorsFile::open(truncated_path); }).find("shorter than the 8-byte header length prefix"),
+          std::string::npos);
     }
   }
 }
@@ -370,11 +368,33 @@ TEST_F(SafetensorsTest, FuzzRandomMutationsNeverCrash) {
   const size_t data_section_begin = seed.size() - data_section_bytes;
   const std::string seed_header = seed.substr(8, data_section_begin - 8);
   const std::string seed_data = seed.substr(data_section_begin);
-  const std::vector<std::string> boundary_tokens = {
-      "-1", "0", "1", "3", "4", "8", "24", "4294967296", "9223372036854775807",
-      "9223372036854775808", "18446744073709551615", "18446744073709551616",
-      "99999999999999999999999", "1e3", "2.0", "-0", "null", "true", "\"8\"", "[]", "{}",
-      "[0,0]", "\"F64\"", "\"I64\"", "\"U8\"", "\"__metadata__\"", "{\"a\":1}"};
+  const std::vector<std::string> boundary_tokens = {"-1",
+                                                    "0",
+                                                    "1",
+                                                    "3",
+                                                    "4",
+                                                    "8",
+                                                    "24",
+                                                    "4294967296",
+                                                    "9223372036854775807",
+                                                    "9223372036854775808",
+                                                    "18446744073709551615",
+                                                    "18446744073709551616",
+                                                    "99999999999999999999999",
+                                                    "1e3",
+                                                    "2.0",
+                                                    "-0",
+                                                    "null",
+                                                    "true",
+                                                    "\"8\"",
+                                                    "[]",
+                                                    "{}",
+                                                    "[0,0]",
+                                                    "\"F64\"",
+                                                    "\"I64\"",
+                                                    "\"U8\"",
+                                                    "\"__metadata__\"",
+                                                    "{\"a\":1}"};
   const std::string json_bytes = "{}[],:\" 0123456789-.eE\\";
 
   std::mt19937_64 rng(20261202);
@@ -402,8 +422,8 @@ TEST_F(SafetensorsTest, FuzzRandomMutationsNeverCrash) {
           break;
         default: {  // replace the number or string token around position
           const auto is_token_char = [&](size_t idx) {
-            return std::isalnum(static_cast<unsigned char>(header[idx])) || header[idx] == '_' ||
-                   header[idx] == '.' || header[idx] == '-';
+            return std::isalnum(static_cast<unsigned char>(header[idx])) || header[idx] == '_' || header[idx] == '.' ||
+                   header[idx] == '-';
           };
           size_t begin = position;
           size_t end = position;

@@ -70,13 +70,12 @@ class SafetensorsRobust : public ::testing::Test {
 };
 
 TEST_F(SafetensorsRobust, UnreadDTypesKeepTheFileReadable) {
-  const std::string header =
-      R"({"mask": {"dtype": "BOOL", "shape": [4], "data_offsets": [0, 4]},)"
-      R"( "stat": {"dtype": "F64", "shape": [2], "data_offsets": [4, 20]},)"
-      R"( "small": {"dtype": "I8", "shape": [2], "data_offsets": [20, 22]},)"
-      R"( "half": {"dtype": "U16", "shape": [1], "data_offsets": [22, 24]},)"
-      R"( "future": {"dtype": "F4", "shape": [6], "data_offsets": [24, 27]},)"
-      R"( "w": {"dtype": "F32", "shape": [2], "data_offsets": [28, 36]}})";
+  const std::string header = R"({"mask": {"dtype": "BOOL", "shape": [4], "data_offsets": [0, 4]},)"
+                             R"( "stat": {"dtype": "F64", "shape": [2], "data_offsets": [4, 20]},)"
+                             R"( "small": {"dtype": "I8", "shape": [2], "data_offsets": [20, 22]},)"
+                             R"( "half": {"dtype": "U16", "shape": [1], "data_offsets": [22, 24]},)"
+                             R"( "future": {"dtype": "F4", "shape": [6], "data_offsets": [24, 27]},)"
+                             R"( "w": {"dtype": "F32", "shape": [2], "data_offsets": [28, 36]}})";
   std::string data(36, '\0');
   const float w[2] = {1.5f, -2.0f};
   std::memcpy(data.data() + 28, w, sizeof w);
@@ -173,7 +172,7 @@ TEST_F(SafetensorsRobust, DescribeReadsNothingAndReleaseFrees) {
   write_bytes(path, bytes);
   EXPECT_EQ(file.get("t1").data[0], 1);
   file.release("t1");
-  file.release("no such tensor");  // a no-op
+  file.release("no such tensor");          // a no-op
   EXPECT_EQ(file.get("t1").data[999], 1);  // read again
 }
 

@@ -39,8 +39,7 @@ TEST_F(SafetensorsTest, WritesTheReferenceByteLayout) {
   const std::string path = path_in_dir("a.safetensors");
   writer.write(path);
 
-  std::string header =
-      R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  std::string header = R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
   ASSERT_EQ(header.size(), 85u);
   header += "   ";
   const std::string data = {0, 0, '\x80', '\x3f', 0, 0, 0, '\x40'};  // 1.0f, 2.0f little-endian
@@ -77,15 +76,13 @@ TEST_F(SafetensorsTest, WriterRejectsBadTensors) {
   writer.add("w", DType::BF16, {2, 3}, bytes.data(), 12);
 
   std::string message = error_of([&] { writer.add("x", DType::F32, {2, 3}, bytes.data(), 12); });
-  EXPECT_NE(message.find("tensor 'x': 12 bytes given but shape [2, 3] of F32 needs 24 bytes"),
-            std::string::npos)
+  EXPECT_NE(message.find("tensor 'x': 12 bytes given but shape [2, 3] of F32 needs 24 bytes"), std::string::npos)
       << message;
   message = error_of([&] { writer.add("w", DType::BF16, {2, 3}, bytes.data(), 12); });
   EXPECT_NE(message.find("tensor 'w' was already added"), std::string::npos) << message;
   message = error_of([&] { writer.add("n", DType::U8, {-1, 2}, bytes.data(), 0); });
   EXPECT_NE(message.find("negative dimension"), std::string::npos) << message;
-  message = error_of(
-      [&] { writer.add("o", DType::F32, {int64_t{1} << 31, int64_t{1} << 31}, bytes.data(), 0); });
+  message = error_of([&] { writer.add("o", DType::F32, {int64_t{1} << 31, int64_t{1} << 31}, bytes.data(), 0); });
   EXPECT_NE(message.find("overflows"), std::string::npos) << message;
   message = error_of([&] { writer.add("null", DType::U8, {4}, nullptr, 4); });
   EXPECT_NE(message.find("data is null"), std::string::npos) << message;
@@ -239,9 +236,13 @@ TEST_F(SafetensorsTest, StreamWriterRefusesMisuseAndLeavesNothingUncommitted) {
               SafetensorsStreamWriter w(path, {{"x", DType::U8, {4}}, {"x", DType::U8, {2}}});
             }).find("listed twice"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { SafetensorsStreamWriter w(path, {{"__metadata__", DType::U8, {1}}}); }).find("reserved"),
+  EXPECT_NE(error_of([&] {
+              SafetensorsStreamWriter w(path, {{"__metadata__", DType::U8, {1}}});
+            }).find("reserved"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { SafetensorsStreamWriter w(path, {{"n", DType::U8, {-1}}}); }).find("negative"),
+  EXPECT_NE(error_of([&] {
+              SafetensorsStreamWriter w(path, {{"n", DType::U8, {-1}}});
+            }).find("negative"),
             std::string::npos);
   EXPECT_TRUE(temp_files_left().empty());
   {

@@ -181,12 +181,12 @@ const std::vector<GemmCase>& enumerated_cases() {
       {128, 256, {1}},
       {128, 256, {0, 1, 7, 8, 9}},
       {256, 512, {31, 0, 64, 100}},
-      {16, 16, {3, 0, 5}},                 // smallest legal n and k
-      {144, 272, {9, 1, 0, 8}},            // n, k just past the padding multiples
-      {48, 1072, {2, 65, 1}},              // k = 4 * 256 + 48
-      {1040, 64, {33, 1, 17, 0, 0, 40}},   // n = 8 * 128 + 16
+      {16, 16, {3, 0, 5}},                // smallest legal n and k
+      {144, 272, {9, 1, 0, 8}},           // n, k just past the padding multiples
+      {48, 1072, {2, 65, 1}},             // k = 4 * 256 + 48
+      {1040, 64, {33, 1, 17, 0, 0, 40}},  // n = 8 * 128 + 16
       {384, 2048, {1, 1, 1, 1, 1, 1, 1, 1}},
-      {256, 512, {120, 130, 0, 150}},      // m160: 121-144 rows at 144 columns, 160 rows copied
+      {256, 512, {120, 130, 0, 150}},  // m160: 121-144 rows at 144 columns, 160 rows copied
   };
   return cases;
 }
@@ -205,8 +205,8 @@ TEST(GroupedGemmGpu, RowClassesInSeveralLaunchesMatchReference) {
     std::vector<std::pair<TileConfig, int>> row_classes;  // (config, max_rows)
     int split_k;
   };
-  const Classes classes[] = {{{{m48, 1}}, 1},  {{{m48, 8}}, 1},           {{{m48, 48}}, 1},
-                             {{{m16, 16}, {m48, 48}}, 1}, {{{m16, 16}, {m48, 48}}, 2}};
+  const Classes classes[] = {
+      {{{m48, 1}}, 1}, {{{m48, 8}}, 1}, {{{m48, 48}}, 1}, {{{m16, 16}, {m48, 48}}, 1}, {{{m16, 16}, {m48, 48}}, 2}};
   std::mt19937 rng(4321);
   for (const GemmCase& c : enumerated_cases()) {
     Problem prob(c, rng);
@@ -243,8 +243,7 @@ TEST(GroupedGemmGpu, EveryCompiledConfigMatchesReference) {
 TEST(GroupedGemmGpu, SplitKMatchesReference) {
   FP4MOE_REQUIRE_GPU();
   std::mt19937 rng(99);
-  const std::vector<GemmCase> cases = {{128, 2048, {1, 0, 3}}, {256, 1536, {17, 64, 2}},
-                                       {128, 4096, {100}}};
+  const std::vector<GemmCase> cases = {{128, 2048, {1, 0, 3}}, {256, 1536, {17, 64, 2}}, {128, 4096, {100}}};
   for (const GemmCase& c : cases) {
     Problem prob(c, rng);
     const std::vector<double> ref = prob.reference();
@@ -267,8 +266,7 @@ TEST(GroupedGemmGpu, SplitKMatchesReference) {
 TEST(GroupedGemmGpu, Sm90TensorMapAndGatheredCopiesGiveTheSameBits) {
   FP4MOE_REQUIRE_GPU();
   std::mt19937 rng(31);
-  const std::vector<GemmCase> cases = {{256, 512, {31, 0, 64, 100}}, {144, 272, {9, 1, 0, 8}},
-                                       {128, 2048, {200, 3}}};
+  const std::vector<GemmCase> cases = {{256, 512, {31, 0, 64, 100}}, {144, 272, {9, 1, 0, 8}}, {128, 2048, {200, 3}}};
   for (const GemmCase& c : cases) {
     Problem prob(c, rng);
     std::vector<int32_t> identity(static_cast<size_t>(prob.num_rows));
@@ -434,8 +432,8 @@ TEST(GroupedGemmGpu, EveryCodeAndScaleDequantisesExactly) {
         if (bf16_to_float(got) != expected) {
           ++mismatches;
           ADD_FAILURE() << config.to_string() << ": W[" << j << "][" << t << "] code 0x" << std::hex
-                        << int(m.code(j, t)) << " scale 0x" << int(m.scale(j, t)) << std::dec
-                        << ": got " << bf16_to_float(got) << ", expected " << expected;
+                        << int(m.code(j, t)) << " scale 0x" << int(m.scale(j, t)) << std::dec << ": got "
+                        << bf16_to_float(got) << ", expected " << expected;
         }
       }
     }
@@ -502,16 +500,14 @@ TEST(GroupedGemmGpu, EarlyWeightCopiesWaitForThePreviousKernelsActivations) {
         const GemmProblem problem{a.num_experts, a.n, a.k, a.num_rows, 0, Epilogue::kNone};
         if (!split_k_allowed(problem, config, split_k)) continue;
         const GemmPlan plan = plan_grouped_gemm(problem, config, split_k);
-        run_and_check(prob, plan, ref, describe(c, config, split_k) + ", x written late",
-                      [&](GroupedGemmArgs& args) {
-                        late_x.fill_bytes(0xFF);
-                        FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
-                        args.x = late_x.get();
-                        args.programmatic_launch = true;
-                        args.indices_before_previous_kernel = true;
-                        testing::launch_delayed_copy(prob.d_x.get(), late_x.get(), late_x.bytes(), 200'000,
-                                                     nullptr);
-                      });
+        run_and_check(prob, plan, ref, describe(c, config, split_k) + ", x written late", [&](GroupedGemmArgs& args) {
+          late_x.fill_bytes(0xFF);
+          FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+          args.x = late_x.get();
+          args.programmatic_launch = true;
+          args.indices_before_previous_kernel = true;
+          testing::launch_delayed_copy(prob.d_x.get(), late_x.get(), late_x.bytes(), 200'000, nullptr);
+        });
       }
     }
   }
@@ -523,7 +519,7 @@ TEST(GroupedGemmGpu, DeviceFlagsMalformedOffsets) {
   Problem prob({128, 256, {4, 4, 4}}, rng);
   prob.d_offsets.upload({0, 8, 4, 12});  // not monotone
   GroupedGemmArgs args = prob.args();
-  args.host_expert_offsets = nullptr;      // only the device sees them
+  args.host_expert_offsets = nullptr;  // only the device sees them
   for (const TileConfig& config : one_config_per_family()) {
     SCOPED_TRACE(config.to_string());
     const GemmPlan plan = plan_grouped_gemm(args, config);
@@ -557,9 +553,9 @@ TEST(GroupedGemmGpu, SmemModelMatchesCompiledKernels) {
     EXPECT_GE(attr.blocks_per_sm, 1) << config.to_string();
     if (config.family == KernelFamily::kSm90)  // the blocks its registers are split for
       EXPECT_EQ(attr.blocks_per_sm, sm90_smem_layout(config).blocks_per_sm) << config.to_string();
-    std::printf("  %-24s smem %6lld B (model %6lld B), %3d registers, %d blocks/SM\n",
-                config.to_string().c_str(), static_cast<long long>(attr.max_dynamic_smem_bytes),
-                static_cast<long long>(layout.total_bytes), attr.num_regs, attr.blocks_per_sm);
+    std::printf("  %-24s smem %6lld B (model %6lld B), %3d registers, %d blocks/SM\n", config.to_string().c_str(),
+                static_cast<long long>(attr.max_dynamic_smem_bytes), static_cast<long long>(layout.total_bytes),
+                attr.num_regs, attr.blocks_per_sm);
   }
 }
 

@@ -35,13 +35,13 @@ void stack(const std::vector<Nvfp4Matrix>& ms, std::vector<uint8_t>& packed, std
 
 TEST(StackedLayout, EqualsTheHostPackerByteForByte) {
   const Shape shapes[] = {
-      {1, 16, 16, false},    {3, 128, 256, false}, {2, 144, 272, false}, {2, 48, 64, false},
-      {1, 32, 16, true},     {3, 96, 80, true},    {2, 256, 512, true},  {4, 320, 48, true},
+      {1, 16, 16, false}, {3, 128, 256, false}, {2, 144, 272, false}, {2, 48, 64, false},
+      {1, 32, 16, true},  {3, 96, 80, true},    {2, 256, 512, true},  {4, 320, 48, true},
   };
   std::mt19937 rng(7);
   for (const Shape& s : shapes) {
     SCOPED_TRACE(::testing::Message() << "E " << s.num_experts << " n " << s.n << " k " << s.k
-                                    << (s.gate_up ? " gate/up" : ""));
+                                      << (s.gate_up ? " gate/up" : ""));
     // Source matrices as an engine stacks them: [gate; up] for a gate/up stack.
     std::vector<Nvfp4Matrix> source;
     std::vector<Nvfp4Matrix> for_host;  // what prepare_gemm_weights gets

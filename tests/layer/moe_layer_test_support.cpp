@@ -15,8 +15,7 @@ namespace {
 // and the next one down (the k-th chosen vs the best unchosen expert; for
 // grouped noaux_tc also the last kept vs the best dropped group). Scores are
 // the logits (softmax and gpt-oss rank by them) or sigmoid + correction bias.
-double routing_margin(const float* logits, int64_t num_experts, const float* correction_bias,
-                      const RoutingParams& p) {
+double routing_margin(const float* logits, int64_t num_experts, const float* correction_bias, const RoutingParams& p) {
   std::vector<double> score(static_cast<size_t>(num_experts));
   for (int64_t e = 0; e < num_experts; ++e) {
     score[e] = logits[e];
@@ -29,8 +28,7 @@ double routing_margin(const float* logits, int64_t num_experts, const float* cor
     const int64_t group_size = num_experts / p.num_groups;
     std::vector<double> group_score(static_cast<size_t>(p.num_groups));
     for (int g = 0; g < p.num_groups; ++g) {
-      std::vector<double> members(score.begin() + g * group_size,
-                                  score.begin() + (g + 1) * group_size);
+      std::vector<double> members(score.begin() + g * group_size, score.begin() + (g + 1) * group_size);
       std::partial_sort(members.begin(), members.begin() + 2, members.end(), std::greater<>());
       group_score[g] = members[0] + members[1];
     }
@@ -41,8 +39,7 @@ double routing_margin(const float* logits, int64_t num_experts, const float* cor
     candidates.clear();
     for (int g = 0; g < p.num_groups; ++g)
       if (group_score[g] >= last_kept)
-        candidates.insert(candidates.end(), score.begin() + g * group_size,
-                          score.begin() + (g + 1) * group_size);
+        candidates.insert(candidates.end(), score.begin() + g * group_size, score.begin() + (g + 1) * group_size);
   }
   std::sort(candidates.begin(), candidates.end(), std::greater<>());
   if (candidates.size() > static_cast<size_t>(p.top_k))
@@ -141,8 +138,8 @@ MoeWeights random_weights(const ModelShape& shape, std::mt19937& rng) {
 }
 
 std::vector<float> draw_router_logits(int64_t num_tokens, int64_t num_experts,
-                                      const std::vector<float>& correction_bias,
-                                      const RoutingParams& params, std::mt19937& rng) {
+                                      const std::vector<float>& correction_bias, const RoutingParams& params,
+                                      std::mt19937& rng) {
   std::normal_distribution<float> dist(0.0f, 1.0f);
   std::vector<float> logits(static_cast<size_t>(num_tokens * num_experts));
   const float* bias = correction_bias.empty() ? nullptr : correction_bias.data();
@@ -155,10 +152,8 @@ std::vector<float> draw_router_logits(int64_t num_tokens, int64_t num_experts,
   return logits;
 }
 
-std::vector<float> reference_output(const MoeWeights& weights,
-                                    const std::vector<uint16_t>& hidden_states,
-                                    const Routing& routing, Activation activation,
-                                    Intermediate intermediate) {
+std::vector<float> reference_output(const MoeWeights& weights, const std::vector<uint16_t>& hidden_states,
+                                    const Routing& routing, Activation activation, Intermediate intermediate) {
   const std::vector<float> x = bf16_to_floats(hidden_states);  // exact
   std::vector<float> out(static_cast<size_t>(routing.num_tokens * weights.hidden));
   moe_reference(weights, x.data(), routing, activation, out.data(), 0, intermediate);
@@ -174,8 +169,7 @@ ModelData& model_data(const ModelShape& shape) {
     slot->rng.seed(static_cast<uint32_t>(std::hash<std::string>{}(shape.name)));
     slot->weights = random_weights(shape, slot->rng);
     if (shape.routing.mode == RoutingMode::kNoauxTc)
-      slot->correction_bias =
-          normal_floats(static_cast<size_t>(shape.num_experts), 0.1f, slot->rng);
+      slot->correction_bias = normal_floats(static_cast<size_t>(shape.num_experts), 0.1f, slot->rng);
   }
   return *slot;
 }
@@ -195,17 +189,14 @@ std::vector<uint16_t> output_rows(std::vector<uint16_t> all, size_t count) {
   return all;
 }
 
-std::vector<uint16_t> forward_bits(const MoeLayer& layer, const MoeForwardArgs& args,
-                                   DeviceBuffer<uint16_t>& output,
+std::vector<uint16_t> forward_bits(const MoeLayer& layer, const MoeForwardArgs& args, DeviceBuffer<uint16_t>& output,
                                    const DeviceBuffer<uint8_t>& workspace, cudaStream_t stream) {
   output.fill_bytes(0xFF, stream);
   layer.forward(args, output.get(), workspace.get(), workspace.bytes(), stream);
-  return output_rows(output.download(stream),
-                     static_cast<size_t>(args.num_tokens * layer.hidden()));
+  return output_rows(output.download(stream), static_cast<size_t>(args.num_tokens * layer.hidden()));
 }
 
-double expect_matches_reference(const std::vector<uint16_t>& out, const std::vector<float>& ref,
-                                int64_t hidden) {
+double expect_matches_reference(const std::vector<uint16_t>& out, const std::vector<float>& ref, int64_t hidden) {
   EXPECT_EQ(out.size(), ref.size());
   if (out.size() != ref.size()) return 1.0;
   const testing::Comparison c =
@@ -223,8 +214,8 @@ int64_t first_difference(const std::vector<uint16_t>& a, const std::vector<uint1
 }
 
 bool same_tile(const TileConfig& a, const TileConfig& b) {
-  return a.family == b.family && a.block_n == b.block_n && a.block_m == b.block_m &&
-         a.block_k == b.block_k && a.stages == b.stages && a.warps == b.warps;
+  return a.family == b.family && a.block_n == b.block_n && a.block_m == b.block_m && a.block_k == b.block_k &&
+         a.stages == b.stages && a.warps == b.warps;
 }
 
 std::vector<TileConfig> compiled_tiles() {

@@ -59,8 +59,7 @@ const ModelShape& shape_named(const std::string& name);
 inline constexpr int64_t kTokenCounts[] = {1, 3, 64, 1000};
 inline constexpr int64_t kMaxTokens = 1000;
 
-MoeLayerOptions layer_options(const ModelShape& shape,
-                              FinalizeMode finalize = FinalizeMode::kDeterministic);
+MoeLayerOptions layer_options(const ModelShape& shape, FinalizeMode finalize = FinalizeMode::kDeterministic);
 
 // ------------------------------------------------------------- host data
 
@@ -77,8 +76,8 @@ MoeWeights random_weights(const ModelShape& shape, std::mt19937& rng);
 // its routing_margin is at least kMinRoutingMargin.
 inline constexpr double kMinRoutingMargin = 1e-3;
 std::vector<float> draw_router_logits(int64_t num_tokens, int64_t num_experts,
-                                      const std::vector<float>& correction_bias,
-                                      const RoutingParams& params, std::mt19937& rng);
+                                      const std::vector<float>& correction_bias, const RoutingParams& params,
+                                      std::mt19937& rng);
 
 // The reference the layer is held to element by element: the CPU layer in
 // double with the intermediate act(gate, up) rounded to bf16, as the GPU
@@ -87,8 +86,7 @@ std::vector<float> draw_router_logits(int64_t num_tokens, int64_t num_experts,
 // rounding where large per-slot contributions cancel (the random weights
 // have block scales up to 448); ModelMatrix checks the relative error
 // against that reference too.
-std::vector<float> reference_output(const MoeWeights& weights,
-                                    const std::vector<uint16_t>& hidden_states,
+std::vector<float> reference_output(const MoeWeights& weights, const std::vector<uint16_t>& hidden_states,
                                     const Routing& routing, Activation activation,
                                     Intermediate intermediate = Intermediate::kBf16);
 
@@ -110,22 +108,17 @@ struct ModelData {
   std::mt19937 rng;
   std::map<int64_t, TokenBatch> batches;
 
-  const float* bias_or_null() const {
-    return correction_bias.empty() ? nullptr : correction_bias.data();
-  }
+  const float* bias_or_null() const { return correction_bias.empty() ? nullptr : correction_bias.data(); }
 
   // A fresh batch of T tokens (new random hidden states and logits).
   TokenBatch make_batch(int64_t num_tokens) {
     TokenBatch b;
     b.num_tokens = num_tokens;
     b.hidden_states = testing::random_bf16(static_cast<size_t>(num_tokens * shape.hidden), rng);
-    b.router_logits =
-        draw_router_logits(num_tokens, shape.num_experts, correction_bias, shape.routing, rng);
-    b.routing =
-        route(b.router_logits.data(), num_tokens, shape.num_experts, bias_or_null(), shape.routing);
+    b.router_logits = draw_router_logits(num_tokens, shape.num_experts, correction_bias, shape.routing, rng);
+    b.routing = route(b.router_logits.data(), num_tokens, shape.num_experts, bias_or_null(), shape.routing);
     b.reference = reference_output(weights, b.hidden_states, b.routing, shape.activation);
-    b.reference_exact = reference_output(weights, b.hidden_states, b.routing, shape.activation,
-                                         Intermediate::kExact);
+    b.reference_exact = reference_output(weights, b.hidden_states, b.routing, shape.activation, Intermediate::kExact);
     return b;
   }
 
@@ -165,8 +158,8 @@ struct DeviceInputs {
   DeviceBuffer<int32_t> topk_ids;
   DeviceBuffer<float> topk_weights;
 
-  DeviceInputs(const std::vector<uint16_t>& hidden, const std::vector<float>& logits,
-               const std::vector<float>& bias, const Routing& routing, int64_t tokens)
+  DeviceInputs(const std::vector<uint16_t>& hidden, const std::vector<float>& logits, const std::vector<float>& bias,
+               const Routing& routing, int64_t tokens)
       : num_tokens(tokens),
         hidden_states(hidden),
         router_logits(logits),
@@ -206,15 +199,13 @@ std::vector<uint16_t> output_rows(std::vector<uint16_t> all, size_t count);
 
 // Poisons `output` (0xFF bytes: bf16 NaN), runs one forward on `stream`,
 // waits, and returns the bf16 bits of the num_tokens output rows.
-std::vector<uint16_t> forward_bits(const MoeLayer& layer, const MoeForwardArgs& args,
-                                   DeviceBuffer<uint16_t>& output,
+std::vector<uint16_t> forward_bits(const MoeLayer& layer, const MoeForwardArgs& args, DeviceBuffer<uint16_t>& output,
                                    const DeviceBuffer<uint8_t>& workspace, cudaStream_t stream);
 
 // Checks a bf16 layer output against the reference: ||out - ref|| / ||ref||
 // < 1e-2, every element within compare()'s atol + rtol |ref|, none
 // unwritten. Returns the relative error for the log.
-double expect_matches_reference(const std::vector<uint16_t>& out, const std::vector<float>& ref,
-                                int64_t hidden);
+double expect_matches_reference(const std::vector<uint16_t>& out, const std::vector<float>& ref, int64_t hidden);
 
 // Index of the first differing element, or -1: for bit-exact comparisons.
 int64_t first_difference(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b);

@@ -51,8 +51,7 @@ MoeLayerOptions options_for(int64_t num_experts) {
 }
 
 std::string lowercase(std::string s) {
-  std::transform(s.begin(), s.end(), s.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   return s;
 }
 
@@ -86,17 +85,11 @@ TEST(MoeLayerArgs, RejectsExpertsWhoseShapesDiffer) {
   };
   const Case cases[] = {
       {"gate",
-       [](ExpertWeights& ex) {
-         ex.gate = testing::fast_random_nvfp4(kInter - 16, kHidden, ex.gate.global_scale, 1);
-       }},
+       [](ExpertWeights& ex) { ex.gate = testing::fast_random_nvfp4(kInter - 16, kHidden, ex.gate.global_scale, 1); }},
       {"up",
-       [](ExpertWeights& ex) {
-         ex.up = testing::fast_random_nvfp4(kInter, kHidden + 16, ex.up.global_scale, 2);
-       }},
+       [](ExpertWeights& ex) { ex.up = testing::fast_random_nvfp4(kInter, kHidden + 16, ex.up.global_scale, 2); }},
       {"down",
-       [](ExpertWeights& ex) {
-         ex.down = testing::fast_random_nvfp4(kHidden, kInter + 16, ex.down.global_scale, 3);
-       }},
+       [](ExpertWeights& ex) { ex.down = testing::fast_random_nvfp4(kHidden, kInter + 16, ex.down.global_scale, 3); }},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.proj);
@@ -115,10 +108,8 @@ TEST(MoeLayerArgs, RejectsHiddenOrInterNotAMultipleOf16) {
     const char* name;
     int64_t bad_value;
   };
-  const Case cases[] = {{72, 32, "hidden", 72},
-                        {264, 32, "hidden", 264},
-                        {64, 40, "inter", 40},
-                        {64, 200, "inter", 200}};
+  const Case cases[] = {
+      {72, 32, "hidden", 72}, {264, 32, "hidden", 264}, {64, 40, "inter", 40}, {64, 200, "inter", 200}};
   for (const Case& c : cases) {
     SCOPED_TRACE(std::string(c.name) + " = " + std::to_string(c.bad_value));
     // The matrices match the (bad) layer dimensions, so only the alignment is wrong.
@@ -139,9 +130,9 @@ TEST(MoeLayerArgs, RejectsDimensionsPast32BitIndexing) {
     int64_t hidden, inter;
   };
   const Case cases[] = {{int64_t{1} << 31, 16},
-                        {(int64_t{1} << 31) - 240, 16},       // past 2^31 - 256
-                        {64, int64_t{1} << 30},               // GEMM1's N = 2 inter = 2^31
-                        {int64_t{1} << 20, int64_t{1} << 20},  // 2 inter hidden = 2^41
+                        {(int64_t{1} << 31) - 240, 16},         // past 2^31 - 256
+                        {64, int64_t{1} << 30},                 // GEMM1's N = 2 inter = 2^31
+                        {int64_t{1} << 20, int64_t{1} << 20},   // 2 inter hidden = 2^41
                         {int64_t{1} << 62, int64_t{1} << 62}};  // products would overflow int64
   for (const Case& c : cases) {
     SCOPED_TRACE("hidden = " + std::to_string(c.hidden) + ", inter = " + std::to_string(c.inter));
@@ -274,12 +265,9 @@ TEST(MoeLayerArgs, RejectsNanOrNegativeBlockScales) {
     const char* fragment;
   };
   const Case cases[] = {
-      {"gate NaN", [](ExpertWeights& ex) -> std::vector<uint8_t>& { return ex.gate.scales; }, 0x7F,
-       "nan"},
-      {"up negative", [](ExpertWeights& ex) -> std::vector<uint8_t>& { return ex.up.scales; }, 0xB8,
-       "negative"},
-      {"down NaN", [](ExpertWeights& ex) -> std::vector<uint8_t>& { return ex.down.scales; }, 0xFF,
-       "nan"},
+      {"gate NaN", [](ExpertWeights& ex) -> std::vector<uint8_t>& { return ex.gate.scales; }, 0x7F, "nan"},
+      {"up negative", [](ExpertWeights& ex) -> std::vector<uint8_t>& { return ex.up.scales; }, 0xB8, "negative"},
+      {"down NaN", [](ExpertWeights& ex) -> std::vector<uint8_t>& { return ex.down.scales; }, 0xFF, "nan"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
@@ -377,8 +365,7 @@ TEST(MoeLayerArgs, AcceptsValidWeights) {
         MoeLayer layer = MoeLayer::prepare(w, options);
         ADD_FAILURE() << "prepare() succeeded without a CUDA device";
       } catch (const Error& e) {
-        EXPECT_THAT(lowercase(e.what()), HasSubstr("cuda"))
-            << "expected a CUDA error, got: " << e.what();
+        EXPECT_THAT(lowercase(e.what()), HasSubstr("cuda")) << "expected a CUDA error, got: " << e.what();
       }
     }
   }

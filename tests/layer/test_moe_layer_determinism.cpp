@@ -41,8 +41,7 @@ TEST(MoeLayerDeterminism, DeterministicForwardsAreBitIdentical) {
       Stream stream;
       const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
       DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
-      const std::vector<uint16_t> first =
-          forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
+      const std::vector<uint16_t> first = forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
       expect_matches_reference(first, batch.reference, shape.hidden);
       for (int run = 1; run < 5; ++run) {
         const std::vector<uint16_t> again =
@@ -76,8 +75,7 @@ TEST(MoeLayerDeterminism, AutoGatherMatchesFusedAndSeparateBits) {
   for (int i = 0; i < 3; ++i) {
     const MoeLayer layer = MoeLayerInternals::prepare(data.weights, options, modes[i]);
     const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
-    EXPECT_EQ(MoeLayerInternals::separate_gather(layer, kMaxTokens, workspace.bytes()),
-              modes[i] != GatherMode::kFused)
+    EXPECT_EQ(MoeLayerInternals::separate_gather(layer, kMaxTokens, workspace.bytes()), modes[i] != GatherMode::kFused)
         << to_string(modes[i]);
     bits[i] = forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
     EXPECT_EQ(first_difference(bits[i], bits[0]), -1) << to_string(modes[i]) << " differs from fused";
@@ -97,9 +95,9 @@ TEST(MoeLayerDeterminism, AutoGatherMatchesFusedAndSeparateBits) {
         return ws;
       }();
       EXPECT_FALSE(MoeLayerInternals::separate_gather(layer, kMaxTokens, short_of_it.bytes()));
-      EXPECT_EQ(first_difference(forward_bits(layer, inputs.device_routing(), output, short_of_it, stream.get()),
-                                 bits[0]),
-                -1)
+      EXPECT_EQ(
+          first_difference(forward_bits(layer, inputs.device_routing(), output, short_of_it, stream.get()), bits[0]),
+          -1)
           << "auto with a workspace short of the sorted copy differs from fused";
     }
   }
@@ -127,24 +125,21 @@ TEST(MoeLayerDeterminism, PlainLaunchesGiveTheSameBits) {
     const std::vector<uint16_t> with_pdl =
         forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
     expect_matches_reference(with_pdl, batch.reference, shape.hidden);
-    const std::vector<uint16_t> without =
-        forward_bits(plain, inputs.device_routing(), output, workspace, stream.get());
+    const std::vector<uint16_t> without = forward_bits(plain, inputs.device_routing(), output, workspace, stream.get());
     EXPECT_EQ(first_difference(with_pdl, without), -1) << "plain launches differ";
 
     // The same forward captured in a graph (programmatic edges) and replayed.
     output.fill_bytes(0xFF, stream.get());
     cudaGraph_t graph = nullptr;
     FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
-    layer.forward(inputs.device_routing(), output.get(), workspace.get(), workspace.bytes(),
-                  stream.get());
+    layer.forward(inputs.device_routing(), output.get(), workspace.get(), workspace.bytes(), stream.get());
     FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
     cudaGraphExec_t exec = nullptr;
     FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     for (int replay = 0; replay < 3; ++replay) FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
-    const std::vector<uint16_t> replayed =
-        output_rows(output.download(stream.get()), with_pdl.size());
+    const std::vector<uint16_t> replayed = output_rows(output.download(stream.get()), with_pdl.size());
     EXPECT_EQ(first_difference(with_pdl, replayed), -1) << "graph replay differs";
   }
 }
@@ -165,10 +160,8 @@ TEST(MoeLayerBatchInvariance, TokenOutputsDoNotDependOnTheBatch) {
   constexpr int64_t kTokens = 512;
   std::mt19937 rng(2026);
   const MoeWeights weights = random_weights(shape, rng);
-  const std::vector<uint16_t> hidden_states =
-      testing::random_bf16(static_cast<size_t>(kTokens * shape.hidden), rng);
-  const std::vector<float> logits =
-      draw_router_logits(kTokens, shape.num_experts, {}, shape.routing, rng);
+  const std::vector<uint16_t> hidden_states = testing::random_bf16(static_cast<size_t>(kTokens * shape.hidden), rng);
+  const std::vector<float> logits = draw_router_logits(kTokens, shape.num_experts, {}, shape.routing, rng);
   const Routing routing = route(logits.data(), kTokens, shape.num_experts, nullptr, shape.routing);
   const DeviceInputs inputs(hidden_states, logits, {}, routing, kTokens);
 
@@ -207,8 +200,7 @@ TEST(MoeLayerBatchInvariance, TokenOutputsDoNotDependOnTheBatch) {
     int64_t first, count;
   };
   for (const Slice slice : {Slice{0, 1}, Slice{317, 1}, Slice{511, 1}, Slice{10, 3}, Slice{400, 64}}) {
-    SCOPED_TRACE("tokens [" + std::to_string(slice.first) + ", " +
-                 std::to_string(slice.first + slice.count) + ")");
+    SCOPED_TRACE("tokens [" + std::to_string(slice.first) + ", " + std::to_string(slice.first + slice.count) + ")");
     const auto rows = [&](const auto& all, int64_t width) {
       using Vec = std::decay_t<decltype(all)>;
       return Vec(all.begin() + slice.first * width, all.begin() + (slice.first + slice.count) * width);
@@ -216,8 +208,7 @@ TEST(MoeLayerBatchInvariance, TokenOutputsDoNotDependOnTheBatch) {
     const std::vector<uint16_t> hidden = rows(hidden_states, H);
     const Routing part_routing = route(rows(logits, E).data(), slice.count, E, nullptr, shape.routing);
     const DeviceInputs part(hidden, rows(logits, E), {}, part_routing, slice.count);
-    const std::vector<uint16_t> got =
-        forward_bits(invariant, part.device_routing(), output, workspace, stream.get());
+    const std::vector<uint16_t> got = forward_bits(invariant, part.device_routing(), output, workspace, stream.get());
     EXPECT_EQ(first_difference(got, rows(full_invariant, H)), -1)
         << "batch-invariant layer: the slice differs from the same tokens in the full batch";
     if (slice.count == 3)
@@ -227,15 +218,14 @@ TEST(MoeLayerBatchInvariance, TokenOutputsDoNotDependOnTheBatch) {
     const std::vector<uint16_t> want_plain = rows(full_plain, H);
     int64_t differing_tokens = 0;
     for (int64_t t = 0; t < slice.count; ++t)
-      differing_tokens += !std::equal(got_plain.begin() + t * H, got_plain.begin() + (t + 1) * H,
-                                      want_plain.begin() + t * H);
-    std::printf("  default layer (split-K %d/%d at T = %lld, %d/%d at T = %lld): %lld of %lld "
-                "tokens differ from the full batch\n",
-                plain.plan(slice.count).gemm1.split_k, plain.plan(slice.count).gemm2.split_k,
-                static_cast<long long>(slice.count), plain.plan(kTokens).gemm1.split_k,
-                plain.plan(kTokens).gemm2.split_k, static_cast<long long>(kTokens),
-                static_cast<long long>(differing_tokens),
-                static_cast<long long>(slice.count));
+      differing_tokens +=
+          !std::equal(got_plain.begin() + t * H, got_plain.begin() + (t + 1) * H, want_plain.begin() + t * H);
+    std::printf(
+        "  default layer (split-K %d/%d at T = %lld, %d/%d at T = %lld): %lld of %lld "
+        "tokens differ from the full batch\n",
+        plain.plan(slice.count).gemm1.split_k, plain.plan(slice.count).gemm2.split_k,
+        static_cast<long long>(slice.count), plain.plan(kTokens).gemm1.split_k, plain.plan(kTokens).gemm2.split_k,
+        static_cast<long long>(kTokens), static_cast<long long>(differing_tokens), static_cast<long long>(slice.count));
   }
 }
 
@@ -260,8 +250,7 @@ TEST(MoeLayerPairRows, SlotOrderSumOfThePairRowsIsTheForwardOutput) {
   DeviceBuffer<float> pair_rows(static_cast<size_t>(T * k * H));
   pair_rows.fill_bytes(0xFF);  // NaN: absent slots must keep it
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  layer.forward_pair_rows(inputs.caller_routing(), pair_rows.get(), workspace.get(), workspace.bytes(),
-                          stream.get());
+  layer.forward_pair_rows(inputs.caller_routing(), pair_rows.get(), workspace.get(), workspace.bytes(), stream.get());
   const std::vector<float> rows = pair_rows.download(stream.get());
   int64_t bad = 0;
   for (int64_t t = 0; t < T; ++t)
@@ -278,10 +267,9 @@ TEST(MoeLayerPairRows, SlotOrderSumOfThePairRowsIsTheForwardOutput) {
     }
   EXPECT_EQ(bad, 0) << "pair rows that do not sum to forward()'s bits, or absent rows written";
 
-  const MoeLayer atomic =
-      MoeLayer::prepare(data.weights, layer_options(shape, FinalizeMode::kAtomic));
-  EXPECT_THROW(atomic.forward_pair_rows(inputs.caller_routing(), pair_rows.get(), workspace.get(),
-                                        workspace.bytes(), stream.get()),
+  const MoeLayer atomic = MoeLayer::prepare(data.weights, layer_options(shape, FinalizeMode::kAtomic));
+  EXPECT_THROW(atomic.forward_pair_rows(inputs.caller_routing(), pair_rows.get(), workspace.get(), workspace.bytes(),
+                                        stream.get()),
                Error);
 }
 
@@ -291,18 +279,15 @@ TEST(MoeLayerDeterminism, AtomicForwardsStayWithinTolerance) {
   FP4MOE_REQUIRE_GPU();
   const ModelShape& shape = shape_named("Qwen3_30B");
   ModelData& data = model_data(shape);
-  const MoeLayer layer =
-      MoeLayer::prepare(data.weights, layer_options(shape, FinalizeMode::kAtomic));
+  const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape, FinalizeMode::kAtomic));
   Stream stream;
   const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
   DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
-  for (int64_t num_tokens :
-       {kMaxTokens, int64_t{64}, kMaxTokens, kMaxTokens, int64_t{3}, kMaxTokens}) {
+  for (int64_t num_tokens : {kMaxTokens, int64_t{64}, kMaxTokens, kMaxTokens, int64_t{3}, kMaxTokens}) {
     SCOPED_TRACE("T=" + std::to_string(num_tokens));
     const TokenBatch& batch = data.batch(num_tokens);
     const DeviceInputs inputs(batch, data.correction_bias);
-    const std::vector<uint16_t> out =
-        forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
+    const std::vector<uint16_t> out = forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
     expect_matches_reference(out, batch.reference, shape.hidden);
   }
 }
@@ -341,13 +326,11 @@ TEST(MoeLayerGraph, ReplaysWithNewInputsEqualEagerForwards) {
   expect_matches_reference(eager[0], a.reference, shape.hidden);
   expect_matches_reference(eager[2], b.reference, shape.hidden);
 
-  const DeviceInputs live(a.hidden_states, a.router_logits, data.correction_bias, Routing{},
-                          num_tokens);
+  const DeviceInputs live(a.hidden_states, a.router_logits, data.correction_bias, Routing{}, num_tokens);
   cudaGraph_t graph = nullptr;
   FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
   try {
-    layer.forward(live.device_routing(), output.get(), workspace.get(), workspace.bytes(),
-                  stream.get());
+    layer.forward(live.device_routing(), output.get(), workspace.get(), workspace.bytes(), stream.get());
   } catch (...) {
     cudaStreamEndCapture(stream.get(), &graph);
     if (graph) cudaGraphDestroy(graph);
@@ -361,17 +344,14 @@ TEST(MoeLayerGraph, ReplaysWithNewInputsEqualEagerForwards) {
     SCOPED_TRACE(std::string("replay with ") + replays[i].what);
     const std::vector<uint16_t>& hidden = *replays[i].hidden;
     const std::vector<float>& logits = *replays[i].logits;
-    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(live.hidden_states.get(), hidden.data(),
-                                      hidden.size() * sizeof(uint16_t), cudaMemcpyHostToDevice,
-                                      stream.get()));
-    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(live.router_logits.get(), logits.data(),
-                                      logits.size() * sizeof(float), cudaMemcpyHostToDevice,
-                                      stream.get()));
+    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(live.hidden_states.get(), hidden.data(), hidden.size() * sizeof(uint16_t),
+                                      cudaMemcpyHostToDevice, stream.get()));
+    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(live.router_logits.get(), logits.data(), logits.size() * sizeof(float),
+                                      cudaMemcpyHostToDevice, stream.get()));
     output.fill_bytes(0xFF, stream.get());
     FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
     const std::vector<uint16_t> replayed = output.download(stream.get());
-    EXPECT_EQ(first_difference(replayed, eager[i]), -1)
-        << "the replay differs from the eager forward";
+    EXPECT_EQ(first_difference(replayed, eager[i]), -1) << "the replay differs from the eager forward";
   }
   EXPECT_EQ(layer.device_errors(workspace.get(), stream.get()), "");
   cudaGraphExecDestroy(exec);
@@ -394,15 +374,13 @@ TEST(MoeLayerThreads, TwoThreadsTwoStreamsOneLayer) {
     std::vector<uint16_t> eager;
     int num_mismatches = 0;
   };
-  Job jobs[2] = {{&data.batch(kMaxTokens), true, nullptr, {}, 0},
-                 {&data.batch(64), false, nullptr, {}, 0}};
+  Job jobs[2] = {{&data.batch(kMaxTokens), true, nullptr, {}, 0}, {&data.batch(64), false, nullptr, {}, 0}};
   for (Job& job : jobs) {
     job.inputs = std::make_unique<DeviceInputs>(*job.batch, data.correction_bias);
     Stream stream;
     const DeviceBuffer<uint8_t> workspace = make_workspace(layer, job.batch->num_tokens);
     DeviceBuffer<uint16_t> output(static_cast<size_t>(job.batch->num_tokens * shape.hidden));
-    const MoeForwardArgs args =
-        job.device_routing ? job.inputs->device_routing() : job.inputs->caller_routing();
+    const MoeForwardArgs args = job.device_routing ? job.inputs->device_routing() : job.inputs->caller_routing();
     job.eager = forward_bits(layer, args, output, workspace, stream.get());
     expect_matches_reference(job.eager, job.batch->reference, shape.hidden);
   }
@@ -412,20 +390,16 @@ TEST(MoeLayerThreads, TwoThreadsTwoStreamsOneLayer) {
     Stream stream;
     const DeviceBuffer<uint8_t> workspace = make_workspace(layer, job.batch->num_tokens);
     DeviceBuffer<uint16_t> output(static_cast<size_t>(job.batch->num_tokens * shape.hidden));
-    const MoeForwardArgs args =
-        job.device_routing ? job.inputs->device_routing() : job.inputs->caller_routing();
+    const MoeForwardArgs args = job.device_routing ? job.inputs->device_routing() : job.inputs->caller_routing();
     for (int i = 0; i < kForwardsPerThread; ++i)
-      if (first_difference(forward_bits(layer, args, output, workspace, stream.get()), job.eager) !=
-          -1)
+      if (first_difference(forward_bits(layer, args, output, workspace, stream.get()), job.eager) != -1)
         ++job.num_mismatches;
   };
   std::thread other(run, std::ref(jobs[1]));
   run(jobs[0]);
   other.join();
-  EXPECT_EQ(jobs[0].num_mismatches, 0)
-      << "thread 0 (T=1000, device routing) differs from its eager result";
-  EXPECT_EQ(jobs[1].num_mismatches, 0)
-      << "thread 1 (T=64, caller routing) differs from its eager result";
+  EXPECT_EQ(jobs[0].num_mismatches, 0) << "thread 0 (T=1000, device routing) differs from its eager result";
+  EXPECT_EQ(jobs[1].num_mismatches, 0) << "thread 1 (T=64, caller routing) differs from its eager result";
 }
 
 }  // namespace

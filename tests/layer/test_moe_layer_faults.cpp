@@ -86,8 +86,7 @@ DeviceBuffer<uint8_t> make_workspace(const MoeLayer& layer, int64_t max_tokens) 
 }
 
 // One forward on the legacy stream into a poisoned output; the output bits.
-std::vector<uint16_t> run_forward(const MoeLayer& layer, const MoeForwardArgs& args,
-                                  DeviceBuffer<uint8_t>& ws) {
+std::vector<uint16_t> run_forward(const MoeLayer& layer, const MoeForwardArgs& args, DeviceBuffer<uint8_t>& ws) {
   DeviceBuffer<uint16_t> out(static_cast<size_t>(args.num_tokens * layer.hidden()));
   out.fill_bytes(0xFF);
   layer.forward(args, out.get(), ws.get(), ws.bytes(), nullptr);
@@ -140,8 +139,8 @@ TEST(MoeLayerFaults, NonFiniteLogitsAreExcludedAndReported) {
   const std::vector<uint16_t> out = run_forward(layer, a, ws);
   // Token 0 routes nothing: exactly zero.
   for (int64_t i = 0; i < s.hidden; ++i) ASSERT_EQ(out[static_cast<size_t>(i)] & 0x7FFF, 0) << i;
-  const testing::Comparison c = testing::compare(
-      bf16_to_floats(out), std::vector<double>(ref.begin(), ref.end()), s.hidden);
+  const testing::Comparison c =
+      testing::compare(bf16_to_floats(out), std::vector<double>(ref.begin(), ref.end()), s.hidden);
   EXPECT_LT(c.rel_err, 1e-2) << c.first_bad;
   EXPECT_EQ(c.num_bad, 0) << c.first_bad;
   EXPECT_EQ(c.num_unwritten, 0) << c.first_bad;
@@ -166,8 +165,7 @@ TEST(MoeLayerFaults, NonFiniteHiddenStatesStayInTheirToken) {
   std::vector<int32_t> ids;
   std::vector<float> weights;
   for (int64_t t = 0; t < T; ++t) {
-    ids.insert(ids.end(), {static_cast<int32_t>(t % s.num_experts),
-                           static_cast<int32_t>((t + 5) % s.num_experts)});
+    ids.insert(ids.end(), {static_cast<int32_t>(t % s.num_experts), static_cast<int32_t>((t + 5) % s.num_experts)});
     weights.insert(weights.end(), {0.625f, 0.375f});
   }
   const DeviceBuffer<int32_t> d_ids(ids);
@@ -209,8 +207,7 @@ TEST(MoeLayerLimits, TokenCountsPast2To31AreRefusedBeforeAllocating) {
   const int64_t first_too_many = (int64_t{1} << 31) / s.top_k;  // T * top_k = 2^31
   EXPECT_THAT(error_of([&] { layer.plan(first_too_many); }),
               AllOf(HasSubstr("num_tokens = 268435456"), HasSubstr("2^31 / top_k")));
-  EXPECT_THAT(error_of([&] { layer.workspace_bytes(first_too_many); }),
-              HasSubstr("max_tokens = 268435456"));
+  EXPECT_THAT(error_of([&] { layer.workspace_bytes(first_too_many); }), HasSubstr("max_tokens = 268435456"));
   EXPECT_THAT(error_of([&] { layer.workspace_bytes(int64_t{1} << 62); }), HasSubstr("max_tokens"));
   // The largest count is planned and sized (tens of GiB, nothing allocated):
   // the size is exact, not wrapped at 32 bits.
@@ -391,10 +388,8 @@ TEST(MoeLayerDevice, ForwardOnAnotherDeviceIsRefused) {
   FP4MOE_CUDA_CHECK(cudaSetDevice(1));
   DeviceBuffer<uint16_t> out0_on_1(static_cast<size_t>(T * s.hidden));
   EXPECT_THAT(error_of([&] { layer0.forward(a, out0_on_1.get(), ws0.get(), ws0.bytes(), nullptr); }),
-              AllOf(HasSubstr("current CUDA device is 1"), HasSubstr("on device 0"),
-                    HasSubstr("cudaSetDevice(0)")));
-  EXPECT_THAT(error_of([&] { layer0.device_errors(ws0.get(), nullptr); }),
-              HasSubstr("current CUDA device is 1"));
+              AllOf(HasSubstr("current CUDA device is 1"), HasSubstr("on device 0"), HasSubstr("cudaSetDevice(0)")));
+  EXPECT_THAT(error_of([&] { layer0.device_errors(ws0.get(), nullptr); }), HasSubstr("current CUDA device is 1"));
 
   // A layer prepared on device 1 runs there, to the same bits.
   const MoeLayer layer1 = MoeLayer::prepare(weights, softmax_options(s.top_k));
@@ -452,11 +447,9 @@ TEST(MoeLayerFaults, PrepareOutOfMemoryThrowsAndLeaksNothing) {
   FP4MOE_CUDA_CHECK(cudaMalloc(&filler, free_now - leave));
   const size_t free_before = free_device_bytes();
   std::printf("  filler %.1f GiB, %zu MB free, the layer needs %zu MB\n",
-              static_cast<double>(free_now - leave) / (1 << 30), free_before >> 20,
-              weight_bytes >> 20);
+              static_cast<double>(free_now - leave) / (1 << 30), free_before >> 20, weight_bytes >> 20);
 
-  const std::string message =
-      error_of([&] { MoeLayer::prepare(weights, softmax_options(s.top_k)); });
+  const std::string message = error_of([&] { MoeLayer::prepare(weights, softmax_options(s.top_k)); });
   EXPECT_THAT(message, AllOf(HasSubstr("cudaMalloc"), HasSubstr("cudaErrorMemoryAllocation")));
   EXPECT_EQ(free_device_bytes(), free_before) << "prepare() leaked device memory on failure";
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);

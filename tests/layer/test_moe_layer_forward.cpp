@@ -56,37 +56,33 @@ TEST_P(ModelMatrix, MatchesReferenceWithDeviceAndCallerRouting) {
     EXPECT_EQ(layer.plan(num_tokens).num_rows, num_tokens * shape.routing.top_k);
     for (bool device_routing : {true, false}) {
       const std::string what = shape.name + " T=" + std::to_string(num_tokens) + " " +
-                               (device_routing ? "device routing" : "caller routing") + " " +
-                               to_string(finalize) + " " + to_string(gather);
+                               (device_routing ? "device routing" : "caller routing") + " " + to_string(finalize) +
+                               " " + to_string(gather);
       SCOPED_TRACE(what);
-      const std::vector<uint16_t> out =
-          forward_bits(layer, device_routing ? inputs.device_routing() : inputs.caller_routing(),
-                       output, workspace, stream.get());
+      const std::vector<uint16_t> out = forward_bits(
+          layer, device_routing ? inputs.device_routing() : inputs.caller_routing(), output, workspace, stream.get());
       const double rel_err = expect_matches_reference(out, batch.reference, shape.hidden);
       // Against the all-double layer: the contract's ||out - ref|| / ||ref|| < 1e-2.
       const double rel_err_exact =
           testing::compare(bf16_to_floats(out),
-                           std::vector<double>(batch.reference_exact.begin(),
-                                               batch.reference_exact.end()),
+                           std::vector<double>(batch.reference_exact.begin(), batch.reference_exact.end()),
                            shape.hidden)
               .rel_err;
       EXPECT_LT(rel_err_exact, 1e-2);
-      std::printf("  %-60s rel_err %.2e (all-double reference %.2e)\n", what.c_str(), rel_err,
-                  rel_err_exact);
+      std::printf("  %-60s rel_err %.2e (all-double reference %.2e)\n", what.c_str(), rel_err, rel_err_exact);
     }
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Models, ModelMatrix,
-    ::testing::Combine(::testing::Range(0, static_cast<int>(model_shapes().size())),
-                       ::testing::Values(FinalizeMode::kDeterministic, FinalizeMode::kAtomic),
-                       ::testing::Values(GatherMode::kFused, GatherMode::kSeparate)),
-    [](const ::testing::TestParamInfo<ModelModes>& param_info) {
-      return model_shapes()[static_cast<size_t>(std::get<0>(param_info.param))].name + "_" +
-             to_string(std::get<1>(param_info.param)) + "_" +
-             to_string(std::get<2>(param_info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Models, ModelMatrix,
+                         ::testing::Combine(::testing::Range(0, static_cast<int>(model_shapes().size())),
+                                            ::testing::Values(FinalizeMode::kDeterministic, FinalizeMode::kAtomic),
+                                            ::testing::Values(GatherMode::kFused, GatherMode::kSeparate)),
+                         [](const ::testing::TestParamInfo<ModelModes>& param_info) {
+                           return model_shapes()[static_cast<size_t>(std::get<0>(param_info.param))].name + "_" +
+                                  to_string(std::get<1>(param_info.param)) + "_" +
+                                  to_string(std::get<2>(param_info.param));
+                         });
 
 // ------------------------------------------- skewed and sparse caller routing
 
@@ -96,30 +92,26 @@ enum class RoutingPattern {
   kFewExperts,  // all tokens use a handful of experts; the rest get none
 };
 
-std::string to_string(RoutingPattern p) {
-  return p == RoutingPattern::kHotExpert ? "HotExpert" : "FewExperts";
-}
+std::string to_string(RoutingPattern p) { return p == RoutingPattern::kHotExpert ? "HotExpert" : "FewExperts"; }
 void PrintTo(RoutingPattern p, std::ostream* os) { *os << to_string(p); }
 
 // max(3, top_k + 1) experts spread over [0, num_experts), both ends included.
 std::vector<int32_t> few_expert_pool(int64_t num_experts, int top_k) {
   const int64_t n = std::min<int64_t>(num_experts, std::max(3, top_k + 1));
   std::vector<int32_t> pool;
-  for (int64_t i = 0; i < n; ++i)
-    pool.push_back(static_cast<int32_t>(n == 1 ? 0 : i * (num_experts - 1) / (n - 1)));
+  for (int64_t i = 0; i < n; ++i) pool.push_back(static_cast<int32_t>(n == 1 ? 0 : i * (num_experts - 1) / (n - 1)));
   return pool;
 }
 
-Routing patterned_routing(RoutingPattern pattern, int64_t num_tokens, int64_t num_experts,
-                          int top_k, std::mt19937& rng) {
+Routing patterned_routing(RoutingPattern pattern, int64_t num_tokens, int64_t num_experts, int top_k,
+                          std::mt19937& rng) {
   Routing r;
   r.num_tokens = num_tokens;
   r.top_k = top_k;
   std::vector<int32_t> pool(static_cast<size_t>(num_experts));
   std::iota(pool.begin(), pool.end(), 0);
   if (pattern == RoutingPattern::kFewExperts) pool = few_expert_pool(num_experts, top_k);
-  const int32_t hot_expert =
-      static_cast<int32_t>(num_experts / 2 + 1) % static_cast<int32_t>(num_experts);
+  const int32_t hot_expert = static_cast<int32_t>(num_experts / 2 + 1) % static_cast<int32_t>(num_experts);
   std::uniform_real_distribution<float> weight(0.1f, 1.0f);
   std::bernoulli_distribution is_hot(0.9);
   std::uniform_int_distribution<int> slot(0, top_k - 1);
@@ -164,24 +156,20 @@ TEST_P(CallerRoutingPatterns, MatchReference) {
     DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
     for (int64_t num_tokens : {int64_t{3}, int64_t{64}, kMaxTokens}) {
       std::mt19937 rng(static_cast<uint32_t>(num_tokens * 31 + shape_idx));
-      const std::vector<uint16_t> hidden =
-          testing::random_bf16(static_cast<size_t>(num_tokens * shape.hidden), rng);
-      const Routing routing =
-          patterned_routing(pattern, num_tokens, shape.num_experts, shape.routing.top_k, rng);
+      const std::vector<uint16_t> hidden = testing::random_bf16(static_cast<size_t>(num_tokens * shape.hidden), rng);
+      const Routing routing = patterned_routing(pattern, num_tokens, shape.num_experts, shape.routing.top_k, rng);
       std::vector<int64_t> pairs_per_expert(static_cast<size_t>(shape.num_experts), 0);
       for (int32_t id : routing.topk_ids) ++pairs_per_expert[static_cast<size_t>(id)];
-      const int64_t used = std::count_if(pairs_per_expert.begin(), pairs_per_expert.end(),
-                                         [](int64_t n) { return n > 0; });
+      const int64_t used =
+          std::count_if(pairs_per_expert.begin(), pairs_per_expert.end(), [](int64_t n) { return n > 0; });
       const int64_t busiest = *std::max_element(pairs_per_expert.begin(), pairs_per_expert.end());
-      const std::string what =
-          shape.name + " " + to_string(pattern) + " T=" + std::to_string(num_tokens) + " " +
-          to_string(finalize) + ": " + std::to_string(used) + " of " +
-          std::to_string(shape.num_experts) + " experts used, busiest has " +
-          std::to_string(busiest) + " of " + std::to_string(routing.topk_ids.size()) + " pairs";
+      const std::string what = shape.name + " " + to_string(pattern) + " T=" + std::to_string(num_tokens) + " " +
+                               to_string(finalize) + ": " + std::to_string(used) + " of " +
+                               std::to_string(shape.num_experts) + " experts used, busiest has " +
+                               std::to_string(busiest) + " of " + std::to_string(routing.topk_ids.size()) + " pairs";
       SCOPED_TRACE(what);
       const DeviceInputs inputs(hidden, {}, {}, routing, num_tokens);
-      const std::vector<uint16_t> out =
-          forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
+      const std::vector<uint16_t> out = forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
       const double rel_err = expect_matches_reference(
           out, reference_output(data.weights, hidden, routing, shape.activation), shape.hidden);
       std::printf("  %-90s rel_err %.2e\n", what.c_str(), rel_err);
@@ -189,14 +177,13 @@ TEST_P(CallerRoutingPatterns, MatchReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Patterns, CallerRoutingPatterns,
-    ::testing::Combine(::testing::Range(0, static_cast<int>(pattern_shapes().size())),
-                       ::testing::Values(RoutingPattern::kHotExpert, RoutingPattern::kFewExperts)),
-    [](const ::testing::TestParamInfo<ShapePattern>& param_info) {
-      return pattern_shapes()[static_cast<size_t>(std::get<0>(param_info.param))].name + "_" +
-             to_string(std::get<1>(param_info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Patterns, CallerRoutingPatterns,
+                         ::testing::Combine(::testing::Range(0, static_cast<int>(pattern_shapes().size())),
+                                            ::testing::Values(RoutingPattern::kHotExpert, RoutingPattern::kFewExperts)),
+                         [](const ::testing::TestParamInfo<ShapePattern>& param_info) {
+                           return pattern_shapes()[static_cast<size_t>(std::get<0>(param_info.param))].name + "_" +
+                                  to_string(std::get<1>(param_info.param));
+                         });
 
 // ------------------------------------------------------ forced tile configs
 
@@ -227,18 +214,15 @@ TEST(MoeLayerConfigs, EveryCompiledConfigForcedInBothGemms) {
         const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
         for (size_t i = 0; i < inputs.size(); ++i) {
           const int64_t num_tokens = token_counts[i];
-          const std::string what = shape.name + " gemm1 " + config1.to_string() + " gemm2 " +
-                                   config2.to_string() + " T=" + std::to_string(num_tokens);
+          const std::string what = shape.name + " gemm1 " + config1.to_string() + " gemm2 " + config2.to_string() +
+                                   " T=" + std::to_string(num_tokens);
           SCOPED_TRACE(what);
           const MoeLayerPlan plan = layer.plan(num_tokens);
-          EXPECT_TRUE(same_tile(plan.gemm1.config, config1))
-              << "planned " << plan.gemm1.config.to_string();
-          EXPECT_TRUE(same_tile(plan.gemm2.config, config2))
-              << "planned " << plan.gemm2.config.to_string();
+          EXPECT_TRUE(same_tile(plan.gemm1.config, config1)) << "planned " << plan.gemm1.config.to_string();
+          EXPECT_TRUE(same_tile(plan.gemm2.config, config2)) << "planned " << plan.gemm2.config.to_string();
           const std::vector<uint16_t> out =
               forward_bits(layer, inputs[i]->device_routing(), output, workspace, stream.get());
-          const double rel_err =
-              expect_matches_reference(out, data.batch(num_tokens).reference, shape.hidden);
+          const double rel_err = expect_matches_reference(out, data.batch(num_tokens).reference, shape.hidden);
           std::printf("  %-60s rel_err %.2e\n", what.c_str(), rel_err);
         }
       }
@@ -274,8 +258,7 @@ MoeWeights fast_random_weights(const ModelShape& shape) {
 size_t host_weight_bytes(const MoeWeights& w) {
   size_t bytes = 0;
   for (const ExpertWeights& ex : w.experts)
-    for (const Nvfp4Matrix* m : {&ex.gate, &ex.up, &ex.down})
-      bytes += m->packed.size() + m->scales.size();
+    for (const Nvfp4Matrix* m : {&ex.gate, &ex.up, &ex.down}) bytes += m->packed.size() + m->scales.size();
   return bytes;
 }
 
@@ -285,17 +268,16 @@ TEST(MoeLayerFullSize, Glm5AtOneAnd64Tokens) {
 
   auto start = std::chrono::steady_clock::now();
   const MoeWeights weights = fast_random_weights(shape);
-  std::printf("  GLM-5: generated %.2f GB of NVFP4 weights in %.1f s\n",
-              host_weight_bytes(weights) / 1e9, seconds_since(start));
+  std::printf("  GLM-5: generated %.2f GB of NVFP4 weights in %.1f s\n", host_weight_bytes(weights) / 1e9,
+              seconds_since(start));
 
   start = std::chrono::steady_clock::now();
   const MoeLayer layer = MoeLayer::prepare(weights, layer_options(shape));
-  std::printf("  GLM-5: prepare (repack + upload %.2f GB) took %.1f s\n",
-              layer.device_weight_bytes() / 1e9, seconds_since(start));
+  std::printf("  GLM-5: prepare (repack + upload %.2f GB) took %.1f s\n", layer.device_weight_bytes() / 1e9,
+              seconds_since(start));
 
   std::mt19937 rng(55);
-  const std::vector<float> correction_bias =
-      normal_floats(static_cast<size_t>(shape.num_experts), 0.1f, rng);
+  const std::vector<float> correction_bias = normal_floats(static_cast<size_t>(shape.num_experts), 0.1f, rng);
   Stream stream;
   const int64_t max_tokens = 64;
   const DeviceBuffer<uint8_t> workspace = make_workspace(layer, max_tokens);
@@ -305,23 +287,19 @@ TEST(MoeLayerFullSize, Glm5AtOneAnd64Tokens) {
     TokenBatch b;
     b.num_tokens = num_tokens;
     b.hidden_states = testing::random_bf16(static_cast<size_t>(num_tokens * shape.hidden), rng);
-    b.router_logits =
-        draw_router_logits(num_tokens, shape.num_experts, correction_bias, shape.routing, rng);
-    b.routing = route(b.router_logits.data(), num_tokens, shape.num_experts, correction_bias.data(),
-                      shape.routing);
+    b.router_logits = draw_router_logits(num_tokens, shape.num_experts, correction_bias, shape.routing, rng);
+    b.routing = route(b.router_logits.data(), num_tokens, shape.num_experts, correction_bias.data(), shape.routing);
     start = std::chrono::steady_clock::now();
     b.reference = reference_output(weights, b.hidden_states, b.routing, shape.activation);
     const double reference_s = seconds_since(start);
 
     const DeviceInputs inputs(b, correction_bias);
     for (bool device_routing : {true, false}) {
-      const std::vector<uint16_t> out =
-          forward_bits(layer, device_routing ? inputs.device_routing() : inputs.caller_routing(),
-                       output, workspace, stream.get());
+      const std::vector<uint16_t> out = forward_bits(
+          layer, device_routing ? inputs.device_routing() : inputs.caller_routing(), output, workspace, stream.get());
       const double rel_err = expect_matches_reference(out, b.reference, shape.hidden);
-      std::printf("  GLM-5 T=%lld %s routing: reference %.1f s, rel_err %.2e\n",
-                  static_cast<long long>(num_tokens), device_routing ? "device" : "caller",
-                  reference_s, rel_err);
+      std::printf("  GLM-5 T=%lld %s routing: reference %.1f s, rel_err %.2e\n", static_cast<long long>(num_tokens),
+                  device_routing ? "device" : "caller", reference_s, rel_err);
     }
   }
 }

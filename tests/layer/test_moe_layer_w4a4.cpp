@@ -77,8 +77,7 @@ double expect_matches_w4a4_reference(const std::vector<uint16_t>& out, const std
   EXPECT_EQ(out.size(), w4a4_ref.size());
   if (out.size() != w4a4_ref.size()) return 1.0;
   const std::vector<float> got = bf16_to_floats(out);
-  const testing::Comparison c =
-      testing::compare(got, std::vector<double>(w4a4_ref.begin(), w4a4_ref.end()), hidden);
+  const testing::Comparison c = testing::compare(got, std::vector<double>(w4a4_ref.begin(), w4a4_ref.end()), hidden);
   EXPECT_LT(c.rel_err, 1e-2) << "relative error against the W4A4 reference\n" << c.first_bad;
   EXPECT_LT(c.worst_row_rel_err, 5e-3) << "a token's row against the W4A4 reference\n" << c.first_bad;
   EXPECT_EQ(c.num_bad, 0) << "elements outside the per-element tolerance of the W4A4 reference\n" << c.first_bad;
@@ -86,7 +85,7 @@ double expect_matches_w4a4_reference(const std::vector<uint16_t>& out, const std
   const testing::Comparison vs_bf16 =
       testing::compare(got, std::vector<double>(bf16_ref.begin(), bf16_ref.end()), hidden);
   EXPECT_GT(vs_bf16.rel_err, 1.5e-2) << "the output is as close to the bf16 (W4A16) reference as to the W4A4 one: "
-                                      "were fp4 activations applied?";
+                                        "were fp4 activations applied?";
   return c.rel_err;
 }
 
@@ -127,10 +126,11 @@ TEST(MoeLayerW4a4, EveryCompiledConfigBothFinalizeModesMatchTheReference) {
         const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
         for (size_t i = 0; i < inputs.size(); ++i) {
           const int64_t num_tokens = token_counts[i];
-          const std::string what = shape.name + " W4A4 " + to_string(finalize) + " " +
-                                   (forced ? "gemm1 " + forced->first.to_string() + " gemm2 " + forced->second.to_string()
-                                           : std::string("planner")) +
-                                   " T=" + std::to_string(num_tokens);
+          const std::string what =
+              shape.name + " W4A4 " + to_string(finalize) + " " +
+              (forced ? "gemm1 " + forced->first.to_string() + " gemm2 " + forced->second.to_string()
+                      : std::string("planner")) +
+              " T=" + std::to_string(num_tokens);
           SCOPED_TRACE(what);
           if (forced) {
             const MoeLayerPlan plan = layer.plan(num_tokens);
@@ -236,8 +236,8 @@ TEST(MoeLayerW4a4, SharedExpertQuantisesItsInputsAsRoutedExpertsDo) {
     const float gate_up_scale = 0.1f / std::sqrt(static_cast<float>(c.shape.hidden));
     shared.mlp.gate = testing::random_nvfp4(shared.inter, c.shape.hidden, gate_up_scale, rng);
     shared.mlp.up = testing::random_nvfp4(shared.inter, c.shape.hidden, gate_up_scale, rng);
-    shared.mlp.down = testing::random_nvfp4(c.shape.hidden, shared.inter,
-                                            0.1f / std::sqrt(static_cast<float>(shared.inter)), rng);
+    shared.mlp.down =
+        testing::random_nvfp4(c.shape.hidden, shared.inter, 0.1f / std::sqrt(static_cast<float>(shared.inter)), rng);
     shared.mlp.gate.input_scale = shared.mlp.up.input_scale = 3.0f / 2688.0f;
     shared.mlp.down.input_scale = 30.0f / 2688.0f;
     shared.mlp.gate.has_input_scale = shared.mlp.up.has_input_scale = shared.mlp.down.has_input_scale = true;
@@ -267,8 +267,7 @@ TEST(MoeLayerW4a4, SharedExpertQuantisesItsInputsAsRoutedExpertsDo) {
                   ActivationNumerics::kBf16);
     const std::vector<float> w4a4_ref = w4a4_reference(weights, batch, c.shape.activation);
     const DeviceInputs inputs(batch.hidden_states, batch.router_logits, correction_bias, batch.routing, kTokens);
-    const std::vector<uint16_t> out =
-        forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
+    const std::vector<uint16_t> out = forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
     const double rel_err = expect_matches_w4a4_reference(out, w4a4_ref, bf16_ref, c.shape.hidden);
     std::printf("  %-30s T=%lld rel_err %.2e\n", c.shape.name.c_str(), static_cast<long long>(kTokens), rel_err);
   }
@@ -346,7 +345,8 @@ TEST(MoeLayerW4a4, PrepareDeviceWithInputScalesEqualsPrepare) {
     SCOPED_TRACE("T=" + std::to_string(num_tokens));
     const TokenBatch& batch = data.batch(num_tokens);
     const DeviceInputs inputs(batch, data.correction_bias);
-    const std::vector<uint16_t> out = forward_bits(from_device, inputs.caller_routing(), output, workspace, stream.get());
+    const std::vector<uint16_t> out =
+        forward_bits(from_device, inputs.caller_routing(), output, workspace, stream.get());
     expect_matches_w4a4_reference(out, w4a4_reference(weights, batch, shape.activation), batch.reference, shape.hidden);
     EXPECT_EQ(first_difference(out, forward_bits(from_host, inputs.caller_routing(), output, workspace, stream.get())),
               -1)

@@ -57,8 +57,8 @@ TEST(MoeLayerSharedExpert, MatchesReference) {
     const float gate_up_scale = 0.1f / std::sqrt(static_cast<float>(c.shape.hidden));
     shared.mlp.gate = testing::random_nvfp4(shared.inter, c.shape.hidden, gate_up_scale, rng);
     shared.mlp.up = testing::random_nvfp4(shared.inter, c.shape.hidden, gate_up_scale, rng);
-    shared.mlp.down = testing::random_nvfp4(c.shape.hidden, shared.inter,
-                                            0.1f / std::sqrt(static_cast<float>(shared.inter)), rng);
+    shared.mlp.down =
+        testing::random_nvfp4(c.shape.hidden, shared.inter, 0.1f / std::sqrt(static_cast<float>(shared.inter)), rng);
     if (c.gated) shared.gate = normal_floats(static_cast<size_t>(c.shape.hidden), 0.05f, rng);
     weights.shared_expert = shared;
     std::vector<float> correction_bias;
@@ -85,9 +85,9 @@ TEST(MoeLayerSharedExpert, MatchesReference) {
           const std::string what = c.shape.name + " T=" + std::to_string(T) + " " + to_string(finalize) + " " +
                                    (device_routing ? "device routing" : "caller routing");
           SCOPED_TRACE(what);
-          const std::vector<uint16_t> out = forward_bits(
-              layer, device_routing ? inputs.device_routing() : inputs.caller_routing(), output, workspace,
-              stream.get());
+          const std::vector<uint16_t> out =
+              forward_bits(layer, device_routing ? inputs.device_routing() : inputs.caller_routing(), output, workspace,
+                           stream.get());
           const double rel_err = expect_matches_reference(out, reference, c.shape.hidden);
           std::printf("  %-60s rel_err %.2e\n", what.c_str(), rel_err);
         }
@@ -96,8 +96,8 @@ TEST(MoeLayerSharedExpert, MatchesReference) {
           EXPECT_THAT(
               [&] {
                 try {
-                  layer.forward_pair_rows(inputs.caller_routing(), pair_rows.get(), workspace.get(),
-                                          workspace.bytes(), stream.get());
+                  layer.forward_pair_rows(inputs.caller_routing(), pair_rows.get(), workspace.get(), workspace.bytes(),
+                                          stream.get());
                 } catch (const Error& e) {
                   return std::string(e.what());
                 }
@@ -119,8 +119,7 @@ TEST(MoeLayerLoad, CheckpointFileEqualsPrepareFromMemory) {
   ModelData& data = model_data(shape);
   const std::string prefix = "model.layers.7.mlp.";
   const std::filesystem::path path =
-      std::filesystem::temp_directory_path() /
-      ("fp4moe_test_moe_layer_" + std::to_string(getpid()) + ".safetensors");
+      std::filesystem::temp_directory_path() / ("fp4moe_test_moe_layer_" + std::to_string(getpid()) + ".safetensors");
   SafetensorsWriter writer;
   add_moe_weights(writer, data.weights, prefix);
   writer.write(path.string());
@@ -146,8 +145,7 @@ TEST(MoeLayerLoad, CheckpointFileEqualsPrepareFromMemory) {
         forward_bits(from_memory, inputs.device_routing(), output, workspace, stream.get());
     const std::vector<uint16_t> file_out =
         forward_bits(from_file, inputs.device_routing(), output, workspace, stream.get());
-    EXPECT_EQ(first_difference(memory_out, file_out), -1)
-        << "loaded layer differs from the prepared one";
+    EXPECT_EQ(first_difference(memory_out, file_out), -1) << "loaded layer differs from the prepared one";
     expect_matches_reference(file_out, batch.reference, shape.hidden);
   }
 }
@@ -208,8 +206,8 @@ TEST(MoeLayerPrepareDevice, GateAndUpWithDifferentGlobalScales) {
     const DeviceInputs inputs(batch, model_data(shape).correction_bias);
     const std::vector<uint16_t> out = forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
     expect_matches_reference(out, reference, shape.hidden);
-    EXPECT_EQ(first_difference(out, forward_bits(from_host, inputs.caller_routing(), output, workspace,
-                                                 stream.get())), -1)
+    EXPECT_EQ(first_difference(out, forward_bits(from_host, inputs.caller_routing(), output, workspace, stream.get())),
+              -1)
         << "host and device preparation differ";
   }
 }

@@ -36,13 +36,11 @@ TEST(MoeLayerWorkspace, OneWorkspaceServesEveryTokenCountUpToItsMax) {
   const DeviceBuffer<uint8_t> workspace = make_workspace(layer, kMaxTokens);
   DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
   for (int64_t num_tokens : {kMaxTokens, int64_t{1}, int64_t{64}, int64_t{3}, kMaxTokens}) {
-    SCOPED_TRACE("T=" + std::to_string(num_tokens) + " in a workspace for " +
-                 std::to_string(kMaxTokens));
+    SCOPED_TRACE("T=" + std::to_string(num_tokens) + " in a workspace for " + std::to_string(kMaxTokens));
     const TokenBatch& batch = data.batch(num_tokens);
     const DeviceInputs inputs(batch, data.correction_bias);
-    expect_matches_reference(
-        forward_bits(layer, inputs.device_routing(), output, workspace, stream.get()),
-        batch.reference, shape.hidden);
+    expect_matches_reference(forward_bits(layer, inputs.device_routing(), output, workspace, stream.get()),
+                             batch.reference, shape.hidden);
   }
 }
 
@@ -72,29 +70,25 @@ TEST(MoeLayerWorkspace, TooSmallWorkspaceThrowsBeforeLaunch) {
                         {kMaxTokens, one_token_bytes, false}};
   for (const Case& c : cases) {
     const size_t needed = layer.workspace_bytes(c.num_tokens);
-    SCOPED_TRACE("T=" + std::to_string(c.num_tokens) + ": workspace of " +
-                 std::to_string(c.given_bytes) +
+    SCOPED_TRACE("T=" + std::to_string(c.num_tokens) + ": workspace of " + std::to_string(c.given_bytes) +
                  " bytes, workspace_bytes(T) = " + std::to_string(needed));
     const TokenBatch& batch = data.batch(c.num_tokens);
     const DeviceInputs inputs(batch, data.correction_bias);
     const DeviceBuffer<uint8_t> workspace = make_workspace(layer, c.num_tokens);
     output.fill_bytes(0xFF, stream.get());
     try {
-      layer.forward(inputs.device_routing(), output.get(), workspace.get(), c.given_bytes,
-                    stream.get());
+      layer.forward(inputs.device_routing(), output.get(), workspace.get(), c.given_bytes, stream.get());
       ADD_FAILURE() << "forward accepted a workspace that is too small";
     } catch (const Error& e) {
       EXPECT_THAT(e.what(), HasSubstr("workspace"));
       if (c.quotes_need) EXPECT_THAT(e.what(), HasSubstr(std::to_string(needed)));
     }
     const std::vector<uint16_t> after = output.download(stream.get());
-    EXPECT_EQ(std::count(after.begin(), after.end(), uint16_t{0xFFFF}),
-              static_cast<std::ptrdiff_t>(after.size()))
+    EXPECT_EQ(std::count(after.begin(), after.end(), uint16_t{0xFFFF}), static_cast<std::ptrdiff_t>(after.size()))
         << "the output was written although forward threw";
     // The right size still works after the refusal.
-    expect_matches_reference(
-        forward_bits(layer, inputs.device_routing(), output, workspace, stream.get()),
-        batch.reference, shape.hidden);
+    expect_matches_reference(forward_bits(layer, inputs.device_routing(), output, workspace, stream.get()),
+                             batch.reference, shape.hidden);
   }
 }
 
@@ -120,11 +114,9 @@ TEST(MoeLayerDeviceErrors, OutOfRangeIdsAreReportedAndSkipped) {
   const auto run = [&](const Routing& given, const Routing& expected) {
     const DeviceBuffer<uint8_t> workspace = make_workspace(layer, num_tokens);
     const DeviceInputs inputs(batch.hidden_states, {}, {}, given, num_tokens);
-    const std::vector<uint16_t> out =
-        forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
-    expect_matches_reference(
-        out, reference_output(data.weights, batch.hidden_states, expected, shape.activation),
-        shape.hidden);
+    const std::vector<uint16_t> out = forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
+    expect_matches_reference(out, reference_output(data.weights, batch.hidden_states, expected, shape.activation),
+                             shape.hidden);
     const std::string errors = layer.device_errors(workspace.get(), stream.get());
     EXPECT_EQ(layer.device_errors(workspace.get(), stream.get()), "") << "reported twice";
     return errors;
@@ -153,8 +145,7 @@ TEST(MoeLayerDeviceErrors, OutOfRangeIdsAreReportedAndSkipped) {
     const size_t pair = static_cast<size_t>(token * top_k + slot);
     given.topk_ids[pair] = bad_id;
     int32_t unused = 0;
-    while (std::find(expected.topk_ids.begin() + token * top_k,
-                     expected.topk_ids.begin() + (token + 1) * top_k,
+    while (std::find(expected.topk_ids.begin() + token * top_k, expected.topk_ids.begin() + (token + 1) * top_k,
                      unused) != expected.topk_ids.begin() + (token + 1) * top_k)
       ++unused;
     expected.topk_ids[pair] = unused;
@@ -164,8 +155,7 @@ TEST(MoeLayerDeviceErrors, OutOfRangeIdsAreReportedAndSkipped) {
   std::printf("  device_errors: %s\n", errors.c_str());
   EXPECT_NE(errors, "");
   std::string lower = errors;
-  std::transform(lower.begin(), lower.end(), lower.begin(),
-                 [](unsigned char c) { return std::tolower(c); });
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
   EXPECT_THAT(lower, HasSubstr("expert"));
 }
 

@@ -108,8 +108,8 @@ TEST(SmemModel, Sm90RegionsAreDisjointAlignedAndSumToTotal) {
                                {l.schedule_offset + l.schedule_bytes, l.flag_offset},
                                {l.flag_offset + l.flag_bytes, l.total_bytes}};
     for (const auto& e : ends) EXPECT_LE(e[0], e[1]) << c.to_string();
-    for (int64_t off : {l.weight_offset, l.scale_offset, l.barrier_offset, l.weight_stage_bytes,
-                        l.scale_stage_bytes, l.epilogue_offset})
+    for (int64_t off : {l.weight_offset, l.scale_offset, l.barrier_offset, l.weight_stage_bytes, l.scale_stage_bytes,
+                        l.epilogue_offset})
       EXPECT_EQ(off % 16, 0) << c.to_string();
     EXPECT_EQ(l.barrier_bytes, kSm90StageBarriers * 8 * int64_t{c.stages});
     // The finalize epilogue's per-warpgroup (slot, router weight) table; no other epilogue has one.
@@ -226,8 +226,8 @@ TEST(Planner, PortableM8PipelineDepthFollowsTheWaves) {
   EXPECT_EQ(plan_gemm(moe_gemm_problem(2, 256, 8, 7168, 2048, 16), 101376, 188, 120).config.stages, 4);
   // The depths fit 2 and 3 blocks per SM on SM90 (228 KB, 1 KB reserved per
   // block), one each on SM120.
-  for (const auto& [name, blocks] : std::vector<std::pair<std::string, int>>{{"n128m8k256s4w4", 2},
-                                                                             {"n128m8k256s3w4", 3}}) {
+  for (const auto& [name, blocks] :
+       std::vector<std::pair<std::string, int>>{{"n128m8k256s4w4", 2}, {"n128m8k256s3w4", 3}}) {
     EXPECT_EQ(blocks_per_sm_by_smem(TileConfig::parse(name), arch_limits("sm90")), blocks) << name;
     EXPECT_EQ(blocks_per_sm_by_smem(TileConfig::parse(name), arch_limits("sm120")), 1) << name;
   }
@@ -271,10 +271,23 @@ TEST(Planner, PicksTheSm90FamilyOnSm90ForManyRowsPerExpert) {
     int block_m;        // the main config's
     int light_block_m;  // the row class's, 0: none
   };
-  for (const Classes& c : std::vector<Classes>{
-           {8, 128, 16}, {16, 128, 32}, {24, 128, 48}, {32, 128, 48}, {64, 128, 0}, {116, 128, 0}, {117, 160, 48},
-           {128, 160, 48}, {168, 160, 48}, {169, 128, 0}, {205, 128, 0}, {256, 160, 48}, {410, 160, 48}, {512, 256, 0},
-           {819, 160, 48}, {1024, 256, 0}, {4096, 256, 0}}) {
+  for (const Classes& c : std::vector<Classes>{{8, 128, 16},
+                                               {16, 128, 32},
+                                               {24, 128, 48},
+                                               {32, 128, 48},
+                                               {64, 128, 0},
+                                               {116, 128, 0},
+                                               {117, 160, 48},
+                                               {128, 160, 48},
+                                               {168, 160, 48},
+                                               {169, 128, 0},
+                                               {205, 128, 0},
+                                               {256, 160, 48},
+                                               {410, 160, 48},
+                                               {512, 256, 0},
+                                               {819, 160, 48},
+                                               {1024, 256, 0},
+                                               {4096, 256, 0}}) {
     GemmProblem q = prefill;
     q.expected_active_experts = 256;
     q.num_rows = c.rows_per_expert * 256;
@@ -409,10 +422,10 @@ TEST(Planner, ReasonTextFromThePlannersFigures) {
   EXPECT_EQ(deepseek.reason(),
             "block_m 128 for ~8 rows per active expert (256 of 256 experts); ~8.19e+03 tiles x split_k 1 over 132 "
             "block slots, 56 k-tiles each; experts of 1-16 rows first on sm90n128m16k128s7w12-swiglu");
-  EXPECT_EQ(limit_split_k(plan_gemm_with(moe_gemm_problem(2, 8, 2, 4096, 14336, 0), compiled_configs()[0], 132, 2, 2),
-                          true)
-                .reason(),
-            "no rows; split-K off (batch invariant)");
+  EXPECT_EQ(
+      limit_split_k(plan_gemm_with(moe_gemm_problem(2, 8, 2, 4096, 14336, 0), compiled_configs()[0], 132, 2, 2), true)
+          .reason(),
+      "no rows; split-K off (batch invariant)");
   // smem_bytes is the layout's total, for every compiled config.
   for (const TileConfig& c : compiled_configs()) EXPECT_EQ(smem_bytes(c), smem_layout(c).total_bytes) << c.to_string();
 }

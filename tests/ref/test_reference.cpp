@@ -50,8 +50,7 @@ Nvfp4Matrix random_matrix(int64_t rows, int64_t cols, std::mt19937_64& rng) {
     std::memcpy(m.packed.data() + i, &bits, std::min<size_t>(8, m.packed.size() - i));
   }
   for (uint8_t& s : m.scales) s = static_cast<uint8_t>(scale(rng));
-  m.global_scale = std::uniform_real_distribution<float>(0.3f, 2.5f)(rng) /
-                   std::sqrt(static_cast<float>(cols));
+  m.global_scale = std::uniform_real_distribution<float>(0.3f, 2.5f)(rng) / std::sqrt(static_cast<float>(cols));
   return m;
 }
 
@@ -62,8 +61,7 @@ std::vector<float> random_vector(size_t n, float stddev, std::mt19937_64& rng) {
   return v;
 }
 
-MoeWeights random_weights(int64_t num_experts, int64_t hidden, int64_t inter, bool with_bias,
-                          std::mt19937_64& rng) {
+MoeWeights random_weights(int64_t num_experts, int64_t hidden, int64_t inter, bool with_bias, std::mt19937_64& rng) {
   MoeWeights w;
   w.num_experts = num_experts;
   w.hidden = hidden;
@@ -97,8 +95,8 @@ std::vector<double> naive_dequantize(const Nvfp4Matrix& m) {
       const uint8_t byte = m.packed[static_cast<size_t>(r * m.cols / 2 + c / 2)];
       const uint8_t code = c % 2 == 0 ? (byte & 0xF) : (byte >> 4);
       const uint8_t scale = m.scales[static_cast<size_t>(r * m.cols / 16 + c / 16)];
-      out[static_cast<size_t>(r * m.cols + c)] = static_cast<double>(e2m1_to_float(code)) *
-                                                  e4m3_to_float(scale) * m.global_scale;
+      out[static_cast<size_t>(r * m.cols + c)] =
+          static_cast<double>(e2m1_to_float(code)) * e4m3_to_float(scale) * m.global_scale;
     }
   return out;
 }
@@ -115,8 +113,8 @@ std::vector<int> all_indices(int n) {
   return v;
 }
 
-Routing naive_route(const std::vector<float>& logits, int num_tokens, int num_experts,
-                    const float* bias, const RoutingParams& p) {
+Routing naive_route(const std::vector<float>& logits, int num_tokens, int num_experts, const float* bias,
+                    const RoutingParams& p) {
   Routing r;
   r.num_tokens = num_tokens;
   r.top_k = p.top_k;
@@ -194,8 +192,8 @@ std::vector<double> naive_fp4(const std::vector<double>& v, float s) {
   return out;
 }
 
-std::vector<double> naive_moe(const MoeWeights& w, const std::vector<float>& x,
-                              const Routing& r, Activation a, bool fp4 = false) {
+std::vector<double> naive_moe(const MoeWeights& w, const std::vector<float>& x, const Routing& r, Activation a,
+                              bool fp4 = false) {
   const int64_t H = w.hidden, I = w.inter;
   std::vector<double> out(static_cast<size_t>(r.num_tokens * H), 0.0);
   for (int64_t e = 0; e < w.num_experts; ++e) {
@@ -231,8 +229,7 @@ std::vector<double> naive_moe(const MoeWeights& w, const std::vector<float>& x,
 // ‖out − ref‖/‖ref‖ < tol and, per element, |out − ref| <= tol·(|ref| + max|ref|·1e-3)
 // (the small absolute part covers elements that cancel to near zero). Prints
 // the first mismatches with their indices.
-void expect_close(const std::vector<float>& out, const std::vector<double>& ref, int64_t cols,
-                  double tol) {
+void expect_close(const std::vector<float>& out, const std::vector<double>& ref, int64_t cols, double tol) {
   ASSERT_EQ(out.size(), ref.size());
   double diff2 = 0, ref2 = 0, ref_max = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -246,8 +243,8 @@ void expect_close(const std::vector<float>& out, const std::vector<double>& ref,
   for (size_t i = 0; i < ref.size(); ++i) {
     if (std::fabs(out[i] - ref[i]) <= tol * (std::fabs(ref[i]) + 1e-3 * ref_max)) continue;
     if (shown++ < 8)
-      ADD_FAILURE() << "mismatch at [" << i / cols << ", " << i % cols << "]: got " << out[i]
-                    << ", expected " << ref[i];
+      ADD_FAILURE() << "mismatch at [" << i / cols << ", " << i % cols << "]: got " << out[i] << ", expected "
+                    << ref[i];
     ++bad;
   }
   EXPECT_EQ(bad, 0) << "elements out of tolerance";
@@ -255,10 +252,8 @@ void expect_close(const std::vector<float>& out, const std::vector<double>& ref,
 
 // ------------------------------------------------------------ routing: hand
 
-Routing route_one(std::vector<float> logits, const RoutingParams& p,
-                  const std::vector<float>& bias = {}) {
-  return route(logits.data(), 1, static_cast<int64_t>(logits.size()),
-               bias.empty() ? nullptr : bias.data(), p);
+Routing route_one(std::vector<float> logits, const RoutingParams& p, const std::vector<float>& bias = {}) {
+  return route(logits.data(), 1, static_cast<int64_t>(logits.size()), bias.empty() ? nullptr : bias.data(), p);
 }
 
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
@@ -328,8 +323,7 @@ TEST(ReferenceRouting, NoauxTcDropsBestExpertInDroppedGroup) {
 
   // With all groups kept, expert 0 is chosen first.
   p.topk_groups = 4;
-  EXPECT_EQ(route_one({5.0f, -5.0f, 1.0f, 1.0f, 2.0f, 0.0f, -1.0f, -1.0f}, p).topk_ids,
-            (std::vector<int32_t>{0, 4}));
+  EXPECT_EQ(route_one({5.0f, -5.0f, 1.0f, 1.0f, 2.0f, 0.0f, -1.0f, -1.0f}, p).topk_ids, (std::vector<int32_t>{0, 4}));
 }
 
 TEST(ReferenceRouting, NoauxTcBiasSelectsButDoesNotWeigh) {
@@ -375,8 +369,7 @@ TEST(ReferenceRouting, ModeNamesRoundTrip) {
   for (RoutingMode m : {RoutingMode::kSoftmaxTopK, RoutingMode::kNoauxTc, RoutingMode::kGptOss})
     EXPECT_EQ(parse_routing_mode(to_string(m)), m);
   EXPECT_EQ(to_string(RoutingMode::kNoauxTc), "noaux_tc");
-  expect_error([] { parse_routing_mode("topk"); },
-               {"'topk'", "softmax", "noaux_tc", "gptoss"});
+  expect_error([] { parse_routing_mode("topk"); }, {"'topk'", "softmax", "noaux_tc", "gptoss"});
 }
 
 // ---------------------------------------------------------- routing: errors
@@ -429,11 +422,9 @@ TEST(ReferenceRoutingErrors, PairCountsPast2To31) {
   p.top_k = 8;
   expect_error([&] { route(logits.data(), int64_t{1} << 28, 8, nullptr, p); },
                {"num_tokens = 268435456", "num_tokens * top_k < 2^31"});
-  expect_error([&] { route(logits.data(), int64_t{1} << 62, 8, nullptr, p); },
-               {"num_tokens * top_k < 2^31"});
+  expect_error([&] { route(logits.data(), int64_t{1} << 62, 8, nullptr, p); }, {"num_tokens * top_k < 2^31"});
   p.top_k = 1;
-  expect_error([&] { route(logits.data(), 1, int64_t{1} << 31, nullptr, p); },
-               {"num_experts = 2147483648"});
+  expect_error([&] { route(logits.data(), 1, int64_t{1} << 31, nullptr, p); }, {"num_experts = 2147483648"});
   Routing r;
   r.num_tokens = int64_t{1} << 61;  // num_tokens * top_k would overflow int64
   r.top_k = 8;
@@ -546,14 +537,26 @@ Routing make_routing(int64_t tokens, int top_k, std::vector<int32_t> ids) {
 
 TEST(ReferenceRoutingErrors, ValidateRouting) {
   EXPECT_NO_THROW(validate_routing(make_routing(2, 3, {0, 1, 2, 7, 5, 0}), 8));
-  expect_error([] { validate_routing(make_routing(2, 3, {0, 1, 2, 5, 7, 5}), 8); },
-               {"token 1 slot 2", "expert id 5", "duplicates slot 0"});
-  expect_error([] { validate_routing(make_routing(2, 3, {0, 8, 2, 5, 7, 4}), 8); },
-               {"token 0 slot 1", "expert id 8", "[0, 8)"});
-  expect_error([] { validate_routing(make_routing(2, 3, {0, 1, 2, -1, 7, 4}), 8); },
-               {"token 1 slot 0", "expert id -1"});
-  expect_error([] { validate_routing(make_routing(2, 3, {0, 1, 2, 3, 4}), 8); },
-               {"topk_ids has 5 entries", "2 * 3 = 6"});
+  expect_error(
+      [] {
+        validate_routing(make_routing(2, 3, {0, 1, 2, 5, 7, 5}), 8);
+      },
+      {"token 1 slot 2", "expert id 5", "duplicates slot 0"});
+  expect_error(
+      [] {
+        validate_routing(make_routing(2, 3, {0, 8, 2, 5, 7, 4}), 8);
+      },
+      {"token 0 slot 1", "expert id 8", "[0, 8)"});
+  expect_error(
+      [] {
+        validate_routing(make_routing(2, 3, {0, 1, 2, -1, 7, 4}), 8);
+      },
+      {"token 1 slot 0", "expert id -1"});
+  expect_error(
+      [] {
+        validate_routing(make_routing(2, 3, {0, 1, 2, 3, 4}), 8);
+      },
+      {"topk_ids has 5 entries", "2 * 3 = 6"});
   Routing r = make_routing(2, 3, {0, 1, 2, 3, 4, 5});
   r.topk_weights.pop_back();
   expect_error([&] { validate_routing(r, 8); }, {"topk_weights has 5 entries"});
@@ -632,17 +635,18 @@ TEST(ReferenceMoe, ShapeErrors) {
   std::vector<float> out(2 * 32);
   const Routing r = make_routing(2, 2, {0, 1, 2, 0});
   EXPECT_NO_THROW(moe_reference(w, x.data(), r, Activation::kSwiGLU, out.data()));
-  expect_error([&] { moe_reference(w, x.data(), make_routing(2, 2, {0, 3, 2, 0}),
-                                   Activation::kSwiGLU, out.data()); },
-               {"expert id 3", "[0, 3)"});
+  expect_error(
+      [&] {
+        moe_reference(w, x.data(), make_routing(2, 2, {0, 3, 2, 0}), Activation::kSwiGLU, out.data());
+      },
+      {"expert id 3", "[0, 3)"});
   MoeWeights bad = w;
   bad.experts[1].down = random_matrix(48, 32, rng);
   expect_error([&] { moe_reference(bad, x.data(), r, Activation::kSwiGLU, out.data()); },
                {"expert 1 down is [48, 32]", "expected [32, 48]"});
   bad = w;
   bad.experts[2].gate.scales.pop_back();
-  expect_error([&] { moe_reference(bad, x.data(), r, Activation::kSwiGLU, out.data()); },
-               {"expert 2 gate scales"});
+  expect_error([&] { moe_reference(bad, x.data(), r, Activation::kSwiGLU, out.data()); }, {"expert 2 gate scales"});
   bad = w;
   bad.experts[0].up_bias.assign(47, 0.0f);
   expect_error([&] { moe_reference(bad, x.data(), r, Activation::kSwiGLU, out.data()); },
@@ -675,12 +679,11 @@ std::string case_name(const testing::TestParamInfo<Case>& info) {
   std::string s = to_string(c.mode);
   if (c.mode == RoutingMode::kSoftmaxTopK) s += c.renormalize ? "_renorm" : "_raw";
   if (c.mode == RoutingMode::kNoauxTc)
-    s += "_g" + std::to_string(c.num_groups) + "k" + std::to_string(c.topk_groups) +
-         (c.correction_bias ? "_cb" : "");
+    s += "_g" + std::to_string(c.num_groups) + "k" + std::to_string(c.topk_groups) + (c.correction_bias ? "_cb" : "");
   s += c.activation == Activation::kSwiGLU ? "_swiglu" : "_gptossact";
   s += c.with_bias ? "_bias" : "";
-  s += "_T" + std::to_string(c.tokens) + "_E" + std::to_string(c.experts) + "_k" +
-       std::to_string(c.top_k) + "_H" + std::to_string(c.hidden) + "_I" + std::to_string(c.inter);
+  s += "_T" + std::to_string(c.tokens) + "_E" + std::to_string(c.experts) + "_k" + std::to_string(c.top_k) + "_H" +
+       std::to_string(c.hidden) + "_I" + std::to_string(c.inter);
   return s;
 }
 
@@ -707,8 +710,7 @@ std::vector<Case> all_cases() {
       {RoutingMode::kNoauxTc, true, 16, 3, 1.5f, true, 32, {6, 1, 5}},
       {RoutingMode::kNoauxTc, true, 3, 1, 2.0f, true, 24, {8, 7, 4}},
   };
-  const std::vector<std::pair<int, int>> shapes = {{32, 48}, {64, 32}, {128, 96},
-                                                   {256, 64}, {48, 256}, {96, 128}};
+  const std::vector<std::pair<int, int>> shapes = {{32, 48}, {64, 32}, {128, 96}, {256, 64}, {48, 256}, {96, 128}};
   std::vector<Case> cases;
   int counter = 0;
   for (const RoutingCase& rc : routings)
@@ -716,9 +718,8 @@ std::vector<Case> all_cases() {
       for (const Activation act : {Activation::kSwiGLU, Activation::kGptOss}) {
         const auto [hidden, inter] = shapes[counter % shapes.size()];
         const int top_k = rc.top_ks[counter % rc.top_ks.size()];
-        cases.push_back({rc.mode, rc.renormalize, rc.num_groups, rc.topk_groups, rc.scaling,
-                         rc.correction_bias, act, (counter / 2) % 2 == 1, tokens, rc.experts,
-                         top_k, hidden, inter});
+        cases.push_back({rc.mode, rc.renormalize, rc.num_groups, rc.topk_groups, rc.scaling, rc.correction_bias, act,
+                         (counter / 2) % 2 == 1, tokens, rc.experts, top_k, hidden, inter});
         ++counter;
       }
   return cases;
@@ -752,8 +753,7 @@ TEST_P(ReferenceRandomProblem, MatchesNaivePath) {
   ASSERT_EQ(routing.top_k, c.top_k);
   ASSERT_EQ(routing.topk_ids, expected.topk_ids);
   for (size_t i = 0; i < expected.topk_weights.size(); ++i)
-    EXPECT_NEAR(routing.topk_weights[i], expected.topk_weights[i],
-                1e-6 * std::fabs(expected.topk_weights[i]))
+    EXPECT_NEAR(routing.topk_weights[i], expected.topk_weights[i], 1e-6 * std::fabs(expected.topk_weights[i]))
         << "slot " << i;
   EXPECT_NO_THROW(validate_routing(routing, c.experts));
 
@@ -823,8 +823,8 @@ TEST(ReferenceW4a4, StackedInputScalesAsTheEnginesHoldThem) {
     EXPECT_EQ(s[e].down, per_expert[e]);
   }
   EXPECT_EQ(gemm1_input_scale(s[1].gate, s[1].up), 0.25f) << "the larger of gate's and up's";
-  s = stacked_input_scales(3, per_expert.data(), InputScaleExtent::kPerExpert, one.data(),
-                           InputScaleExtent::kPerLayer, "here");
+  s = stacked_input_scales(3, per_expert.data(), InputScaleExtent::kPerExpert, one.data(), InputScaleExtent::kPerLayer,
+                           "here");
   for (size_t e = 0; e < 3; ++e) {
     EXPECT_EQ(s[e].gate, per_expert[e]);
     EXPECT_EQ(s[e].up, per_expert[e]);
@@ -834,24 +834,32 @@ TEST(ReferenceW4a4, StackedInputScalesAsTheEnginesHoldThem) {
   std::vector<float> bad = gate_up;
   for (const float value : {0.0f, -1.0f, NAN, INFINITY, 1e-20f, 3e15f}) {
     bad[3] = value;
-    expect_error([&] {
-      stacked_input_scales(3, bad.data(), InputScaleExtent::kPerExpertGateUp, per_expert.data(),
-                           InputScaleExtent::kPerExpert, "here");
-    }, {"here: w13_input_scale[1, 1] is ", "; expected a finite input_scale in [1e-15, 1e+15]"});
+    expect_error(
+        [&] {
+          stacked_input_scales(3, bad.data(), InputScaleExtent::kPerExpertGateUp, per_expert.data(),
+                               InputScaleExtent::kPerExpert, "here");
+        },
+        {"here: w13_input_scale[1, 1] is ", "; expected a finite input_scale in [1e-15, 1e+15]"});
   }
   const std::vector<float> zero = {0.0f};
-  expect_error([&] {
-    stacked_input_scales(3, per_expert.data(), InputScaleExtent::kPerExpert, zero.data(), InputScaleExtent::kPerLayer,
-                         "here");
-  }, {"here: w2_input_scale is 0; expected a finite input_scale"});
-  expect_error([&] {
-    stacked_input_scales(3, gate_up.data(), InputScaleExtent::kPerExpertGateUp, gate_up.data(),
-                         InputScaleExtent::kPerExpertGateUp, "here");
-  }, {"w2_input_scale holds down_proj's input scales"});
-  expect_error([&] {
-    stacked_input_scales(3, nullptr, InputScaleExtent::kPerExpert, per_expert.data(), InputScaleExtent::kPerExpert,
-                         "here");
-  }, {"here: give both w13_input_scale and w2_input_scale, or neither"});
+  expect_error(
+      [&] {
+        stacked_input_scales(3, per_expert.data(), InputScaleExtent::kPerExpert, zero.data(),
+                             InputScaleExtent::kPerLayer, "here");
+      },
+      {"here: w2_input_scale is 0; expected a finite input_scale"});
+  expect_error(
+      [&] {
+        stacked_input_scales(3, gate_up.data(), InputScaleExtent::kPerExpertGateUp, gate_up.data(),
+                             InputScaleExtent::kPerExpertGateUp, "here");
+      },
+      {"w2_input_scale holds down_proj's input scales"});
+  expect_error(
+      [&] {
+        stacked_input_scales(3, nullptr, InputScaleExtent::kPerExpert, per_expert.data(), InputScaleExtent::kPerExpert,
+                             "here");
+      },
+      {"here: give both w13_input_scale and w2_input_scale, or neither"});
 
   // The numerics: checkpoint follows the scales, fp4 needs them, both or neither.
   using N = ActivationNumerics;
@@ -904,9 +912,12 @@ TEST(ReferenceW4a4, Fp4WithoutInputScalesIsRefused) {
   const std::vector<float> x(32, 1.0f);
   const Routing r = make_routing(1, 1, {1});
   std::vector<float> out(32);
-  expect_error([&] { moe_reference(w, x.data(), r, Activation::kSwiGLU, out.data(), 1, Intermediate::kExact,
-                                   ActivationNumerics::kFp4); },
-               {"input_scale", "expert 0 gate", "bf16"});
+  expect_error(
+      [&] {
+        moe_reference(w, x.data(), r, Activation::kSwiGLU, out.data(), 1, Intermediate::kExact,
+                      ActivationNumerics::kFp4);
+      },
+      {"input_scale", "expert 0 gate", "bf16"});
   EXPECT_NO_THROW(moe_reference(w, x.data(), r, Activation::kSwiGLU, out.data()));  // kCheckpoint: bf16
 }
 
@@ -1056,7 +1067,8 @@ TEST(ReferenceMoe, SharedExpertMatchesIndependentPaths) {
       as_experts.num_experts = experts + chunks;
       for (int t = 0; t < tokens; ++t) {
         double z = 0.0;
-        for (int k = 0; k < hidden; ++k) z += static_cast<double>(shared.gate.empty() ? 0.0f : shared.gate[k]) * x[t * hidden + k];
+        for (int k = 0; k < hidden; ++k)
+          z += static_cast<double>(shared.gate.empty() ? 0.0f : shared.gate[k]) * x[t * hidden + k];
         const float scale = gated ? static_cast<float>(sigmoid(z)) : 1.0f;
         for (int j = 0; j < top_k; ++j) {
           extended.topk_ids.push_back(routing.topk_ids[t * top_k + j]);
@@ -1118,16 +1130,14 @@ TEST(ReferenceMoe, SkewedRoutingThreadAndBatchIndependence) {
     moe_reference(w, x.data(), r, Activation::kGptOss, out.data(), threads);
     expect_close(out, expected, hidden, 1e-6);
     if (first.empty()) first = out;
-    EXPECT_EQ(std::memcmp(first.data(), out.data(), out.size() * sizeof(float)), 0)
-        << "threads = " << threads;
+    EXPECT_EQ(std::memcmp(first.data(), out.data(), out.size() * sizeof(float)), 0) << "threads = " << threads;
   }
   for (int t = 0; t < tokens; ++t) {
     Routing alone;
     alone.num_tokens = 1;
     alone.top_k = top_k;
     alone.topk_ids.assign(r.topk_ids.begin() + t * top_k, r.topk_ids.begin() + (t + 1) * top_k);
-    alone.topk_weights.assign(r.topk_weights.begin() + t * top_k,
-                              r.topk_weights.begin() + (t + 1) * top_k);
+    alone.topk_weights.assign(r.topk_weights.begin() + t * top_k, r.topk_weights.begin() + (t + 1) * top_k);
     std::vector<float> out(static_cast<size_t>(hidden), NAN);
     moe_reference(w, x.data() + t * hidden, alone, Activation::kGptOss, out.data());
     EXPECT_EQ(std::memcmp(first.data() + t * hidden, out.data(), out.size() * sizeof(float)), 0)
@@ -1160,8 +1170,7 @@ TEST(ReferenceMoe, NonFiniteHiddenStatesStayInTheirToken) {
     if (t == 1) {
       for (int i = 0; i < hidden; ++i) EXPECT_TRUE(std::isnan(dirty[row + i])) << "element " << i;
     } else if (t != 4) {
-      EXPECT_EQ(std::memcmp(clean.data() + row, dirty.data() + row, hidden * sizeof(float)), 0)
-          << "token " << t;
+      EXPECT_EQ(std::memcmp(clean.data() + row, dirty.data() + row, hidden * sizeof(float)), 0) << "token " << t;
     }
   }
 }
@@ -1196,11 +1205,10 @@ TEST(ReferenceMoe, DISABLED_Glm5ShapeTiming) {
   const std::clock_t cpu_start = std::clock();
   moe_reference(w, x.data(), r, Activation::kSwiGLU, out.data());
   const double cpu_seconds = static_cast<double>(std::clock() - cpu_start) / CLOCKS_PER_SEC;
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   // CPU time too: on a shared machine the wall time says little.
-  std::printf("GLM-5 shape, %d tokens, %d active experts, %u threads: %.2f s wall, %.2f s CPU\n",
-              tokens, experts, std::thread::hardware_concurrency(), seconds, cpu_seconds);
+  std::printf("GLM-5 shape, %d tokens, %d active experts, %u threads: %.2f s wall, %.2f s CPU\n", tokens, experts,
+              std::thread::hardware_concurrency(), seconds, cpu_seconds);
 }
 
 }  // namespace

@@ -33,8 +33,8 @@ namespace fp4moe::cli_test {
 namespace fs = std::filesystem;
 
 inline constexpr int64_t kNumExperts = 4;
-inline constexpr int64_t kHidden = 64;  // H
-inline constexpr int64_t kInter = 32;   // I
+inline constexpr int64_t kHidden = 64;                           // H
+inline constexpr int64_t kInter = 32;                            // I
 inline const std::string kStackPrefix = "model.layers.0.mlp.";   // 3-D BF16 stacks
 inline const std::string kExpertPrefix = "model.layers.1.mlp.";  // 2-D F32 per-expert tensors
 inline const char* const kProjs[] = {"gate_proj", "up_proj", "down_proj"};
@@ -79,17 +79,20 @@ inline const std::vector<float>& projection(const FloatExpert& ex, const std::st
 
 // ------------------------------------------------------------ file helpers
 
-inline void add_f32(SafetensorsWriter& w, const std::string& name, std::vector<int64_t> shape, const std::vector<float>& v) {
+inline void add_f32(SafetensorsWriter& w, const std::string& name, std::vector<int64_t> shape,
+                    const std::vector<float>& v) {
   w.add(name, DType::F32, std::move(shape), v.data(), v.size() * sizeof(float));
 }
 
-inline void add_bf16(SafetensorsWriter& w, const std::string& name, std::vector<int64_t> shape, const std::vector<float>& v) {
+inline void add_bf16(SafetensorsWriter& w, const std::string& name, std::vector<int64_t> shape,
+                     const std::vector<float>& v) {
   std::vector<uint16_t> bits(v.size());
   for (size_t i = 0; i < v.size(); ++i) bits[i] = float_to_bf16(v[i]);
   w.add(name, DType::BF16, std::move(shape), bits.data(), bits.size() * sizeof(uint16_t));
 }
 
-inline void add_i32(SafetensorsWriter& w, const std::string& name, std::vector<int64_t> shape, const std::vector<int32_t>& v) {
+inline void add_i32(SafetensorsWriter& w, const std::string& name, std::vector<int64_t> shape,
+                    const std::vector<int32_t>& v) {
   w.add(name, DType::I32, std::move(shape), v.data(), v.size() * sizeof(int32_t));
 }
 
@@ -178,8 +181,8 @@ class CliTest : public ::testing::Test {
 
   // The same with a shell prefix (ulimit, trap) before it.
   CliResult run_with(const std::string& shell_prefix, const std::string& args) const {
-    const std::string command = shell_prefix + " '" + cli_binary() + "' " + args + " >'" + path("stdout") + "' 2>'" +
-                                path("stderr") + "'";
+    const std::string command =
+        shell_prefix + " '" + cli_binary() + "' " + args + " >'" + path("stdout") + "' 2>'" + path("stderr") + "'";
     const int status = std::system(command.c_str());
     CliResult result;
     result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -205,7 +208,8 @@ class CliTest : public ::testing::Test {
     add_bf16(w, kStackPrefix + "gate.weight", {kNumExperts, kHidden}, router_);
     for (const std::string proj : kProjs) {
       std::vector<float> stack;
-      for (const FloatExpert& ex : stacked_) stack.insert(stack.end(), projection(ex, proj).begin(), projection(ex, proj).end());
+      for (const FloatExpert& ex : stacked_)
+        stack.insert(stack.end(), projection(ex, proj).begin(), projection(ex, proj).end());
       const bool down = proj == "down_proj";
       add_bf16(w, kStackPrefix + "experts." + proj + ".weight",
                {kNumExperts, down ? kHidden : kInter, down ? kInter : kHidden}, stack);

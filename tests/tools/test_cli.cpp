@@ -69,8 +69,8 @@ float abs_max_of(const std::vector<float>& v) {
 
 // output[t] = sum_j w[t, j] * down_e(act(gate_e x_t, up_e x_t)), in double.
 std::vector<double> moe_float(const FloatLayer& layer, const std::vector<float>& x, int64_t num_tokens,
-                              const std::vector<int32_t>& ids, const std::vector<float>& weights,
-                              int top_k, bool gptoss_activation) {
+                              const std::vector<int32_t>& ids, const std::vector<float>& weights, int top_k,
+                              bool gptoss_activation) {
   std::vector<double> out(static_cast<size_t>(num_tokens * kHidden), 0.0);
   std::vector<double> h(kInter);
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -94,7 +94,8 @@ std::vector<double> moe_float(const FloatLayer& layer, const std::vector<float>&
       const double w = weights[static_cast<size_t>(t * top_k + j)];
       for (int64_t n = 0; n < kHidden; ++n) {
         double y = 0.0;
-        for (int64_t i = 0; i < kInter; ++i) y += static_cast<double>(ex.down[static_cast<size_t>(n * kInter + i)]) * h[static_cast<size_t>(i)];
+        for (int64_t i = 0; i < kInter; ++i)
+          y += static_cast<double>(ex.down[static_cast<size_t>(n * kInter + i)]) * h[static_cast<size_t>(i)];
         out[static_cast<size_t>(t * kHidden + n)] += w * y;
       }
     }
@@ -146,8 +147,8 @@ TestRouting route_softmax(const std::vector<float>& logits, int64_t num_tokens, 
   return r;
 }
 
-TestRouting route_noaux_tc(const std::vector<float>& logits, const std::vector<float>& bias,
-                           int64_t num_tokens, int k, int num_groups, int topk_groups, double scaling) {
+TestRouting route_noaux_tc(const std::vector<float>& logits, const std::vector<float>& bias, int64_t num_tokens, int k,
+                           int num_groups, int topk_groups, double scaling) {
   TestRouting r{k, {}, {}};
   const int group_size = static_cast<int>(kNumExperts) / num_groups;
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -267,7 +268,8 @@ TEST_F(CliTest, QuantizeWritesModelOptLayout) {
   EXPECT_EQ(o_weight.dtype, DType::U8);
   EXPECT_TRUE(std::equal(o_proj.packed.begin(), o_proj.packed.end(), o_weight.data));
   const SafetensorsFile f = SafetensorsFile::open(path("float.safetensors"));
-  for (const std::string name : {kStackPrefix + "gate.weight", std::string("model.layers.0.post_attention_layernorm.weight")}) {
+  for (const std::string name :
+       {kStackPrefix + "gate.weight", std::string("model.layers.0.post_attention_layernorm.weight")}) {
     const TensorView& in = f.get(name);
     const TensorView& out = q.get(name);
     EXPECT_EQ(out.dtype, in.dtype) << name;
@@ -300,9 +302,9 @@ class MoeTest : public CliTest {
     SCOPED_TRACE(prefix + " " + args + " --device " + device);
     fs::remove(path("y.safetensors"));
     const std::string layer = layer_ >= 0 ? " --layer " + std::to_string(layer_) : " --prefix " + prefix;
-    const CliResult r = run("moe --device " + device + " --weights '" + (weights_.empty() ? checkpoint_ : weights_) +
-                            "'" + layer + " --input '" + path("x.safetensors") + "' --output '" +
-                            path("y.safetensors") + "' " + args);
+    const CliResult r =
+        run("moe --device " + device + " --weights '" + (weights_.empty() ? checkpoint_ : weights_) + "'" + layer +
+            " --input '" + path("x.safetensors") + "' --output '" + path("y.safetensors") + "' " + args);
     EXPECT_EQ(r.exit_code, 0) << r.err;
     if (r.exit_code != 0) return r.err;
     EXPECT_NE(r.err.find("T=" + std::to_string(kNumTokens)), std::string::npos) << "summary line: " << r.err;
@@ -318,8 +320,8 @@ class MoeTest : public CliTest {
     const std::vector<double> ref_quantized =
         moe_float(stacked ? dequantized_stacked_ : dequantized_per_expert_, hidden_, kNumTokens, routing.ids,
                   routing.weights, routing.top_k, gptoss_activation);
-    const std::vector<double> ref_float = moe_float(stacked ? stacked_ : per_expert_, hidden_, kNumTokens,
-                                                    routing.ids, routing.weights, routing.top_k, gptoss_activation);
+    const std::vector<double> ref_float = moe_float(stacked ? stacked_ : per_expert_, hidden_, kNumTokens, routing.ids,
+                                                    routing.weights, routing.top_k, gptoss_activation);
     const double err_quantized = relative_error(out, ref_quantized);
     const double err_float = relative_error(out, ref_float);
     const bool on_cpu = device == "cpu" || !testing::has_cuda_device();
@@ -404,10 +406,10 @@ TEST_F(MoeTest, RouterLogitsAreRoutedByTheFlags) {
   expect_matches(kStackPrefix, " --topk 2", route_softmax(logits_, kNumTokens, 2, true));
   expect_matches(kExpertPrefix, " --routing softmax --topk 3 --no-renormalize",
                  route_softmax(logits_, kNumTokens, 3, false));
-  expect_matches(kStackPrefix,
-                 " --routing noaux_tc --topk 2 --n-group 2 --topk-group 1 --routed-scaling-factor 2.5",
+  expect_matches(kStackPrefix, " --routing noaux_tc --topk 2 --n-group 2 --topk-group 1 --routed-scaling-factor 2.5",
                  route_noaux_tc(logits_, bias_, kNumTokens, 2, 2, 1, 2.5));
-  expect_matches(kExpertPrefix, " --routing noaux_tc --topk 3", route_noaux_tc(logits_, bias_, kNumTokens, 3, 1, 1, 1.0));
+  expect_matches(kExpertPrefix, " --routing noaux_tc --topk 3",
+                 route_noaux_tc(logits_, bias_, kNumTokens, 3, 1, 1, 1.0));
   expect_matches(kStackPrefix, " --routing gptoss --topk 2 --activation gptoss", route_gptoss(logits_, kNumTokens, 2),
                  /*gptoss_activation=*/true);
 }
@@ -421,7 +423,7 @@ TEST_F(MoeTest, BadInputsFailWithOneLineAndNoOutput) {
     std::string what;
     std::function<void(SafetensorsWriter&)> inputs;
     std::string args;
-    std::string expected;  // in the error message
+    std::string expected;               // in the error message
     std::string prefix = kStackPrefix;  // empty: no --prefix
   };
   const std::vector<Case> cases = {
@@ -491,10 +493,14 @@ TEST_F(MoeTest, BadInputsFailWithOneLineAndNoOutput) {
        },
        "", "topk_weights"},
       {"no routing at all, no router in the checkpoint",
-       [&](SafetensorsWriter& w) { add_bf16(w, "hidden_states", {t, kHidden}, hidden_); },
+       [&](SafetensorsWriter& w) {
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+       },
        "", "router_logits", kExpertPrefix},
       {"hidden states only, no --topk and no config.json",
-       [&](SafetensorsWriter& w) { add_bf16(w, "hidden_states", {t, kHidden}, hidden_); },
+       [&](SafetensorsWriter& w) {
+         add_bf16(w, "hidden_states", {t, kHidden}, hidden_);
+       },
        "", "needs --topk"},
       {"hidden size mismatch",
        [&](SafetensorsWriter& w) {
@@ -660,7 +666,8 @@ TEST_F(MoeTest, ConfigJsonSetsTheRouting) {
       "moe_intermediate_size": 32})");
   write_input(false);
   expect_matches(kStackPrefix, "", route_softmax(logits, kNumTokens, 3, false));
-  expect_refused("--layer 0 --routing noaux_tc", {"--routing noaux_tc contradicts", "routing softmax (not renormalised)"});
+  expect_refused("--layer 0 --routing noaux_tc",
+                 {"--routing noaux_tc contradicts", "routing softmax (not renormalised)"});
 
   // gpt-oss: top-k then softmax, and its activation, from the config alone.
   write_config(R"({"model_type": "gpt_oss", "num_local_experts": 4, "experts_per_token": 2, "intermediate_size": 32})");
@@ -670,7 +677,8 @@ TEST_F(MoeTest, ConfigJsonSetsTheRouting) {
   // A config of another model's sizes.
   write_config(R"({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "hidden_size": 128})");
   expect_refused("--layer 0", {config + ": hidden_size = 128 but the experts' weights have hidden = 64"});
-  write_config(R"({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48})");
+  write_config(
+      R"({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48})");
   expect_refused("--layer 0", {"moe_intermediate_size = 48", "inter = 32"});
 }
 
@@ -745,13 +753,16 @@ TEST_F(MoeTest, SharedExpertIsPartOfTheLayer) {
     };
     if (gated) {
       refused(R"({"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
-          "shared_expert_intermediate_size": 96})", "shared_expert_intermediate_size = 96 but the checkpoint's shared expert is 64 wide");
+          "shared_expert_intermediate_size": 96})",
+              "shared_expert_intermediate_size = 96 but the checkpoint's shared expert is 64 wide");
     } else {
       refused(R"({"model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
-          "topk_group": 1, "n_shared_experts": 1})", "n_shared_experts = 1 (32 wide) but the checkpoint's shared expert is 64 wide");
+          "topk_group": 1, "n_shared_experts": 1})",
+              "n_shared_experts = 1 (32 wide) but the checkpoint's shared expert is 64 wide");
       fs::remove(dir + "/shared.safetensors");
       refused(R"({"model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
-          "topk_group": 1, "n_shared_experts": 2})", "n_shared_experts = 2 (64 wide) but the checkpoint has no shared expert");
+          "topk_group": 1, "n_shared_experts": 2})",
+              "n_shared_experts = 2 (64 wide) but the checkpoint has no shared expert");
     }
   }
 }
@@ -805,7 +816,8 @@ TEST_F(MoeTest, ModeloptExportsAsWritten) {
     w.write(file);
   };
   const std::string w4a4_file = path("w4a4.safetensors");
-  write_layer(w4a4_file, [](const std::string& name) { return name; }, std::nullopt, true);
+  write_layer(
+      w4a4_file, [](const std::string& name) { return name; }, std::nullopt, true);
   const CliResult forced_fp4 = moe(w4a4_file, "--prefix " + kExpertPrefix + " --activations fp4");
   ASSERT_EQ(forced_fp4.exit_code, 0) << forced_fp4.err;
   const std::string expected_fp4 = read_text(path("y.safetensors"));
@@ -813,17 +825,20 @@ TEST_F(MoeTest, ModeloptExportsAsWritten) {
 
   const auto mixtral = [](std::string name) {
     for (const auto& [from, to] : {std::pair<std::string, std::string>{".mlp.", ".block_sparse_moe."},
-                                   {".gate_proj.", ".w1."}, {".up_proj.", ".w3."}, {".down_proj.", ".w2."}})
+                                   {".gate_proj.", ".w1."},
+                                   {".up_proj.", ".w3."},
+                                   {".down_proj.", ".w2."}})
       if (const size_t at = name.find(from); at != std::string::npos) name.replace(at, from.size(), to);
     return name;
   };
   const std::string dir = path("mixtral-nvfp4");
   fs::create_directory(dir);
   write_layer(dir + "/model.safetensors", mixtral, std::nullopt, true);
-  std::ofstream(dir + "/config.json") << R"({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2})";
+  std::ofstream(dir + "/config.json")
+      << R"({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2})";
   for (const std::string algo : {"NVFP4", "W4A16_NVFP4"}) {
-    std::ofstream(dir + "/hf_quant_config.json") << R"({"quantization": {"quant_algo": ")" << algo
-                                                  << R"(", "group_size": 16}})";
+    std::ofstream(dir + "/hf_quant_config.json")
+        << R"({"quantization": {"quant_algo": ")" << algo << R"(", "group_size": 16}})";
     const bool w4a4 = algo == "NVFP4";
     for (const std::string weights : {dir, dir + "/model.safetensors"}) {
       SCOPED_TRACE(algo + " " + weights);
@@ -853,11 +868,12 @@ TEST_F(MoeTest, ModeloptExportsAsWritten) {
   write_layer(dir + "/model.safetensors", [&](const std::string& name) {
     return name.rfind(kExpertPrefix + "experts.3.", 0) == 0 ? std::string() : mixtral(name);
   });
-  expect_refused(dir, "", {"missing tensor 'model.layers.1.block_sparse_moe.experts.3.w1.weight'",
-                           "num_local_experts = 4"});
+  expect_refused(dir, "",
+                 {"missing tensor 'model.layers.1.block_sparse_moe.experts.3.w1.weight'", "num_local_experts = 4"});
   // F32 and U8 block scales.
   for (const DType dtype : {DType::F32, DType::U8}) {
-    write_layer(path("scales.safetensors"), [](const std::string& name) { return name; }, dtype);
+    write_layer(
+        path("scales.safetensors"), [](const std::string& name) { return name; }, dtype);
     expect_refused(path("scales.safetensors"), "",
                    {"'" + kExpertPrefix + "experts.0.gate_proj.weight_scale'",
                     "expected F8_E4M3 [32, 4], found " + std::string(dtype_name(dtype)) + " [32, 4]"});
@@ -893,8 +909,8 @@ TEST_F(CliTest, QuantizeRejectsKNotAMultipleOf16) {
   EXPECT_EQ(no_dir.exit_code, 1);
   EXPECT_NE(no_dir.err.find("does not exist"), std::string::npos) << no_dir.err;
   // Excluded, it is copied instead.
-  const CliResult excluded = run("quantize --exclude '*down_proj*' '" + path("bad.safetensors") + "' '" +
-                                 path("out.safetensors") + "'");
+  const CliResult excluded =
+      run("quantize --exclude '*down_proj*' '" + path("bad.safetensors") + "' '" + path("out.safetensors") + "'");
   EXPECT_EQ(excluded.exit_code, 0) << excluded.err;
   EXPECT_EQ(SafetensorsFile::open(path("out.safetensors")).get("model.layers.0.mlp.experts.0.down_proj.weight").dtype,
             DType::F32);

@@ -98,8 +98,8 @@ TEST_F(CliGpuTest, MoeOnCudaMatchesTheCpuBackend) {
 
     for (const std::string& prefix : {kStackPrefix, kExpertPrefix}) {
       SCOPED_TRACE(c.what + ", " + prefix);
-      const std::string common =
-          "--weights '" + checkpoint + "' --prefix " + prefix + " --input '" + path("x.safetensors") + "' " + c.routing_args;
+      const std::string common = "--weights '" + checkpoint + "' --prefix " + prefix + " --input '" +
+                                 path("x.safetensors") + "' " + c.routing_args;
       const std::vector<float> cpu = run_moe("--device cpu " + common, "cpu.safetensors");
       // Both finalize modes, and the expert-parallel layer on one rank (NCCL).
       for (const std::string backend : {"--finalize deterministic", "--finalize atomic", "--ep 1"}) {
@@ -159,8 +159,9 @@ TEST_F(CliGpuTest, ConfigRoutingAndSharedExpertOnCudaMatchTheCpuBackend) {
     shared_only.shared_expert = shared;
     SafetensorsWriter extra;
     add_moe_weights(extra, shared_only, kStackPrefix);
-    if (!qwen2) add_f32(extra, kStackPrefix + "gate.e_score_correction_bias", {kNumExperts},
-                        normal_values(rng, kNumExperts, 0.3, false));
+    if (!qwen2)
+      add_f32(extra, kStackPrefix + "gate.e_score_correction_bias", {kNumExperts},
+              normal_values(rng, kNumExperts, 0.3, false));
     extra.write(dir + "/extra.safetensors");
     std::ofstream(dir + "/config.json")
         << (qwen2 ? R"({"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
@@ -189,8 +190,7 @@ TEST_F(CliGpuTest, ConfigRoutingAndSharedExpertOnCudaMatchTheCpuBackend) {
 }
 
 TEST_F(CliGpuTest, DemoChecksAndTimesTheLayerOnTheGpu) {
-  const CliResult r =
-      run("demo --model qwen3-30b --tokens 16 --timing-tokens 1 16 64 --timing-iterations 3");
+  const CliResult r = run("demo --model qwen3-30b --tokens 16 --timing-tokens 1 16 64 --timing-iterations 3");
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   std::printf("%s", r.out.c_str());
   EXPECT_NE(r.out.find("layer plan"), std::string::npos) << r.out;
@@ -207,8 +207,8 @@ TEST_F(CliGpuTest, DemoChecksAndTimesTheLayerOnTheGpu) {
 }
 
 TEST_F(CliGpuTest, LayerBenchWritesOneJsonLinePerCase) {
-  const CliResult r = run("bench --layer --models qwen3-30b --tokens 1 24 --iterations 3 --json '" +
-                          path("layer.jsonl") + "'");
+  const CliResult r =
+      run("bench --layer --models qwen3-30b --tokens 1 24 --iterations 3 --json '" + path("layer.jsonl") + "'");
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   std::printf("%s", r.out.c_str());
   std::istringstream lines(read_text(path("layer.jsonl")));
@@ -295,8 +295,8 @@ TEST_F(CliGpuTest, TuneWritesTheCacheThatPlanAndMoeUse) {
     // than the heuristic's shows as ~1, give or take the noise of launches
     // of a few us (seen 0.97-1.01 on an H100). Far below would mean the
     // tuner picked a slower config.
-    EXPECT_NEAR(j.at("speedup").get<double>(), j.at("heuristic_us").get<double>() / j.at("time_us").get<double>(),
-                1e-9) << line;
+    EXPECT_NEAR(j.at("speedup").get<double>(), j.at("heuristic_us").get<double>() / j.at("time_us").get<double>(), 1e-9)
+        << line;
     EXPECT_GE(j.at("speedup").get<double>(), 0.9) << "the tuned choice is slower than the heuristic's: " << line;
     EXPECT_GT(j.at("selection_time_us").get<double>(), 0.0) << line;
     EXPECT_EQ(j.at("confirm_rounds").get<int>(), 3) << line;
@@ -337,8 +337,8 @@ TEST_F(CliGpuTest, TuneWritesTheCacheThatPlanAndMoeUse) {
   add_i32(w, "topk_ids", {kTokens, 2}, {0, 1, 2, 3, 1, 2});
   add_f32(w, "topk_weights", {kTokens, 2}, {0.5f, 0.5f, 0.25f, 0.75f, 1.0f, 0.1f});
   w.write(path("x.safetensors"));
-  const std::string moe = "moe --device cuda --weights '" + checkpoint + "' --prefix " + kStackPrefix +
-                          " --input '" + path("x.safetensors") + "' --output '" + path("y.safetensors") + "'";
+  const std::string moe = "moe --device cuda --weights '" + checkpoint + "' --prefix " + kStackPrefix + " --input '" +
+                          path("x.safetensors") + "' --output '" + path("y.safetensors") + "'";
   const ScopedEnv print("FP4MOE_PRINT_CONFIG", "1");
   {
     const ScopedEnv use(tune::kCacheEnvVar, layer_cache);
@@ -359,8 +359,8 @@ TEST_F(CliGpuTest, TuneWritesTheCacheThatPlanAndMoeUse) {
 // beyond one are not assumed): a JSON line per token count, phases timed,
 // outputs finite, the single-GPU peer measured.
 TEST_F(CliGpuTest, ExpertParallelBenchWritesOneJsonLinePerCase) {
-  const CliResult r = run("bench --layer --ep 1 --models qwen3-30b --tokens 1 24 --iterations 3 --json '" +
-                          path("ep.jsonl") + "'");
+  const CliResult r =
+      run("bench --layer --ep 1 --models qwen3-30b --tokens 1 24 --iterations 3 --json '" + path("ep.jsonl") + "'");
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   std::printf("%s", r.out.c_str());
   std::istringstream lines(read_text(path("ep.jsonl")));

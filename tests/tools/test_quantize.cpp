@@ -88,7 +88,8 @@ class QuantizeTest : public CliTest {
   }
 
   // Writes `tensors` (name order kept) into shards of the given names.
-  static void write_shards(const std::string& dir, const std::vector<std::pair<std::string, std::vector<std::string>>>& shards,
+  static void write_shards(const std::string& dir,
+                           const std::vector<std::pair<std::string, std::vector<std::string>>>& shards,
                            const std::map<std::string, FloatTensor>& tensors) {
     json weight_map = json::object();
     uint64_t total = 0;
@@ -101,7 +102,8 @@ class QuantizeTest : public CliTest {
       }
       w.write(dir + "/" + file);
     }
-    std::ofstream(dir + "/model.safetensors.index.json") << json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2);
+    std::ofstream(dir + "/model.safetensors.index.json")
+        << json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2);
   }
 
   // The Qwen-MoE-like checkpoint: layer 0 attention + MoE (router, 4
@@ -135,9 +137,10 @@ class QuantizeTest : public CliTest {
       if (name == "model.embed_tokens.weight") continue;
       (name.find("layers.0.mlp.experts") != std::string::npos ? shard2 : shard1).push_back(name);
     }
-    write_shards(dir, {{"model-00001-of-00003.safetensors", shard1},
-                       {"model-00002-of-00003.safetensors", shard2},
-                       {"model-00003-of-00003.safetensors", {"model.embed_tokens.weight"}}},
+    write_shards(dir,
+                 {{"model-00001-of-00003.safetensors", shard1},
+                  {"model-00002-of-00003.safetensors", shard2},
+                  {"model-00003-of-00003.safetensors", {"model.embed_tokens.weight"}}},
                  t);
     std::ofstream(dir + "/config.json") << R"({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
       "hidden_size": 64, "num_experts": 4, "num_experts_per_tok": 2, "rope_theta": 1000000.0,
@@ -225,8 +228,8 @@ TEST_F(QuantizeTest, ShardedDirectoryRoundTrip) {
   size_t num_tensors = 0;
   const uint64_t max_input_shard = 4 * kVocab * 16 * kH;  // the embedding shard
   for (const std::string& file : shard_files) {
-    EXPECT_TRUE(std::regex_match(file, std::regex(R"(model-0000\d-of-0000)" + std::to_string(shard_files.size()) +
-                                                  R"(\.safetensors)")))
+    EXPECT_TRUE(std::regex_match(
+        file, std::regex(R"(model-0000\d-of-0000)" + std::to_string(shard_files.size()) + R"(\.safetensors)")))
         << file;
     const SafetensorsFile shard = SafetensorsFile::open(out + "/" + file);
     EXPECT_EQ(shard.metadata().at("format"), "pt");
@@ -281,8 +284,10 @@ TEST_F(QuantizeTest, ShardedDirectoryRoundTrip) {
                                    amax_of(values(attn + "v_proj.weight"))});
   ASSERT_NE(qkv_amax, amax_of(values(attn + "q_proj.weight"))) << "fixture: sharing must be visible";
   expect_quantized(file_of(attn + "q_proj.weight"), attn + "q_proj", values(attn + "q_proj.weight"), kH, kH, qkv_amax);
-  expect_quantized(file_of(attn + "k_proj.weight"), attn + "k_proj", values(attn + "k_proj.weight"), kH / 2, kH, qkv_amax);
-  expect_quantized(file_of(attn + "v_proj.weight"), attn + "v_proj", values(attn + "v_proj.weight"), kH / 2, kH, qkv_amax);
+  expect_quantized(file_of(attn + "k_proj.weight"), attn + "k_proj", values(attn + "k_proj.weight"), kH / 2, kH,
+                   qkv_amax);
+  expect_quantized(file_of(attn + "v_proj.weight"), attn + "v_proj", values(attn + "v_proj.weight"), kH / 2, kH,
+                   qkv_amax);
   expect_quantized(file_of(attn + "o_proj.weight"), attn + "o_proj", values(attn + "o_proj.weight"), kH, kH,
                    amax_of(values(attn + "o_proj.weight")));
   // Experts and the dense MLP: gate/up shared, down its own.
@@ -366,7 +371,8 @@ TEST_F(QuantizeTest, SplitsTransformersFusedExperts) {
     const float shared = amax_of(slice_of(t[p + "gate_up_proj"], e));
     expect_quantized(f, b + "gate_proj", rows_of(t[p + "gate_up_proj"], e, false, 0, 1, kI), kI, kH, shared);
     expect_quantized(f, b + "up_proj", rows_of(t[p + "gate_up_proj"], e, false, kI, 1, kI), kI, kH, shared);
-    expect_quantized(f, b + "down_proj", slice_of(t[p + "down_proj"], e), kH, kI, amax_of(slice_of(t[p + "down_proj"], e)));
+    expect_quantized(f, b + "down_proj", slice_of(t[p + "down_proj"], e), kH, kI,
+                     amax_of(slice_of(t[p + "down_proj"], e)));
   }
   const MoeWeights loaded = load_moe_weights(path("q.safetensors"), "model.layers.0.mlp.");
   EXPECT_EQ(loaded.num_experts, kE);
@@ -444,11 +450,14 @@ TEST_F(QuantizeTest, DeepSeekMlaGroupAndFp32RoutingBias) {
   const CliResult r = run("quantize -q '" + in + "' '" + path("q.safetensors") + "'");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const SafetensorsFile f = SafetensorsFile::open(path("q.safetensors"));
-  const float shared = std::max(amax_of(t[a + "q_a_proj.weight"].values), amax_of(t[a + "kv_a_proj_with_mqa.weight"].values));
+  const float shared =
+      std::max(amax_of(t[a + "q_a_proj.weight"].values), amax_of(t[a + "kv_a_proj_with_mqa.weight"].values));
   expect_quantized(f, a + "q_a_proj", t[a + "q_a_proj.weight"].values, kI, kH, shared);
   expect_quantized(f, a + "kv_a_proj_with_mqa", t[a + "kv_a_proj_with_mqa.weight"].values, kI + 16, kH, shared);
-  expect_quantized(f, a + "q_b_proj", t[a + "q_b_proj.weight"].values, kH, kI, amax_of(t[a + "q_b_proj.weight"].values));
-  expect_quantized(f, a + "kv_b_proj", t[a + "kv_b_proj.weight"].values, kH, kI, amax_of(t[a + "kv_b_proj.weight"].values));
+  expect_quantized(f, a + "q_b_proj", t[a + "q_b_proj.weight"].values, kH, kI,
+                   amax_of(t[a + "q_b_proj.weight"].values));
+  expect_quantized(f, a + "kv_b_proj", t[a + "kv_b_proj.weight"].values, kH, kI,
+                   amax_of(t[a + "kv_b_proj.weight"].values));
   const std::string bias = "model.layers.0.mlp.gate.e_score_correction_bias";
   expect_copied(f, bias, FloatTensor{{kE}, t[bias].values, DType::F32});
 }
@@ -540,8 +549,8 @@ TEST_F(QuantizeTest, SignalMidwayLeavesNothingPartial) {
   // place before it is created; a fixed delay raced the process's start on a
   // loaded machine), or never if the process has already exited.
   const std::string command = "'" + cli_binary() + "' quantize -q '" + dir + "' '" + path("out") + "' 2>'" +
-                              path("stderr") + "' & pid=$!; for i in $(seq 1000); do " +
-                              "ls -d '" + path("out") + "'.tmp.* >/dev/null 2>&1 && break; " +
+                              path("stderr") + "' & pid=$!; for i in $(seq 1000); do " + "ls -d '" + path("out") +
+                              "'.tmp.* >/dev/null 2>&1 && break; " +
                               "kill -0 $pid 2>/dev/null || break; sleep 0.01; done; " +
                               "kill -TERM $pid 2>/dev/null; wait $pid; echo $? >'" + path("rc") + "'";
   ASSERT_EQ(std::system(command.c_str()), 0);

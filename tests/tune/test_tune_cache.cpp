@@ -129,8 +129,8 @@ TEST(TuneCache, RoundTripKeepsEveryField) {
   EXPECT_TRUE(read.problem.empty());
   ASSERT_EQ(read.entries.size(), written.size());
   for (const CacheEntry& w : written) {
-    const auto it = std::find_if(read.entries.begin(), read.entries.end(),
-                                 [&](const CacheEntry& r) { return r.same_key(w); });
+    const auto it =
+        std::find_if(read.entries.begin(), read.entries.end(), [&](const CacheEntry& r) { return r.same_key(w); });
     ASSERT_NE(it, read.entries.end()) << w.gemm.describe() << " bucket " << w.bucket;
     EXPECT_EQ(it->config, w.config);
     EXPECT_EQ(it->split_k, w.split_k);
@@ -330,19 +330,18 @@ TEST(TuneCache, AtomicMergeKeepsOtherEntriesAndDropsStaleOnes) {
   DeviceIdentity old_driver = kH200;
   old_driver.driver_version = "550.54.15";
   const DeviceIdentity h100{"NVIDIA H100 80GB HBM3", 132, "570.86.15", tune::library_version()};
-  tune::write_cache(path,
-                    {entry(glm5(1), 1, "n128m8k256s4w4-swiglu", 2), entry(glm5(1), 64, "n128m8k256s4w4-swiglu", 1),
-                     entry(glm5(1), 8, "n128m8k256s4w4-swiglu", 1, old_driver),
-                     entry(glm5(1), 8, "n128m8k256s4w4-swiglu", 1, h100)},
-                    old_driver);  // the old driver wrote all of them
-  const tune::MergeSummary summary =
-      tune::write_cache(path,
-                        {entry(glm5(1), 64, "sm90n128m16k128s7w12-swiglu", 1),
-                         entry(glm5(2), 64, "sm90n128m16k128s7w12-finalize", 1)},
-                        kH200);
+  tune::write_cache(
+      path,
+      {entry(glm5(1), 1, "n128m8k256s4w4-swiglu", 2), entry(glm5(1), 64, "n128m8k256s4w4-swiglu", 1),
+       entry(glm5(1), 8, "n128m8k256s4w4-swiglu", 1, old_driver), entry(glm5(1), 8, "n128m8k256s4w4-swiglu", 1, h100)},
+      old_driver);  // the old driver wrote all of them
+  const tune::MergeSummary summary = tune::write_cache(
+      path,
+      {entry(glm5(1), 64, "sm90n128m16k128s7w12-swiglu", 1), entry(glm5(2), 64, "sm90n128m16k128s7w12-finalize", 1)},
+      kH200);
   EXPECT_EQ(summary.added, 1);
   EXPECT_EQ(summary.replaced, 1);
-  EXPECT_EQ(summary.kept, 2);          // bucket 1 of this device and the H100's entry
+  EXPECT_EQ(summary.kept, 2);           // bucket 1 of this device and the H100's entry
   EXPECT_EQ(summary.dropped_stale, 1);  // this GPU's entry from the old driver
   EXPECT_TRUE(summary.replaced_file_problem.empty());
   const CacheFile cache = tune::read_cache(path);
@@ -359,12 +358,11 @@ TEST(TuneCache, AtomicMergeKeepsOtherEntriesAndDropsStaleOnes) {
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"tune-cache.json", "tune-cache.json.lock"}));
   // Within one write the last entry of a key wins.
-  tune::write_cache(path,
-                    {entry(glm5(2), 2, "n128m8k256s4w4-finalize", 1), entry(glm5(2), 2, "n128m32k128s4w4-finalize", 3)},
-                    kH200);
+  tune::write_cache(
+      path, {entry(glm5(2), 2, "n128m8k256s4w4-finalize", 1), entry(glm5(2), 2, "n128m32k128s4w4-finalize", 3)}, kH200);
   const CacheFile again = tune::read_cache(path);
-  const auto twice = std::count_if(again.entries.begin(), again.entries.end(),
-                                   [](const CacheEntry& e) { return e.bucket == 2; });
+  const auto twice =
+      std::count_if(again.entries.begin(), again.entries.end(), [](const CacheEntry& e) { return e.bucket == 2; });
   EXPECT_EQ(twice, 1);
   for (const CacheEntry& e : again.entries)
     if (e.bucket == 2) EXPECT_EQ(e.config, "n128m32k128s4w4-finalize");
@@ -489,7 +487,7 @@ TEST(TuneBuckets, TunedGemmFindsTheEntryOfTheBucket) {
 
 TEST(TuneCandidates, EveryCandidateFitsRunsAndHasTheEpilogue) {
   const std::vector<DeviceLimits> devices = {{232448, 90}, {101376, 90}, {80000, 90}, {101376, 120},
-                                             {166912, 80}, {101376, 86},  {60000, 90}};
+                                             {166912, 80}, {101376, 86}, {60000, 90}};
   const std::vector<std::tuple<int64_t, int, int64_t, int64_t>> shapes = {
       {256, 8, 7168, 2048}, {128, 8, 2048, 768}, {8, 2, 4096, 14336}, {128, 4, 2880, 2880}};
   int checked = 0;
@@ -534,8 +532,8 @@ TEST(TuneCandidates, EveryCandidateFitsRunsAndHasTheEpilogue) {
               EXPECT_TRUE(candidates.empty());
               continue;
             }
-            const GemmPlan heuristic = limit_split_k(
-                plan_gemm(p, device.smem_budget_bytes, 132, device.compute_capability), invariant);
+            const GemmPlan heuristic =
+                limit_split_k(plan_gemm(p, device.smem_budget_bytes, 132, device.compute_capability), invariant);
             EXPECT_NE(std::find(candidates.begin(), candidates.end(), Candidate{heuristic.config, heuristic.split_k}),
                       candidates.end())
                 << "heuristic " << heuristic.config.to_string() << " split_k " << heuristic.split_k;
@@ -567,8 +565,7 @@ TEST(TuneCandidates, BatchInvariantLayersUseOnlyInvariantChoices) {
   CacheFile cache;
   cache.path = "/c.json";
   cache.status = CacheStatus::kOk;
-  cache.entries = {entry(glm5(1), 1, "n128m8k256s4w4-swiglu", 2),
-                   entry(glm5(1), 64, "sm90n128m16k128s7w12-swiglu", 1)};
+  cache.entries = {entry(glm5(1), 1, "n128m8k256s4w4-swiglu", 2), entry(glm5(1), 64, "sm90n128m16k128s7w12-swiglu", 1)};
   std::vector<std::string> warnings;
   const TunedGemm plain(cache, kH200, glm5(1), 8, kSm90Limits, true, &warnings);
   EXPECT_TRUE(warnings.empty()) << "not faulty, just not for this layer";

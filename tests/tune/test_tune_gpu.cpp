@@ -129,8 +129,8 @@ TEST(TuneCandidatesGpu, EveryCandidateLaunchesAndMatchesTheReference) {
         const std::vector<double> ref = reference(shape, gemm, bench.host_copy(0));
         const int64_t cols = gemm == 1 ? shape.inter : shape.hidden;
         for (const tune::Candidate& c : candidates) {
-          const std::string what = shape.name + " gemm" + std::to_string(gemm) + " T=" + std::to_string(tokens) +
-                                   " " + c.to_string();
+          const std::string what =
+              shape.name + " gemm" + std::to_string(gemm) + " T=" + std::to_string(tokens) + " " + c.to_string();
           SCOPED_TRACE(what);
           const GemmPlan plan = plan_grouped_gemm(problem, c.config, c.split_k);
           ASSERT_EQ(plan.split_k, c.split_k);
@@ -355,10 +355,9 @@ TEST(MoeLayerTuneCache, InvalidOrStaleEntriesGiveTheHeuristicReportedOnce) {
   old_library.library_version = "0.0.0-old";
   const tune::Candidate any = other_than_heuristic(2);
   // GEMM1: a config that is not compiled; GEMM2: only an entry of another library version.
-  tune::write_cache(path,
-                    {cache_entry(1, kBucket, any, device, "n128m16k256s4w4-swiglu"),
-                     cache_entry(2, kBucket, any, old_library)},
-                    tune::DeviceIdentity{"another GPU", 1, "1", "1"});
+  tune::write_cache(
+      path, {cache_entry(1, kBucket, any, device, "n128m16k256s4w4-swiglu"), cache_entry(2, kBucket, any, old_library)},
+      tune::DeviceIdentity{"another GPU", 1, "1", "1"});
   const MoeWeights weights = small_weights();
   ::testing::internal::CaptureStderr();
   const MoeLayer first = MoeLayer::prepare(weights, small_options(path));
@@ -394,8 +393,8 @@ TEST(MoeLayerTuneCache, CorruptOrMissingCacheGivesTheHeuristic) {
   const MoeLayer a = MoeLayer::prepare(weights, small_options(corrupt));
   const MoeLayer b = MoeLayer::prepare(weights, small_options(corrupt));
   const std::string err = ::testing::internal::GetCapturedStderr();
-  EXPECT_EQ(err, "fp4moe: tune cache " + corrupt +
-                     " is corrupt (not valid JSON); ignored (fp4moe tune writes a new one)\n");
+  EXPECT_EQ(err,
+            "fp4moe: tune cache " + corrupt + " is corrupt (not valid JSON); ignored (fp4moe tune writes a new one)\n");
   EXPECT_EQ(a.plan(kBucket).gemm1_origin.kind, PlanOrigin::Kind::kHeuristic);
 
   ::testing::internal::CaptureStderr();

@@ -73,8 +73,7 @@ TEST(DeviceBuffer, FailedAllocationThrowsAndLeavesItEmpty) {
 }
 
 TEST(DeviceBuffer, OverflowingCountIsRefused) {
-  const std::string msg = error_message(
-      [] { DeviceBuffer<double> b(std::numeric_limits<size_t>::max() / 4); });
+  const std::string msg = error_message([] { DeviceBuffer<double> b(std::numeric_limits<size_t>::max() / 4); });
   EXPECT_NE(msg.find("overflow"), std::string::npos) << msg;
 }
 

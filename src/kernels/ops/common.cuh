@@ -16,10 +16,10 @@ namespace fp4moe::kernels {
 inline constexpr unsigned kFullWarp = 0xFFFFFFFFu;
 // kMaxExperts (plan/smem_model.hpp, the grouped GEMM's bound) also sizes the
 // routing keys and the sort histogram held in shared memory.
-inline constexpr int kRouteThreads = 256;            // routing: one block per token
-inline constexpr int kSortThreads = 1024;            // a sort block
-inline constexpr int kElementwiseThreads = 256;      // gather and finalize
-inline constexpr int kElementwiseBlocksPerSm = 8;    // 2048 resident threads per SM: enough to saturate HBM
+inline constexpr int kRouteThreads = 256;          // routing: one block per token
+inline constexpr int kSortThreads = 1024;          // a sort block
+inline constexpr int kElementwiseThreads = 256;    // gather and finalize
+inline constexpr int kElementwiseBlocksPerSm = 8;  // 2048 resident threads per SM: enough to saturate HBM
 
 static_assert(kMaxTopK <= 32, "lane j holds the j-th chosen expert");
 

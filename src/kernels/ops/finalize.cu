@@ -29,15 +29,13 @@ __device__ __forceinline__ Bf16x4 to_bf16x4(float4 v) {
 
 __global__ void finalize_pairs_kernel(const float4* __restrict__ pair_rows,  // [num_tokens * top_k, vectors_per_row]
                                       const int32_t* __restrict__ topk_ids,  // [num_tokens, top_k] or null
-                                      int64_t num_tokens, int top_k, int num_experts,
-                                      int64_t vectors_per_row,
-                                      Bf16x4* __restrict__ output) {         // [num_tokens, vectors_per_row]
+                                      int64_t num_tokens, int top_k, int num_experts, int64_t vectors_per_row,
+                                      Bf16x4* __restrict__ output) {  // [num_tokens, vectors_per_row]
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   const int64_t num_vectors = num_tokens * vectors_per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vectors;
-       i += stride) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vectors; i += stride) {
     const int64_t token = i / vectors_per_row;
     const int64_t column = i - token * vectors_per_row;
     // Slot order, from 0.0f, in fp32: the same bits on every run.
@@ -67,13 +65,11 @@ __global__ void finalize_pairs_kernel(const float4* __restrict__ pair_rows,  // 
 }
 
 __global__ void finalize_accumulated_kernel(float4* __restrict__ accum,  // [num_tokens, vectors_per_row]
-                                            int64_t num_vectors,
-                                            Bf16x4* __restrict__ output) {
+                                            int64_t num_vectors, Bf16x4* __restrict__ output) {
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vectors;
-       i += stride) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vectors; i += stride) {
     const float4 v = accum[i];
     accum[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // ready for the next forward
     output[i] = to_bf16x4(v);
@@ -82,15 +78,13 @@ __global__ void finalize_accumulated_kernel(float4* __restrict__ accum,  // [num
 
 }  // namespace
 
-void launch_finalize_pairs(const float* pair_rows, const int32_t* topk_ids, int64_t num_tokens,
-                           int top_k, int64_t num_experts, int64_t hidden, void* output,
-                           cudaStream_t stream, bool programmatic) {
-  FP4MOE_CHECK(num_tokens >= 0, "launch_finalize_pairs: num_tokens = ", num_tokens,
-               "; expected >= 0");
-  FP4MOE_CHECK(top_k >= 1 && top_k <= kMaxTopK, "launch_finalize_pairs: top_k = ", top_k,
-               "; expected in [1, ", kMaxTopK, "]");
-  FP4MOE_CHECK(num_experts >= 1 && num_experts <= INT32_MAX, "launch_finalize_pairs: num_experts = ",
-               num_experts, "; expected >= 1");
+void launch_finalize_pairs(const float* pair_rows, const int32_t* topk_ids, int64_t num_tokens, int top_k,
+                           int64_t num_experts, int64_t hidden, void* output, cudaStream_t stream, bool programmatic) {
+  FP4MOE_CHECK(num_tokens >= 0, "launch_finalize_pairs: num_tokens = ", num_tokens, "; expected >= 0");
+  FP4MOE_CHECK(top_k >= 1 && top_k <= kMaxTopK, "launch_finalize_pairs: top_k = ", top_k, "; expected in [1, ",
+               kMaxTopK, "]");
+  FP4MOE_CHECK(num_experts >= 1 && num_experts <= INT32_MAX, "launch_finalize_pairs: num_experts = ", num_experts,
+               "; expected >= 1");
   FP4MOE_CHECK(hidden >= 4 && hidden % 4 == 0, "launch_finalize_pairs: hidden = ", hidden,
                "; expected a positive multiple of 4 (float4 loads)");
   if (num_tokens == 0) return;
@@ -98,16 +92,14 @@ void launch_finalize_pairs(const float* pair_rows, const int32_t* topk_ids, int6
   FP4MOE_CHECK(aligned_16(pair_rows) && aligned_16(output),
                "launch_finalize_pairs: pair_rows and output must be 16-byte aligned");
   const int64_t vectors_per_row = hidden / 4;
-  launch_kernel(finalize_pairs_kernel, elementwise_grid(num_tokens * vectors_per_row),
-                kElementwiseThreads, 0, stream, programmatic,
-                reinterpret_cast<const float4*>(pair_rows), topk_ids, num_tokens, top_k,
+  launch_kernel(finalize_pairs_kernel, elementwise_grid(num_tokens * vectors_per_row), kElementwiseThreads, 0, stream,
+                programmatic, reinterpret_cast<const float4*>(pair_rows), topk_ids, num_tokens, top_k,
                 static_cast<int>(num_experts), vectors_per_row, static_cast<Bf16x4*>(output));
 }
 
-void launch_finalize_accumulated(float* accum, int64_t num_tokens, int64_t hidden, void* output,
-                                 cudaStream_t stream, bool programmatic) {
-  FP4MOE_CHECK(num_tokens >= 0, "launch_finalize_accumulated: num_tokens = ", num_tokens,
-               "; expected >= 0");
+void launch_finalize_accumulated(float* accum, int64_t num_tokens, int64_t hidden, void* output, cudaStream_t stream,
+                                 bool programmatic) {
+  FP4MOE_CHECK(num_tokens >= 0, "launch_finalize_accumulated: num_tokens = ", num_tokens, "; expected >= 0");
   FP4MOE_CHECK(hidden >= 4 && hidden % 4 == 0, "launch_finalize_accumulated: hidden = ", hidden,
                "; expected a positive multiple of 4 (float4 loads)");
   if (num_tokens == 0) return;
@@ -115,9 +107,8 @@ void launch_finalize_accumulated(float* accum, int64_t num_tokens, int64_t hidde
   FP4MOE_CHECK(aligned_16(accum) && aligned_16(output),
                "launch_finalize_accumulated: accum and output must be 16-byte aligned");
   const int64_t num_vectors = num_tokens * (hidden / 4);
-  launch_kernel(finalize_accumulated_kernel, elementwise_grid(num_vectors), kElementwiseThreads, 0,
-                stream, programmatic, reinterpret_cast<float4*>(accum), num_vectors,
-                static_cast<Bf16x4*>(output));
+  launch_kernel(finalize_accumulated_kernel, elementwise_grid(num_vectors), kElementwiseThreads, 0, stream,
+                programmatic, reinterpret_cast<float4*>(accum), num_vectors, static_cast<Bf16x4*>(output));
 }
 
 }  // namespace fp4moe::kernels

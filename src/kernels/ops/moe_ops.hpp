@@ -61,10 +61,9 @@ struct SharedSlots {
 // num_experts > kMaxExperts (512, plan/smem_model.hpp) or top_k > kMaxTopK.
 // With shared slots, topk_ids and topk_weights are [num_tokens, top_k +
 // shared.num_shared]: each token's choices, then its shared slots.
-void launch_route(const float* router_logits, const float* correction_bias, int64_t num_tokens,
-                  int64_t num_experts, const RoutingParams& params, int32_t* topk_ids,
-                  float* topk_weights, cudaStream_t stream, bool programmatic = false,
-                  int32_t* error_flags = nullptr, const SharedSlots& shared = {});
+void launch_route(const float* router_logits, const float* correction_bias, int64_t num_tokens, int64_t num_experts,
+                  const RoutingParams& params, int32_t* topk_ids, float* topk_weights, cudaStream_t stream,
+                  bool programmatic = false, int32_t* error_flags = nullptr, const SharedSlots& shared = {});
 
 // Counting sort of the num_tokens * top_k pairs by expert. Pair p = token *
 // top_k + slot has expert topk_ids[p]. Writes
@@ -81,10 +80,9 @@ void launch_route(const float* router_logits, const float* correction_bias, int6
 // batch's sort for ~0.1 ms), which keep their per-block counts in
 // sort_scratch, int32 [sort_scratch_ints(num_pairs, num_experts)] (null while
 // that is 0).
-void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_k,
-                           int64_t num_experts, int32_t* expert_offsets, int32_t* token_of_row,
-                           int32_t* pair_of_row, int32_t* error_flags, int32_t* sort_scratch,
-                           cudaStream_t stream, bool programmatic = false);
+void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_k, int64_t num_experts,
+                           int32_t* expert_offsets, int32_t* token_of_row, int32_t* pair_of_row, int32_t* error_flags,
+                           int32_t* sort_scratch, cudaStream_t stream, bool programmatic = false);
 
 inline constexpr int64_t kSortChunkPairs = 2048;
 // The int32 scratch launch_sort_by_expert needs for num_pairs pairs.
@@ -102,10 +100,9 @@ constexpr int64_t sort_scratch_ints(int64_t num_pairs, int64_t num_experts) {
 // launch_route), the sort runs over top_k + shared.num_shared slots per token
 // and num_experts + shared.num_shared experts (fused while the slots number
 // at most 1024; past that sort_scratch is launch_sort_by_expert's).
-void launch_route_and_sort(const float* router_logits, const float* correction_bias,
-                           int64_t num_tokens, int64_t num_experts, const RoutingParams& params,
-                           int32_t* topk_ids, float* topk_weights, int32_t* expert_offsets,
-                           int32_t* token_of_row, int32_t* pair_of_row, int32_t* error_flags,
+void launch_route_and_sort(const float* router_logits, const float* correction_bias, int64_t num_tokens,
+                           int64_t num_experts, const RoutingParams& params, int32_t* topk_ids, float* topk_weights,
+                           int32_t* expert_offsets, int32_t* token_of_row, int32_t* pair_of_row, int32_t* error_flags,
                            int32_t* arrivals, int32_t* sort_scratch, cudaStream_t stream, bool programmatic = false,
                            const SharedSlots& shared = {});
 
@@ -127,9 +124,9 @@ void launch_append_shared_slots(const int32_t* topk_ids, const float* topk_weigh
 // x_sorted[r, :] = x[token_of_row[r], :] for r < num_rows, bf16 rows of
 // `hidden` elements (hidden % 8 == 0, pointers 16-byte aligned). Rows r with
 // r >= expert_offsets[num_experts] (ids that were not placed) are skipped.
-void launch_gather_rows(const void* x, const int32_t* token_of_row, const int32_t* expert_offsets,
-                        int64_t num_experts, int64_t num_rows, int64_t hidden, void* x_sorted,
-                        cudaStream_t stream, bool programmatic = false);
+void launch_gather_rows(const void* x, const int32_t* token_of_row, const int32_t* expert_offsets, int64_t num_experts,
+                        int64_t num_rows, int64_t hidden, void* x_sorted, cudaStream_t stream,
+                        bool programmatic = false);
 
 // W4A4: launch_gather_rows, with each row quantised to NVFP4 on the way, per
 // block of 16 against input_scales[e] (fp32 [num_experts], e the row's
@@ -152,10 +149,10 @@ void launch_gather_rows_fp4(const void* x, const int32_t* token_of_row, const in
 //     fp32 [num_tokens, hidden].
 // hidden % 4 == 0, pointers 16-byte aligned. A token with no valid slot gets
 // zeros.
-void launch_finalize_pairs(const float* pair_rows, const int32_t* topk_ids, int64_t num_tokens,
-                           int top_k, int64_t num_experts, int64_t hidden, void* output,
-                           cudaStream_t stream, bool programmatic = false);
-void launch_finalize_accumulated(float* accum, int64_t num_tokens, int64_t hidden, void* output,
-                                 cudaStream_t stream, bool programmatic = false);
+void launch_finalize_pairs(const float* pair_rows, const int32_t* topk_ids, int64_t num_tokens, int top_k,
+                           int64_t num_experts, int64_t hidden, void* output, cudaStream_t stream,
+                           bool programmatic = false);
+void launch_finalize_accumulated(float* accum, int64_t num_tokens, int64_t hidden, void* output, cudaStream_t stream,
+                                 bool programmatic = false);
 
 }  // namespace fp4moe::kernels

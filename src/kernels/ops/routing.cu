@@ -31,15 +31,14 @@ constexpr int64_t kFusedSortMaxPairs = 1024;  // route_and_sort: up to here the 
 constexpr int kSharedSlotThreads = 128;       // append_shared_slots: one block per token
 
 __global__ void __launch_bounds__(kRouteThreads)
-    route_kernel(const float* __restrict__ router_logits, const float* __restrict__ correction_bias,
-                 int num_experts, RoutingParams params, int32_t* __restrict__ topk_ids,
-                 float* __restrict__ topk_weights, int32_t* __restrict__ error_flags, SharedSlots shared) {
+    route_kernel(const float* __restrict__ router_logits, const float* __restrict__ correction_bias, int num_experts,
+                 RoutingParams params, int32_t* __restrict__ topk_ids, float* __restrict__ topk_weights,
+                 int32_t* __restrict__ error_flags, SharedSlots shared) {
   __shared__ RouteShared sh;
   const ExpertBias bias = load_expert_bias(correction_bias, num_experts, params);
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
-  route_token(sh, router_logits, bias, num_experts, params, blockIdx.x, topk_ids,
-              topk_weights, error_flags, shared);
+  route_token(sh, router_logits, bias, num_experts, params, blockIdx.x, topk_ids, topk_weights, error_flags, shared);
 }
 
 // Routing and sort in one launch, for small batches where a second kernel's
@@ -49,9 +48,8 @@ __global__ void __launch_bounds__(kRouteThreads)
 // token's block sorts its choices straight from shared memory
 // (sort_one_token): no fence, no arrival atomic, no read-back through L2.
 __global__ void __launch_bounds__(kRouteThreads)
-    route_and_sort_kernel(const float* __restrict__ router_logits,
-                          const float* __restrict__ correction_bias, int num_experts,
-                          RoutingParams params, int32_t* topk_ids, float* __restrict__ topk_weights,
+    route_and_sort_kernel(const float* __restrict__ router_logits, const float* __restrict__ correction_bias,
+                          int num_experts, RoutingParams params, int32_t* topk_ids, float* __restrict__ topk_weights,
                           int32_t* __restrict__ expert_offsets, int32_t* __restrict__ token_of_row,
                           int32_t* __restrict__ pair_of_row, int32_t* __restrict__ error_flags,
                           int32_t* __restrict__ arrivals, SharedSlots shared) {
@@ -61,8 +59,8 @@ __global__ void __launch_bounds__(kRouteThreads)
   const ExpertBias bias = load_expert_bias(correction_bias, num_experts, params);
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
-  route_token(route_sh, router_logits, bias, num_experts, params, blockIdx.x, topk_ids,
-              topk_weights, error_flags, shared);
+  route_token(route_sh, router_logits, bias, num_experts, params, blockIdx.x, topk_ids, topk_weights, error_flags,
+              shared);
   // The sort sees the shared chunks as experts num_experts.., one more slot
   // per token each.
   const int rows = params.top_k + shared.num_shared;
@@ -80,9 +78,8 @@ __global__ void __launch_bounds__(kRouteThreads)
   if (!is_last) return;
   __threadfence();
   if (threadIdx.x == 0) *arrivals = 0;
-  sort_pairs_in_block<kRouteThreads>(
-      sort_sh, topk_ids, static_cast<int64_t>(gridDim.x) * rows, rows, sorted_experts, expert_offsets,
-      token_of_row, pair_of_row, error_flags);
+  sort_pairs_in_block<kRouteThreads>(sort_sh, topk_ids, static_cast<int64_t>(gridDim.x) * rows, rows, sorted_experts,
+                                     expert_offsets, token_of_row, pair_of_row, error_flags);
 }
 
 // Writes a token's rows_per_token = top_k + num_shared slots: its routed
@@ -92,14 +89,14 @@ __global__ void __launch_bounds__(kRouteThreads)
 // num_experts + j, weighted 1 or sigmoid(shared_gate · x) (a dot product in
 // fp32, summed per thread, per warp, then over warps in a fixed order).
 __global__ void __launch_bounds__(kSharedSlotThreads)
-    append_shared_slots_kernel(const int32_t* __restrict__ topk_ids,         // [num_tokens, top_k]
-                               const float* __restrict__ topk_weights,       // [num_tokens, top_k]
+    append_shared_slots_kernel(const int32_t* __restrict__ topk_ids,    // [num_tokens, top_k]
+                               const float* __restrict__ topk_weights,  // [num_tokens, top_k]
                                int top_k, int num_experts, int num_shared,
                                const __nv_bfloat16* __restrict__ hidden_states,  // [num_tokens, hidden]
-                               const float* __restrict__ shared_gate,        // [hidden] or null
+                               const float* __restrict__ shared_gate,            // [hidden] or null
                                int64_t hidden,
-                               int32_t* __restrict__ out_ids,                // [num_tokens, top_k + num_shared]
-                               float* __restrict__ out_weights) {            // [num_tokens, top_k + num_shared]
+                               int32_t* __restrict__ out_ids,      // [num_tokens, top_k + num_shared]
+                               float* __restrict__ out_weights) {  // [num_tokens, top_k + num_shared]
   __shared__ float warp_partial[kSharedSlotThreads / 32];
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
@@ -139,8 +136,7 @@ void check_routing_params(int64_t num_tokens, int64_t num_experts, const Routing
   FP4MOE_CHECK(p.top_k >= 1 && p.top_k <= num_experts, "launch_route: top_k = ", p.top_k,
                "; expected in [1, num_experts = ", num_experts, "]");
   FP4MOE_CHECK(p.top_k <= kMaxTopK, "launch_route: top_k = ", p.top_k, "; expected <= ", kMaxTopK);
-  FP4MOE_CHECK(p.mode == RoutingMode::kSoftmaxTopK || p.mode == RoutingMode::kNoauxTc ||
-                   p.mode == RoutingMode::kGptOss,
+  FP4MOE_CHECK(p.mode == RoutingMode::kSoftmaxTopK || p.mode == RoutingMode::kNoauxTc || p.mode == RoutingMode::kGptOss,
                "launch_route: unknown RoutingMode ", static_cast<int>(p.mode));
   if (p.mode == RoutingMode::kNoauxTc) check_noaux_tc_params("launch_route", num_experts, p);
 }
@@ -149,59 +145,55 @@ void check_routing_params(int64_t num_tokens, int64_t num_experts, const Routing
 // and with hidden states to compute a gate from.
 void check_shared_slots(const char* op, int64_t num_experts, int top_k, const SharedSlots& shared) {
   if (shared.num_shared == 0) return;
-  FP4MOE_CHECK(shared.num_shared > 0 && top_k + shared.num_shared <= kMaxTopK &&
-                   num_experts + shared.num_shared <= kMaxExperts,
-               op, ": top_k = ", top_k, " with ", shared.num_shared, " shared slots over ", num_experts,
-               " experts; expected top_k + shared <= ", kMaxTopK, " and experts + shared <= ", kMaxExperts);
+  FP4MOE_CHECK(
+      shared.num_shared > 0 && top_k + shared.num_shared <= kMaxTopK && num_experts + shared.num_shared <= kMaxExperts,
+      op, ": top_k = ", top_k, " with ", shared.num_shared, " shared slots over ", num_experts,
+      " experts; expected top_k + shared <= ", kMaxTopK, " and experts + shared <= ", kMaxExperts);
   FP4MOE_CHECK(shared.gate == nullptr || (shared.hidden_states != nullptr && shared.hidden >= 1), op,
                ": a shared expert gate needs hidden_states and hidden >= 1");
 }
 
 }  // namespace
 
-void launch_route(const float* router_logits, const float* correction_bias, int64_t num_tokens,
-                  int64_t num_experts, const RoutingParams& params, int32_t* topk_ids,
-                  float* topk_weights, cudaStream_t stream, bool programmatic,
-                  int32_t* error_flags, const SharedSlots& shared) {
+void launch_route(const float* router_logits, const float* correction_bias, int64_t num_tokens, int64_t num_experts,
+                  const RoutingParams& params, int32_t* topk_ids, float* topk_weights, cudaStream_t stream,
+                  bool programmatic, int32_t* error_flags, const SharedSlots& shared) {
   check_routing_params(num_tokens, num_experts, params);
   check_shared_slots("launch_route", num_experts, params.top_k, shared);
   if (num_tokens == 0) return;
   FP4MOE_CHECK(router_logits && topk_ids && topk_weights,
                "launch_route: router_logits, topk_ids and topk_weights must be non-null");
-  FP4MOE_CHECK(num_tokens <= INT_MAX, "launch_route: num_tokens = ", num_tokens,
-               "; expected <= ", INT_MAX, " (one block per token)");
-  launch_kernel(route_kernel, static_cast<unsigned>(num_tokens), kRouteThreads, 0, stream,
-                programmatic, router_logits,
-                params.mode == RoutingMode::kNoauxTc ? correction_bias : nullptr,
-                static_cast<int>(num_experts), params, topk_ids, topk_weights, error_flags, shared);
+  FP4MOE_CHECK(num_tokens <= INT_MAX, "launch_route: num_tokens = ", num_tokens, "; expected <= ", INT_MAX,
+               " (one block per token)");
+  launch_kernel(route_kernel, static_cast<unsigned>(num_tokens), kRouteThreads, 0, stream, programmatic, router_logits,
+                params.mode == RoutingMode::kNoauxTc ? correction_bias : nullptr, static_cast<int>(num_experts), params,
+                topk_ids, topk_weights, error_flags, shared);
 }
 
-void launch_route_and_sort(const float* router_logits, const float* correction_bias,
-                           int64_t num_tokens, int64_t num_experts, const RoutingParams& params,
-                           int32_t* topk_ids, float* topk_weights, int32_t* expert_offsets,
-                           int32_t* token_of_row, int32_t* pair_of_row, int32_t* error_flags,
+void launch_route_and_sort(const float* router_logits, const float* correction_bias, int64_t num_tokens,
+                           int64_t num_experts, const RoutingParams& params, int32_t* topk_ids, float* topk_weights,
+                           int32_t* expert_offsets, int32_t* token_of_row, int32_t* pair_of_row, int32_t* error_flags,
                            int32_t* arrivals, int32_t* sort_scratch, cudaStream_t stream, bool programmatic,
                            const SharedSlots& shared) {
   check_routing_params(num_tokens, num_experts, params);
   check_shared_slots("launch_route_and_sort", num_experts, params.top_k, shared);
   const int rows = params.top_k + shared.num_shared;
   if (num_tokens * rows > kFusedSortMaxPairs) {
-    launch_route(router_logits, correction_bias, num_tokens, num_experts, params, topk_ids,
-                 topk_weights, stream, programmatic, error_flags, shared);
-    launch_sort_by_expert(topk_ids, num_tokens, rows, num_experts + shared.num_shared, expert_offsets,
-                          token_of_row, pair_of_row, error_flags, sort_scratch, stream, programmatic);
+    launch_route(router_logits, correction_bias, num_tokens, num_experts, params, topk_ids, topk_weights, stream,
+                 programmatic, error_flags, shared);
+    launch_sort_by_expert(topk_ids, num_tokens, rows, num_experts + shared.num_shared, expert_offsets, token_of_row,
+                          pair_of_row, error_flags, sort_scratch, stream, programmatic);
     return;
   }
   if (num_tokens == 0) return;
-  FP4MOE_CHECK(router_logits && topk_ids && topk_weights && expert_offsets && token_of_row &&
-                   pair_of_row && error_flags && arrivals,
+  FP4MOE_CHECK(router_logits && topk_ids && topk_weights && expert_offsets && token_of_row && pair_of_row &&
+                   error_flags && arrivals,
                "launch_route_and_sort: router_logits, topk_ids, topk_weights, expert_offsets, "
                "token_of_row, pair_of_row, error_flags and arrivals must be non-null");
-  launch_kernel(route_and_sort_kernel, static_cast<unsigned>(num_tokens), kRouteThreads, 0, stream,
-                programmatic, router_logits,
-                params.mode == RoutingMode::kNoauxTc ? correction_bias : nullptr,
-                static_cast<int>(num_experts), params, topk_ids, topk_weights, expert_offsets,
-                token_of_row, pair_of_row, error_flags, arrivals, shared);
+  launch_kernel(route_and_sort_kernel, static_cast<unsigned>(num_tokens), kRouteThreads, 0, stream, programmatic,
+                router_logits, params.mode == RoutingMode::kNoauxTc ? correction_bias : nullptr,
+                static_cast<int>(num_experts), params, topk_ids, topk_weights, expert_offsets, token_of_row,
+                pair_of_row, error_flags, arrivals, shared);
 }
 
 void launch_append_shared_slots(const int32_t* topk_ids, const float* topk_weights, int64_t num_tokens, int top_k,

@@ -42,7 +42,7 @@ struct RouteShared {
   alignas(16) int candidate[kMaxExperts / 32 * kMaxTopK];
   float group_score[kMaxExperts / 2];
   uint8_t group_kept[kMaxExperts / 2];
-  int chosen[kMaxTopK];            // expert of rank j, then the shared chunks' experts
+  int chosen[kMaxTopK];  // expert of rank j, then the shared chunks' experts
   float partial[kRouteThreads / 32];
   float gate_partial[kRouteThreads / 32];  // the shared expert's gate dot product, per warp
 };
@@ -50,9 +50,7 @@ struct RouteShared {
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // Whether (key a, index ia) ranks before (key b, index ib).
-__device__ __forceinline__ bool ranks_before(float a, int ia, float b, int ib) {
-  return a > b || (a == b && ia < ib);
-}
+__device__ __forceinline__ bool ranks_before(float a, int ia, float b, int ib) { return a > b || (a == b && ia < ib); }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -94,9 +92,9 @@ inline __device__ void route_token(RouteShared& sh,
                                    const float* __restrict__ router_logits,  // [num_tokens, num_experts]
                                    const ExpertBias& bias,                   // load_expert_bias()
                                    int num_experts, const RoutingParams& params, int64_t token,
-                                   int32_t* __restrict__ topk_ids,      // [num_tokens, top_k + num_shared]
-                                   float* __restrict__ topk_weights,    // [num_tokens, top_k + num_shared]
-                                   int32_t* __restrict__ error_flags,   // layer error word, or null
+                                   int32_t* __restrict__ topk_ids,     // [num_tokens, top_k + num_shared]
+                                   float* __restrict__ topk_weights,   // [num_tokens, top_k + num_shared]
+                                   int32_t* __restrict__ error_flags,  // layer error word, or null
                                    const SharedSlots& shared) {
   const int tid = static_cast<int>(threadIdx.x);
   const float* logits = router_logits + token * num_experts;
@@ -260,11 +258,9 @@ inline __device__ void route_token(RouteShared& sh,
       // The first choice holds the largest key; -inf there: no finite logit.
       const float max_logit = sh.key[sh.chosen[0]];
       const float key = sh.key[expert];
-      const float numerator =
-          lane < top_k && key != -INFINITY ? expf(key - max_logit) : 0.0f;
+      const float numerator = lane < top_k && key != -INFINITY ? expf(key - max_logit) : 0.0f;
       const float denominator =
-          params.mode == RoutingMode::kSoftmaxTopK && !params.renormalize ? all_sum
-                                                                          : warp_sum(numerator);
+          params.mode == RoutingMode::kSoftmaxTopK && !params.renormalize ? all_sum : warp_sum(numerator);
       weight = max_logit == -INFINITY ? 0.0f : numerator / denominator;
     }
     if (lane < top_k) {

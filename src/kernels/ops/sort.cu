@@ -22,10 +22,9 @@ namespace fp4moe::kernels {
 namespace {
 
 __global__ void __launch_bounds__(kSortThreads)
-    sort_by_expert_kernel(const int32_t* __restrict__ topk_ids, int64_t num_pairs, int top_k,
-                          int num_experts, int32_t* __restrict__ expert_offsets,
-                          int32_t* __restrict__ token_of_row, int32_t* __restrict__ pair_of_row,
-                          int32_t* __restrict__ error_flags) {
+    sort_by_expert_kernel(const int32_t* __restrict__ topk_ids, int64_t num_pairs, int top_k, int num_experts,
+                          int32_t* __restrict__ expert_offsets, int32_t* __restrict__ token_of_row,
+                          int32_t* __restrict__ pair_of_row, int32_t* __restrict__ error_flags) {
   __shared__ SortShared<kSortThreads> sh;
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
@@ -80,16 +79,14 @@ __global__ void __launch_bounds__(kSortThreads)
 
 }  // namespace
 
-void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_k,
-                           int64_t num_experts, int32_t* expert_offsets, int32_t* token_of_row,
-                           int32_t* pair_of_row, int32_t* error_flags, int32_t* sort_scratch,
-                           cudaStream_t stream, bool programmatic) {
-  FP4MOE_CHECK(num_tokens >= 0, "launch_sort_by_expert: num_tokens = ", num_tokens,
-               "; expected >= 0");
+void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_k, int64_t num_experts,
+                           int32_t* expert_offsets, int32_t* token_of_row, int32_t* pair_of_row, int32_t* error_flags,
+                           int32_t* sort_scratch, cudaStream_t stream, bool programmatic) {
+  FP4MOE_CHECK(num_tokens >= 0, "launch_sort_by_expert: num_tokens = ", num_tokens, "; expected >= 0");
   FP4MOE_CHECK(top_k >= 1, "launch_sort_by_expert: top_k = ", top_k, "; expected >= 1");
   check_num_experts("launch_sort_by_expert", num_experts);
-  FP4MOE_CHECK(num_tokens <= INT32_MAX / top_k, "launch_sort_by_expert: num_tokens * top_k = ",
-               num_tokens, " * ", top_k, "; expected <= ", INT32_MAX, " (rows are int32)");
+  FP4MOE_CHECK(num_tokens <= INT32_MAX / top_k, "launch_sort_by_expert: num_tokens * top_k = ", num_tokens, " * ",
+               top_k, "; expected <= ", INT32_MAX, " (rows are int32)");
   if (num_tokens == 0) return;
   FP4MOE_CHECK(topk_ids && expert_offsets && token_of_row && pair_of_row && error_flags,
                "launch_sort_by_expert: topk_ids, expert_offsets, token_of_row, pair_of_row and "
@@ -100,14 +97,14 @@ void launch_sort_by_expert(const int32_t* topk_ids, int64_t num_tokens, int top_
                   static_cast<int>(num_experts), expert_offsets, token_of_row, pair_of_row, error_flags);
     return;
   }
-  FP4MOE_CHECK(sort_scratch != nullptr, "launch_sort_by_expert: ", num_pairs, " pairs (more than ",
-               kSortChunkPairs, ") need sort_scratch, int32 [sort_scratch_ints(num_pairs, num_experts)]");
+  FP4MOE_CHECK(sort_scratch != nullptr, "launch_sort_by_expert: ", num_pairs, " pairs (more than ", kSortChunkPairs,
+               ") need sort_scratch, int32 [sort_scratch_ints(num_pairs, num_experts)]");
   const auto blocks = static_cast<unsigned>((num_pairs + kSortChunkPairs - 1) / kSortChunkPairs);
   launch_kernel(count_pairs_kernel, blocks, kSortThreads, 0, stream, programmatic, topk_ids, num_pairs,
                 static_cast<int>(num_experts), sort_scratch, error_flags);
   launch_kernel(place_pairs_kernel, blocks, kSortThreads, 0, stream, programmatic, topk_ids, num_pairs, top_k,
-                static_cast<int>(num_experts), static_cast<const int32_t*>(sort_scratch), expert_offsets,
-                token_of_row, pair_of_row);
+                static_cast<int>(num_experts), static_cast<const int32_t*>(sort_scratch), expert_offsets, token_of_row,
+                pair_of_row);
 }
 
 }  // namespace fp4moe::kernels

@@ -19,8 +19,8 @@ namespace fp4moe::kernels {
 // not the read-only path: in route_and_sort_kernel other blocks of the same
 // grid wrote them.
 template <int THREADS, typename Fn>
-__device__ __forceinline__ void for_each_pair(const int32_t* topk_ids, int64_t begin, int64_t end,
-                                              int num_experts, Fn&& fn) {
+__device__ __forceinline__ void for_each_pair(const int32_t* topk_ids, int64_t begin, int64_t end, int num_experts,
+                                              Fn&& fn) {
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   for (int64_t chunk = begin + static_cast<int64_t>(warp) * 32; chunk < end; chunk += THREADS) {
@@ -126,9 +126,8 @@ __device__ void scan_expert_rows(SortShared<THREADS>& sh, const int (&counts)[kE
 // Step 3: each pair of [begin, end) with a valid id takes the next row of its
 // expert (sh.expert_cursor).
 template <int THREADS>
-__device__ void place_pairs(SortShared<THREADS>& sh, const int32_t* topk_ids, int64_t begin, int64_t end,
-                            int top_k, int num_experts, int32_t* __restrict__ token_of_row,
-                            int32_t* __restrict__ pair_of_row) {
+__device__ void place_pairs(SortShared<THREADS>& sh, const int32_t* topk_ids, int64_t begin, int64_t end, int top_k,
+                            int num_experts, int32_t* __restrict__ token_of_row, int32_t* __restrict__ pair_of_row) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const unsigned lanes_below = (1u << lane) - 1u;
   for_each_pair<THREADS>(topk_ids, begin, end, num_experts, [&](int64_t pair, int32_t id, bool, bool valid) {

@@ -30,8 +30,7 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 
 // Adds `bytes` to the transaction count the barrier's current phase waits for.
 __device__ __forceinline__ void mbarrier_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
@@ -67,10 +66,9 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
 // Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from
 // global to shared memory; completion is counted on `bar` as transactions.
 __device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
 }
 
 // Copies the box at element coordinates (c0, c1) of the 2-D tensor a
@@ -117,9 +115,7 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 
 // Before a wgmma that reads registers written by ordinary instructions.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Waits until at most kPending committed wgmma groups are still running.
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
@@ -132,16 +128,14 @@ __device__ __forceinline__ void wgmma_wait() {
 // stride byte offset 1024 >> 4 between 8-row atoms (bits 32-45), swizzle
 // mode 1 = 128 B (bits 62-63). The atoms must be 1024-byte aligned.
 __device__ __forceinline__ uint64_t smem_desc_k_major_sw128(uint32_t smem_addr) {
-  return static_cast<uint64_t>((smem_addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) |
-         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+  return static_cast<uint64_t>((smem_addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
 }
 // The descriptor of the operand `bytes` further on (a multiple of 16) from
 // the one `desc` describes: the start-address field is the address >> 4 and
 // shared addresses stay below 256 KB, so the field of the sum never carries
 // into the next one. One add instead of the mask, shift and or above per
 // wgmma (uniform-datapath instructions take the consumers' issue slots).
-__device__ __forceinline__ uint64_t smem_desc_advance(uint64_t desc, uint32_t bytes) {
-  return desc + (bytes >> 4);
-}
+__device__ __forceinline__ uint64_t smem_desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
 }  // namespace fp4moe::ptx

@@ -21,8 +21,8 @@
 namespace fp4moe::kernels::sm90 {
 
 // Hardware named barriers (0 is __syncthreads).
-inline constexpr int kBarConsumers = 1;     // every consumer thread
-inline constexpr int kBarWarpgroup0 = 2;    // + consumer warpgroup index
+inline constexpr int kBarConsumers = 1;   // every consumer thread
+inline constexpr int kBarWarpgroup0 = 2;  // + consumer warpgroup index
 inline constexpr int kBarProducer = 2 + kSm90Consumers;
 
 // Producer warps whose lane 0 issues a share of a stage's copies when a
@@ -121,9 +121,9 @@ __host__ __device__ constexpr int mma_width(int rows_valid) {
 static_assert(mma_width<128, 32>(1) == 32 && mma_width<128, 32>(33) == 64 && mma_width<128, 32>(97) == 128 &&
               mma_width<256, 256>(100) == 256 && mma_width<16, 8>(9) == 16 && mma_width<8, 8>(0) == 8 &&
               mma_width<64, 16>(64) == 64 && mma_width<32, 16>(17) == 32 && mma_width<160, 40>(129) == 160 &&
-              mma_width<160, 40>(128) == 160 && mma_width<160, 40>(120) == 120 &&
-              mma_width<160, 40, 144>(121) == 144 && mma_width<160, 40, 144>(144) == 144 &&
-              mma_width<160, 40, 144>(145) == 160 && mma_width<160, 40, 144>(120) == 120);
+              mma_width<160, 40>(128) == 160 && mma_width<160, 40>(120) == 120 && mma_width<160, 40, 144>(121) == 144 &&
+              mma_width<160, 40, 144>(144) == 144 && mma_width<160, 40, 144>(145) == 160 &&
+              mma_width<160, 40, 144>(120) == 120);
 
 // Calls f(std::integral_constant<int, width>{}); width is one of
 // mma_width<BLOCK_M, STEP, EXTRA>'s values.

@@ -94,8 +94,8 @@ __device__ __forceinline__ bool sum_split_k_slices(const GroupedGemmParams& p, c
     for (int h = 0; h < 2; ++h) {
       float2 sum = make_float2(0.0f, 0.0f);
       for (int s = 0; s < p.split_k; ++s) {
-        const float2 v = __ldcg(reinterpret_cast<const float2*>(
-            tile_partials + s * (BLOCK_N * BLOCK_M) + (row0 + 8 * h) * BLOCK_M + 8 * j + 2 * t));
+        const float2 v = __ldcg(reinterpret_cast<const float2*>(tile_partials + s * (BLOCK_N * BLOCK_M) +
+                                                                (row0 + 8 * h) * BLOCK_M + 8 * j + 2 * t));
         sum.x += v.x;
         sum.y += v.y;
       }
@@ -137,11 +137,11 @@ __device__ __forceinline__ void store_unit(const GroupedGemmParams& p, const Sha
   }
   const float out_scale = __ldg(p.global_scales + e) * layout::kEpilogueScale;
   const float up_scale = detail::up_epilogue_scale(p, e, out_scale);  // kSwiglu's up rows
-  uint8_t* stage_base =
-      sh.smem + L.epilogue_offset + consumer * (CHUNK * L.epi_row_elems * L.epi_elem_bytes);  // (CONSUMERS, CHUNK, epi_row_elems)
-  auto* s_out = reinterpret_cast<__nv_bfloat16*>(stage_base);  // (CHUNK, epi_row_elems) bf16
-  auto* s_out_f32 = reinterpret_cast<float*>(stage_base);      // kFinalize: (CHUNK, epi_row_elems) fp32
-  const int wg_row0 = warp * 16 + g;                           // this thread's rows in the warpgroup's 64
+  uint8_t* stage_base = sh.smem + L.epilogue_offset +
+                        consumer * (CHUNK * L.epi_row_elems * L.epi_elem_bytes);  // (CONSUMERS, CHUNK, epi_row_elems)
+  auto* s_out = reinterpret_cast<__nv_bfloat16*>(stage_base);                     // (CHUNK, epi_row_elems) bf16
+  auto* s_out_f32 = reinterpret_cast<float*>(stage_base);  // kFinalize: (CHUNK, epi_row_elems) fp32
+  const int wg_row0 = warp * 16 + g;                       // this thread's rows in the warpgroup's 64
 #pragma unroll
   for (int c = 0; c < BLOCK_M / CHUNK; ++c) {
     if (c * CHUNK < u.rows_valid) {  // uniform across the warpgroup

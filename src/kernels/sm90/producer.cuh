@@ -77,8 +77,7 @@ __device__ __forceinline__ void copy_by_tensor_map(const GroupedGemmParams& p, c
 #pragma unroll
       for (int j = 0; j < MAX_MINE; ++j)
         if (j < mine)
-          ptx::tma_load_2d(a_stage + box_smem[j], &p.x_map, kt * T::BLOCK_K + box_k[j], u.row_begin + box_row[j],
-                           full);
+          ptx::tma_load_2d(a_stage + box_smem[j], &p.x_map, kt * T::BLOCK_K + box_k[j], u.row_begin + box_row[j], full);
       ptx::mbarrier_arrive(full);
       ring.template advance<T::STAGES>();
     }
@@ -189,8 +188,7 @@ __device__ __forceinline__ void gather_activations(const GroupedGemmParams& p, c
           const uint32_t dst1 = a_stage + row_offset1 + pass * ROWS_PER_PASS * 128;
 #pragma unroll
           for (int m = 0; m < GATHER_CHUNKS; ++m)
-            ptx::cp_async_16((m % 2 ? dst1 : dst0) + (m / 2) * (BLOCK_M * 128), src + 32 * m,
-                             32 * m < k_left ? 16 : 0);
+            ptx::cp_async_16((m % 2 ? dst1 : dst0) + (m / 2) * (BLOCK_M * 128), src + 32 * m, 32 * m < k_left ? 16 : 0);
         }
         ptx::cp_async_arrive_noinc(sh.stage_full + 8 * ring.stage);
         ring.template advance<T::STAGES>();

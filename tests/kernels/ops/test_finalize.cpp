@@ -25,9 +25,8 @@ using testing::random_normal;
 
 // The host twin of finalize_pairs: fp32 from 0.0f in slot order, then bf16
 // round-to-nearest-even; the device must match it bit for bit.
-std::vector<uint16_t> host_finalize_pairs(const std::vector<float>& pair_rows,
-                                          const std::vector<int32_t>& ids, int64_t num_tokens,
-                                          int top_k, int64_t num_experts, int64_t hidden) {
+std::vector<uint16_t> host_finalize_pairs(const std::vector<float>& pair_rows, const std::vector<int32_t>& ids,
+                                          int64_t num_tokens, int top_k, int64_t num_experts, int64_t hidden) {
   std::vector<uint16_t> out(static_cast<size_t>(num_tokens * hidden));
   for (int64_t t = 0; t < num_tokens; ++t)
     for (int64_t h = 0; h < hidden; ++h) {
@@ -41,15 +40,15 @@ std::vector<uint16_t> host_finalize_pairs(const std::vector<float>& pair_rows,
   return out;
 }
 
-void expect_bits_equal(const std::vector<uint16_t>& got, const std::vector<uint16_t>& expected,
-                       int64_t hidden, const std::string& what) {
+void expect_bits_equal(const std::vector<uint16_t>& got, const std::vector<uint16_t>& expected, int64_t hidden,
+                       const std::string& what) {
   ASSERT_EQ(got.size(), expected.size()) << what;
   int64_t num_bad = 0;
   for (size_t i = 0; i < got.size(); ++i)
     if (got[i] != expected[i] && num_bad++ < 3)
-      ADD_FAILURE() << what << ": [" << i / hidden << ", " << i % hidden << "] got 0x" << std::hex
-                    << got[i] << " (" << bf16_to_float(got[i]) << "), expected 0x" << expected[i]
-                    << " (" << bf16_to_float(expected[i]) << ")" << std::dec;
+      ADD_FAILURE() << what << ": [" << i / hidden << ", " << i % hidden << "] got 0x" << std::hex << got[i] << " ("
+                    << bf16_to_float(got[i]) << "), expected 0x" << expected[i] << " (" << bf16_to_float(expected[i])
+                    << ")" << std::dec;
   EXPECT_EQ(num_bad, 0) << what;
 }
 
@@ -63,8 +62,8 @@ TEST(MoeOpsGpu, FinalizePairsMatchesHostBitExact) {
     for (int top_k : {1, 2, 4, 8, 32})
       for (int64_t hidden : {4, 12, 256, 2052}) {
         if (num_tokens * top_k * hidden > (int64_t{1} << 23)) continue;  // keep host memory small
-        const std::string what = "tokens=" + std::to_string(num_tokens) + " k=" +
-                                 std::to_string(top_k) + " hidden=" + std::to_string(hidden);
+        const std::string what = "tokens=" + std::to_string(num_tokens) + " k=" + std::to_string(top_k) +
+                                 " hidden=" + std::to_string(hidden);
         std::vector<int32_t> ids(static_cast<size_t>(num_tokens * top_k));
         for (auto& id : ids) {
           const int r = percent(rng);
@@ -85,8 +84,8 @@ TEST(MoeOpsGpu, FinalizePairsMatchesHostBitExact) {
         DeviceBuffer<uint16_t> d_out(static_cast<size_t>(num_tokens * hidden));
         for (int run = 0; run < 3; ++run) {  // the same bits every run
           d_out.fill_bytes(0xFF);
-          kernels::launch_finalize_pairs(d_rows.get(), d_ids.get(), num_tokens, top_k, kNumExperts,
-                                         hidden, d_out.get(), nullptr);
+          kernels::launch_finalize_pairs(d_rows.get(), d_ids.get(), num_tokens, top_k, kNumExperts, hidden, d_out.get(),
+                                         nullptr);
           FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
           expect_bits_equal(d_out.download(), expected, hidden, what + " run " + std::to_string(run));
         }
@@ -150,8 +149,9 @@ TEST(MoeOpsGpu, FinalizeRejectsBadParameters) {
   DeviceBuffer<int32_t> ids(64);
   DeviceBuffer<uint16_t> out(1024);
   EXPECT_THROW(kernels::launch_finalize_pairs(rows.get(), ids.get(), 2, 2, 8, 6, out.get(), nullptr), Error);
-  EXPECT_THROW(kernels::launch_finalize_pairs(rows.get(), ids.get(), 2, kernels::kMaxTopK + 1, 64, 8,
-                                              out.get(), nullptr), Error);
+  EXPECT_THROW(
+      kernels::launch_finalize_pairs(rows.get(), ids.get(), 2, kernels::kMaxTopK + 1, 64, 8, out.get(), nullptr),
+      Error);
   EXPECT_THROW(kernels::launch_finalize_pairs(rows.get(), ids.get(), 2, 0, 8, 8, out.get(), nullptr), Error);
   EXPECT_THROW(kernels::launch_finalize_pairs(rows.get() + 1, ids.get(), 2, 2, 8, 8, out.get(), nullptr), Error);
   EXPECT_THROW(kernels::launch_finalize_pairs(nullptr, ids.get(), 2, 2, 8, 8, out.get(), nullptr), Error);

@@ -32,8 +32,8 @@ TEST(MoeOpsGpu, GatherRows) {
   for (int64_t num_tokens : {1, 3, 64, 1000})
     for (int64_t hidden : {8, 64, 1032, 7168})
       for (int top_k : {1, 8}) {
-        const std::string what = "tokens=" + std::to_string(num_tokens) +
-                                 " hidden=" + std::to_string(hidden) + " k=" + std::to_string(top_k);
+        const std::string what = "tokens=" + std::to_string(num_tokens) + " hidden=" + std::to_string(hidden) +
+                                 " k=" + std::to_string(top_k);
         const int64_t num_rows = num_tokens * top_k;
         // Some rows at the end are not placed (as after out-of-range ids).
         const int64_t num_placed = num_rows - num_rows / 5;
@@ -49,8 +49,8 @@ TEST(MoeOpsGpu, GatherRows) {
         const DeviceBuffer<int32_t> d_token_of_row(token_of_row), d_offsets(offsets);
         DeviceBuffer<uint16_t> d_sorted(static_cast<size_t>(num_rows * hidden));
         d_sorted.fill_bytes(0xFF);
-        kernels::launch_gather_rows(d_x.get(), d_token_of_row.get(), d_offsets.get(), kNumExperts,
-                                    num_rows, hidden, d_sorted.get(), nullptr);
+        kernels::launch_gather_rows(d_x.get(), d_token_of_row.get(), d_offsets.get(), kNumExperts, num_rows, hidden,
+                                    d_sorted.get(), nullptr);
         FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
         const std::vector<uint16_t> sorted = d_sorted.download();
         int64_t num_bad = 0;
@@ -60,8 +60,8 @@ TEST(MoeOpsGpu, GatherRows) {
             const uint16_t* expected = x.data() + token_of_row[static_cast<size_t>(r)] * hidden;
             if (!std::equal(got, got + hidden, expected)) {
               ++num_bad;
-              ADD_FAILURE() << what << ": row " << r << " differs from token "
-                            << token_of_row[static_cast<size_t>(r)] << "'s row";
+              ADD_FAILURE() << what << ": row " << r << " differs from token " << token_of_row[static_cast<size_t>(r)]
+                            << "'s row";
             }
           } else if (std::any_of(got, got + hidden, [](uint16_t v) { return v != kPoisonBf16; })) {
             ++num_bad;
@@ -95,8 +95,8 @@ TEST(MoeOpsGpu, GatherRowsFp4MatchesTheCpuQuantiserBitExact) {
   for (int64_t num_tokens : {1, 3, 64, 1000})
     for (int64_t hidden : {16, 64, 1040, 7168})
       for (int top_k : {1, 8}) {
-        const std::string what = "tokens=" + std::to_string(num_tokens) +
-                                 " hidden=" + std::to_string(hidden) + " k=" + std::to_string(top_k);
+        const std::string what = "tokens=" + std::to_string(num_tokens) + " hidden=" + std::to_string(hidden) +
+                                 " k=" + std::to_string(top_k);
         const int64_t num_rows = num_tokens * top_k;
         const int64_t num_placed = num_rows - num_rows / 5;  // the rest not placed
         std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(num_tokens - 1));
@@ -111,8 +111,8 @@ TEST(MoeOpsGpu, GatherRowsFp4MatchesTheCpuQuantiserBitExact) {
         std::vector<uint16_t> x = testing::random_bf16(static_cast<size_t>(num_tokens * hidden), rng);
         std::uniform_int_distribution<size_t> any(0, x.size() - 1);
         for (int i = 0; i < 8; ++i) x[any(rng)] = float_to_bf16(i % 2 ? -300.0f : 1e5f);  // outliers
-        for (int i = 0; i < 8; ++i) x[any(rng)] = i % 2 ? 0x8000 : 0x0000;                 // +-0
-        for (int i = 0; i < 4; ++i) x[any(rng)] = 0x0003;                                   // subnormal
+        for (int i = 0; i < 8; ++i) x[any(rng)] = i % 2 ? 0x8000 : 0x0000;                // +-0
+        for (int i = 0; i < 4; ++i) x[any(rng)] = 0x0003;                                 // subnormal
         if (num_tokens >= 64) {
           x[any(rng)] = 0x7FC0;  // NaN: its block dequantises to NaN
           x[any(rng)] = 0x7F80;  // +inf: saturates
@@ -138,8 +138,8 @@ TEST(MoeOpsGpu, GatherRowsFp4MatchesTheCpuQuantiserBitExact) {
         const DeviceBuffer<float> d_scales(input_scales);
         DeviceBuffer<uint16_t> d_sorted(static_cast<size_t>(num_rows * hidden));
         d_sorted.fill_bytes(0xFF);
-        kernels::launch_gather_rows_fp4(d_x.get(), d_token_of_row.get(), d_offsets.get(), kNumExperts, num_rows,
-                                        hidden, d_scales.get(), d_sorted.get(), nullptr);
+        kernels::launch_gather_rows_fp4(d_x.get(), d_token_of_row.get(), d_offsets.get(), kNumExperts, num_rows, hidden,
+                                        d_scales.get(), d_sorted.get(), nullptr);
         FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
         const std::vector<uint16_t> sorted = d_sorted.download();
         int64_t num_bad = 0;
@@ -149,10 +149,11 @@ TEST(MoeOpsGpu, GatherRowsFp4MatchesTheCpuQuantiserBitExact) {
           if (got == want || both_nan) continue;
           ++num_bad;
           const int64_t r = i / hidden;
-          ADD_FAILURE() << what << ": row " << r << " (token " << token_of_row[static_cast<size_t>(r)]
-                        << ") element " << i % hidden << ": got bf16 0x" << std::hex << got << ", expected 0x"
-                        << want << std::dec << " (" << bf16_to_float(got) << " vs " << bf16_to_float(want)
-                        << "; input " << bf16_to_float(x[static_cast<size_t>(token_of_row[static_cast<size_t>(r)] * hidden + i % hidden)])
+          ADD_FAILURE() << what << ": row " << r << " (token " << token_of_row[static_cast<size_t>(r)] << ") element "
+                        << i % hidden << ": got bf16 0x" << std::hex << got << ", expected 0x" << want << std::dec
+                        << " (" << bf16_to_float(got) << " vs " << bf16_to_float(want) << "; input "
+                        << bf16_to_float(
+                               x[static_cast<size_t>(token_of_row[static_cast<size_t>(r)] * hidden + i % hidden)])
                         << ")";
         }
         for (int64_t i = num_placed * hidden; i < num_rows * hidden && num_bad < 5; ++i)
@@ -251,15 +252,18 @@ TEST(MoeOpsGpu, GatherRowsFp4RejectsBadParameters) {
   DeviceBuffer<uint16_t> x(1024), sorted(1024);
   DeviceBuffer<int32_t> idx(64);
   DeviceBuffer<float> scales(8);
-  EXPECT_THROW(kernels::launch_gather_rows_fp4(x.get(), idx.get(), idx.get(), 8, 4, 24, scales.get(), sorted.get(),
-                                               nullptr), Error);  // hidden not a multiple of 16
-  EXPECT_THROW(kernels::launch_gather_rows_fp4(x.get(), idx.get(), idx.get(), 8, 4, 16, nullptr, sorted.get(),
-                                               nullptr), Error);  // no input scales
-  EXPECT_THROW(kernels::launch_gather_rows_fp4(x.get() + 1, idx.get(), idx.get(), 8, 4, 16, scales.get(),
-                                               sorted.get(), nullptr), Error);
+  EXPECT_THROW(
+      kernels::launch_gather_rows_fp4(x.get(), idx.get(), idx.get(), 8, 4, 24, scales.get(), sorted.get(), nullptr),
+      Error);  // hidden not a multiple of 16
+  EXPECT_THROW(kernels::launch_gather_rows_fp4(x.get(), idx.get(), idx.get(), 8, 4, 16, nullptr, sorted.get(), nullptr),
+               Error);  // no input scales
+  EXPECT_THROW(
+      kernels::launch_gather_rows_fp4(x.get() + 1, idx.get(), idx.get(), 8, 4, 16, scales.get(), sorted.get(), nullptr),
+      Error);
   // More experts than a layer has (kMaxExperts = 512).
-  EXPECT_THROW(kernels::launch_gather_rows_fp4(x.get(), idx.get(), idx.get(), 513, 4, 16, scales.get(),
-                                               sorted.get(), nullptr), Error);
+  EXPECT_THROW(
+      kernels::launch_gather_rows_fp4(x.get(), idx.get(), idx.get(), 513, 4, 16, scales.get(), sorted.get(), nullptr),
+      Error);
   EXPECT_NO_THROW(kernels::launch_gather_rows_fp4(nullptr, nullptr, nullptr, 8, 0, 16, nullptr, nullptr, nullptr));
 }
 

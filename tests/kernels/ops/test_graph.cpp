@@ -37,21 +37,19 @@ TEST(MoeOpsGpu, GraphReplayEqualsEager) {
   const DeviceBuffer<float> d_bias(random_normal(kExperts, rng, 0.1f));
   const DeviceBuffer<uint16_t> d_x(testing::random_bf16(kTokens * kHidden, rng));
   const DeviceBuffer<float> d_pair_rows(random_normal(num_pairs * kHidden, rng));
-  DeviceBuffer<int32_t> d_ids(num_pairs), d_offsets(kExperts + 1), d_token_of_row(num_pairs),
-      d_pair_of_row(num_pairs), d_error(std::vector<int32_t>{0}),
-      d_scratch(static_cast<size_t>(kernels::sort_scratch_ints(num_pairs, kExperts)));
+  DeviceBuffer<int32_t> d_ids(num_pairs), d_offsets(kExperts + 1), d_token_of_row(num_pairs), d_pair_of_row(num_pairs),
+      d_error(std::vector<int32_t>{0}), d_scratch(static_cast<size_t>(kernels::sort_scratch_ints(num_pairs, kExperts)));
   DeviceBuffer<float> d_weights(num_pairs);
   DeviceBuffer<uint16_t> d_sorted(num_pairs * kHidden), d_out(kTokens * kHidden);
 
   auto forward = [&](cudaStream_t stream) {
-    kernels::launch_route(d_logits.get(), d_bias.get(), kTokens, kExperts, p, d_ids.get(),
-                          d_weights.get(), stream);
-    kernels::launch_sort_by_expert(d_ids.get(), kTokens, p.top_k, kExperts, d_offsets.get(),
-                                   d_token_of_row.get(), d_pair_of_row.get(), d_error.get(), d_scratch.get(), stream);
-    kernels::launch_gather_rows(d_x.get(), d_token_of_row.get(), d_offsets.get(), kExperts,
-                                num_pairs, kHidden, d_sorted.get(), stream);
-    kernels::launch_finalize_pairs(d_pair_rows.get(), d_ids.get(), kTokens, p.top_k, kExperts,
-                                   kHidden, d_out.get(), stream);
+    kernels::launch_route(d_logits.get(), d_bias.get(), kTokens, kExperts, p, d_ids.get(), d_weights.get(), stream);
+    kernels::launch_sort_by_expert(d_ids.get(), kTokens, p.top_k, kExperts, d_offsets.get(), d_token_of_row.get(),
+                                   d_pair_of_row.get(), d_error.get(), d_scratch.get(), stream);
+    kernels::launch_gather_rows(d_x.get(), d_token_of_row.get(), d_offsets.get(), kExperts, num_pairs, kHidden,
+                                d_sorted.get(), stream);
+    kernels::launch_finalize_pairs(d_pair_rows.get(), d_ids.get(), kTokens, p.top_k, kExperts, kHidden, d_out.get(),
+                                   stream);
   };
   auto poison = [&] {
     for (auto* b : {&d_ids, &d_offsets, &d_token_of_row, &d_pair_of_row}) b->fill_bytes(0xFF);

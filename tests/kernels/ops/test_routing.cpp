@@ -32,15 +32,13 @@ namespace {
 using testing::kPoisonId;
 using testing::random_normal;
 
-std::string describe(const RoutingParams& p, int64_t num_experts, int64_t num_tokens,
-                     bool with_bias) {
-  std::string s = to_string(p.mode) + " E=" + std::to_string(num_experts) +
-                  " k=" + std::to_string(p.top_k) + " tokens=" + std::to_string(num_tokens);
+std::string describe(const RoutingParams& p, int64_t num_experts, int64_t num_tokens, bool with_bias) {
+  std::string s = to_string(p.mode) + " E=" + std::to_string(num_experts) + " k=" + std::to_string(p.top_k) +
+                  " tokens=" + std::to_string(num_tokens);
   if (p.mode == RoutingMode::kSoftmaxTopK) s += p.renormalize ? " renormalize" : " no-renormalize";
   if (p.mode == RoutingMode::kNoauxTc)
-    s += " groups=" + std::to_string(p.num_groups) + " topk_groups=" +
-         std::to_string(p.topk_groups) + " scale=" + std::to_string(p.routed_scaling_factor) +
-         (with_bias ? " bias" : " no-bias");
+    s += " groups=" + std::to_string(p.num_groups) + " topk_groups=" + std::to_string(p.topk_groups) +
+         " scale=" + std::to_string(p.routed_scaling_factor) + (with_bias ? " bias" : " no-bias");
   return s;
 }
 
@@ -49,8 +47,7 @@ struct RoutingScores {
 };
 
 // noaux_tc scores of one token in double, as route() computes them.
-RoutingScores noaux_scores(const float* logits, const float* bias, int64_t num_experts,
-                           const RoutingParams& p) {
+RoutingScores noaux_scores(const float* logits, const float* bias, int64_t num_experts, const RoutingParams& p) {
   RoutingScores r;
   r.sigmoid.resize(num_experts);
   r.choice.resize(num_experts);
@@ -60,8 +57,7 @@ RoutingScores noaux_scores(const float* logits, const float* bias, int64_t num_e
   }
   const int64_t group_size = num_experts / p.num_groups;
   for (int g = 0; g < p.num_groups; ++g) {
-    std::vector<double> members(r.choice.begin() + g * group_size,
-                                r.choice.begin() + (g + 1) * group_size);
+    std::vector<double> members(r.choice.begin() + g * group_size, r.choice.begin() + (g + 1) * group_size);
     std::partial_sort(members.begin(), members.begin() + 2, members.end(), std::greater<>());
     r.group_score.push_back(members[0] + members[1]);
   }
@@ -73,16 +69,14 @@ RoutingScores noaux_scores(const float* logits, const float* bias, int64_t num_e
 // from the double reference. Accepts a token's ids when they are a correct
 // noaux_tc selection with every score comparison relaxed by `slack`; returns
 // why not otherwise.
-std::string noaux_near_tie_violation(const RoutingScores& s, const RoutingParams& p,
-                                     const int32_t* ids, double slack) {
+std::string noaux_near_tie_violation(const RoutingScores& s, const RoutingParams& p, const int32_t* ids, double slack) {
   const int64_t num_experts = static_cast<int64_t>(s.choice.size());
   const int64_t group_size = num_experts / p.num_groups;
   std::vector<double> sorted_groups = s.group_score;
   std::sort(sorted_groups.begin(), sorted_groups.end(), std::greater<>());
   const double last_kept = sorted_groups[p.topk_groups - 1];
-  const double first_dropped = p.topk_groups < p.num_groups
-                                   ? sorted_groups[p.topk_groups]
-                                   : -std::numeric_limits<double>::infinity();
+  const double first_dropped =
+      p.topk_groups < p.num_groups ? sorted_groups[p.topk_groups] : -std::numeric_limits<double>::infinity();
   std::vector<char> chosen(num_experts, 0), group_used(p.num_groups, 0);
   for (int j = 0; j < p.top_k; ++j) {
     const int32_t id = ids[j];
@@ -116,17 +110,17 @@ bool weight_close(float got, double expected) {
 // on the device) and compares with the CPU reference `ref` (computed for at
 // least that many tokens). ids must be identical; for noaux_tc a token may
 // differ only where fp32 near-ties explain it (counted, and bounded).
-void check_route(const std::vector<float>& logits, const DeviceBuffer<float>& d_logits,
-                 const float* bias, const DeviceBuffer<float>& d_bias, int64_t num_tokens,
-                 int64_t num_experts, const RoutingParams& p, const Routing& ref) {
+void check_route(const std::vector<float>& logits, const DeviceBuffer<float>& d_logits, const float* bias,
+                 const DeviceBuffer<float>& d_bias, int64_t num_tokens, int64_t num_experts, const RoutingParams& p,
+                 const Routing& ref) {
   const std::string what = describe(p, num_experts, num_tokens, bias != nullptr);
   const int64_t capacity_tokens = ref.num_tokens;
   DeviceBuffer<int32_t> d_ids(static_cast<size_t>(capacity_tokens * p.top_k));
   DeviceBuffer<float> d_weights(d_ids.size());
   d_ids.fill_bytes(0xFF);
   d_weights.fill_bytes(0xFF);
-  kernels::launch_route(d_logits.get(), bias ? d_bias.get() : nullptr, num_tokens, num_experts, p,
-                        d_ids.get(), d_weights.get(), nullptr);
+  kernels::launch_route(d_logits.get(), bias ? d_bias.get() : nullptr, num_tokens, num_experts, p, d_ids.get(),
+                        d_weights.get(), nullptr);
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<int32_t> ids = d_ids.download();
   const std::vector<float> weights = d_weights.download();
@@ -143,19 +137,17 @@ void check_route(const std::vector<float>& logits, const DeviceBuffer<float>& d_
     if (std::equal(got_ids, got_ids + p.top_k, ref_ids)) {
       for (int j = 0; j < p.top_k; ++j)
         if (!weight_close(got_w[j], ref_w[j]))
-          report(t, "slot " + std::to_string(j) + " weight " + std::to_string(got_w[j]) +
-                        ", expected " + std::to_string(ref_w[j]));
+          report(t, "slot " + std::to_string(j) + " weight " + std::to_string(got_w[j]) + ", expected " +
+                        std::to_string(ref_w[j]));
       continue;
     }
     std::string ids_text;
-    for (int j = 0; j < p.top_k; ++j)
-      ids_text += " " + std::to_string(got_ids[j]) + "/" + std::to_string(ref_ids[j]);
+    for (int j = 0; j < p.top_k; ++j) ids_text += " " + std::to_string(got_ids[j]) + "/" + std::to_string(ref_ids[j]);
     if (p.mode != RoutingMode::kNoauxTc) {
       report(t, "ids (got/expected):" + ids_text);
       continue;
     }
-    const RoutingScores s = noaux_scores(logits.data() + t * num_experts,
-                                         bias, num_experts, p);
+    const RoutingScores s = noaux_scores(logits.data() + t * num_experts, bias, num_experts, p);
     const std::string why = noaux_near_tie_violation(s, p, got_ids, 2e-6);
     if (!why.empty()) {
       report(t, why + "; ids (got/expected):" + ids_text);
@@ -167,15 +159,15 @@ void check_route(const std::vector<float>& logits, const DeviceBuffer<float>& d_
     for (int j = 0; j < p.top_k; ++j) {
       const double expected = s.sigmoid[got_ids[j]] / (chosen_sum + 1e-20) * p.routed_scaling_factor;
       if (!weight_close(got_w[j], expected))
-        report(t, "near-tie token, slot " + std::to_string(j) + " weight " +
-                      std::to_string(got_w[j]) + ", expected " + std::to_string(expected));
+        report(t, "near-tie token, slot " + std::to_string(j) + " weight " + std::to_string(got_w[j]) + ", expected " +
+                      std::to_string(expected));
     }
   }
   // Near ties within fp32 rounding are rare on normal logits (~1e-4 per token).
   EXPECT_LE(num_near_tie, 1 + num_tokens / 100) << what << ": too many near-tie differences";
   if (num_near_tie > 0)
-    std::printf("  %s: %lld token(s) differ from the double reference by an fp32 near-tie\n",
-                what.c_str(), static_cast<long long>(num_near_tie));
+    std::printf("  %s: %lld token(s) differ from the double reference by an fp32 near-tie\n", what.c_str(),
+                static_cast<long long>(num_near_tie));
   // Past the last token nothing is written.
   for (size_t i = static_cast<size_t>(num_tokens * p.top_k); i < ids.size(); ++i)
     if (ids[i] != kPoisonId || !std::isnan(weights[i])) {
@@ -190,25 +182,24 @@ const std::vector<int> kRouteTopKs = {1, 2, 4, 8, 32};  // 32 = kMaxTopK
 const std::vector<int64_t> kRouteTokenCounts = {1, 3, 64, 1000};
 
 // Runs every token count of kRouteTokenCounts on one draw of logits.
-void check_route_all_token_counts(const std::vector<float>& logits, const std::vector<float>* bias,
-                                  int64_t num_experts, const RoutingParams& p) {
+void check_route_all_token_counts(const std::vector<float>& logits, const std::vector<float>* bias, int64_t num_experts,
+                                  const RoutingParams& p) {
   const int64_t max_tokens = kRouteTokenCounts.back();
   const DeviceBuffer<float> d_logits(logits);
   const DeviceBuffer<float> d_bias(bias ? *bias : std::vector<float>{});
   const float* host_bias = bias ? bias->data() : nullptr;
-  const Routing ref = route(logits.data(), max_tokens, num_experts,
-                            p.mode == RoutingMode::kNoauxTc ? host_bias : nullptr, p);
+  const Routing ref =
+      route(logits.data(), max_tokens, num_experts, p.mode == RoutingMode::kNoauxTc ? host_bias : nullptr, p);
   for (int64_t num_tokens : kRouteTokenCounts)
-    check_route(logits, d_logits, p.mode == RoutingMode::kNoauxTc ? host_bias : nullptr, d_bias,
-                num_tokens, num_experts, p, ref);
+    check_route(logits, d_logits, p.mode == RoutingMode::kNoauxTc ? host_bias : nullptr, d_bias, num_tokens,
+                num_experts, p, ref);
 }
 
 TEST(MoeOpsGpu, RouteSoftmaxAndGptOss) {
   FP4MOE_REQUIRE_GPU();
   std::mt19937 rng(1);
   for (int64_t num_experts : kRouteExpertCounts) {
-    const std::vector<float> logits =
-        random_normal(static_cast<size_t>(kRouteTokenCounts.back() * num_experts), rng);
+    const std::vector<float> logits = random_normal(static_cast<size_t>(kRouteTokenCounts.back() * num_experts), rng);
     for (int top_k : kRouteTopKs) {
       if (top_k > num_experts) continue;
       for (RoutingMode mode : {RoutingMode::kSoftmaxTopK, RoutingMode::kGptOss}) {
@@ -230,8 +221,7 @@ TEST(MoeOpsGpu, RouteNoauxTcEnumeratedGroups) {
   std::mt19937 rng(2);
   std::uniform_real_distribution<float> bias_dist(-0.2f, 0.2f);
   for (int64_t num_experts : kRouteExpertCounts) {
-    const std::vector<float> logits =
-        random_normal(static_cast<size_t>(kRouteTokenCounts.back() * num_experts), rng);
+    const std::vector<float> logits = random_normal(static_cast<size_t>(kRouteTokenCounts.back() * num_experts), rng);
     std::vector<float> bias(static_cast<size_t>(num_experts));
     for (auto& b : bias) b = bias_dist(rng);
     // Group counts: one group, a few, and the most (two experts per group).
@@ -341,8 +331,7 @@ TEST(MoeOpsGpu, RouteNonFiniteLogitsMatchTheReference) {
   std::uniform_real_distribution<float> unit(0.0f, 1.0f);
   const int64_t max_tokens = kRouteTokenCounts.back();
   for (int64_t num_experts : {8, 60, 256}) {
-    std::vector<float> logits =
-        random_normal(static_cast<size_t>(max_tokens * num_experts), rng);
+    std::vector<float> logits = random_normal(static_cast<size_t>(max_tokens * num_experts), rng);
     for (int64_t t = 0; t < max_tokens; ++t) {
       // Token t % 7 == 0: every logit non-finite; t % 7 == 1: all but two;
       // others: each logit non-finite with probability 0.1.
@@ -387,12 +376,12 @@ TEST(MoeOpsGpu, RouteNonFiniteLogitsMatchTheReference) {
     const DeviceBuffer<float> d_logits(logits);
     flags.fill_bytes(0);
     if (fused)
-      kernels::launch_route_and_sort(d_logits.get(), nullptr, num_tokens, num_experts, p, ids.get(),
-                                     weights.get(), offsets.get(), token_of_row.get(),
-                                     pair_of_row.get(), flags.get(), flags.get() + 1, scratch.get(), nullptr);
+      kernels::launch_route_and_sort(d_logits.get(), nullptr, num_tokens, num_experts, p, ids.get(), weights.get(),
+                                     offsets.get(), token_of_row.get(), pair_of_row.get(), flags.get(), flags.get() + 1,
+                                     scratch.get(), nullptr);
     else
-      kernels::launch_route(d_logits.get(), nullptr, num_tokens, num_experts, p, ids.get(),
-                            weights.get(), nullptr, false, flags.get());
+      kernels::launch_route(d_logits.get(), nullptr, num_tokens, num_experts, p, ids.get(), weights.get(), nullptr,
+                            false, flags.get());
     FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
     return flags.download()[0];
   };
@@ -410,8 +399,7 @@ TEST(MoeOpsGpu, RouteRejectsBadParameters) {
   DeviceBuffer<int32_t> ids(64);
   logits.fill_bytes(0);
   auto route_with = [&](int64_t num_experts, RoutingParams p) {
-    kernels::launch_route(logits.get(), nullptr, 1, num_experts, p, ids.get(), weights.get(),
-                          nullptr);
+    kernels::launch_route(logits.get(), nullptr, 1, num_experts, p, ids.get(), weights.get(), nullptr);
   };
   RoutingParams p;
   p.top_k = 0;
@@ -468,8 +456,8 @@ TEST(MoeOpsGpu, AppendSharedSlots) {
           if (ids.size() > 2) ids[2] = static_cast<int32_t>(kNumExperts);  // out of range
           const std::vector<float> weights = random_normal(ids.size(), rng);
           const std::vector<uint16_t> x = testing::random_bf16(static_cast<size_t>(num_tokens * hidden), rng);
-          const std::vector<float> gate = gated ? random_normal(static_cast<size_t>(hidden), rng, 0.05f)
-                                                : std::vector<float>();
+          const std::vector<float> gate =
+              gated ? random_normal(static_cast<size_t>(hidden), rng, 0.05f) : std::vector<float>();
           const DeviceBuffer<int32_t> d_ids(ids);
           const DeviceBuffer<float> d_weights(weights), d_gate(gate);
           const DeviceBuffer<uint16_t> d_x(x);
@@ -478,9 +466,9 @@ TEST(MoeOpsGpu, AppendSharedSlots) {
           DeviceBuffer<float> out_weights(static_cast<size_t>(num_tokens * rows));
           out_ids.fill_bytes(0xFF);
           out_weights.fill_bytes(0xFF);
-          kernels::launch_append_shared_slots(d_ids.get(), d_weights.get(), num_tokens, top_k, kNumExperts,
-                                              num_shared, d_x.get(), gated ? d_gate.get() : nullptr, hidden,
-                                              out_ids.get(), out_weights.get(), nullptr);
+          kernels::launch_append_shared_slots(d_ids.get(), d_weights.get(), num_tokens, top_k, kNumExperts, num_shared,
+                                              d_x.get(), gated ? d_gate.get() : nullptr, hidden, out_ids.get(),
+                                              out_weights.get(), nullptr);
           FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
           const std::vector<int32_t> got_ids = out_ids.download();
           const std::vector<float> got_weights = out_weights.download();
@@ -512,14 +500,14 @@ TEST(MoeOpsGpu, AppendSharedSlots) {
         }
   DeviceBuffer<int32_t> idx(64);
   DeviceBuffer<float> w(64);
-  EXPECT_THROW(kernels::launch_append_shared_slots(idx.get(), w.get(), 1, 30, 60, 3, nullptr, nullptr, 64,
-                                                   idx.get(), w.get(), nullptr),
+  EXPECT_THROW(kernels::launch_append_shared_slots(idx.get(), w.get(), 1, 30, 60, 3, nullptr, nullptr, 64, idx.get(),
+                                                   w.get(), nullptr),
                Error);  // 33 rows per token
-  EXPECT_THROW(kernels::launch_append_shared_slots(idx.get(), w.get(), 1, 2, 511, 2, nullptr, nullptr, 64,
-                                                   idx.get(), w.get(), nullptr),
+  EXPECT_THROW(kernels::launch_append_shared_slots(idx.get(), w.get(), 1, 2, 511, 2, nullptr, nullptr, 64, idx.get(),
+                                                   w.get(), nullptr),
                Error);  // 513 experts
-  EXPECT_THROW(kernels::launch_append_shared_slots(idx.get(), w.get(), 1, 2, 60, 2, nullptr, w.get(), 64,
-                                                   idx.get(), w.get(), nullptr),
+  EXPECT_THROW(kernels::launch_append_shared_slots(idx.get(), w.get(), 1, 2, 60, 2, nullptr, w.get(), 64, idx.get(),
+                                                   w.get(), nullptr),
                Error);  // a gate without hidden states
 }
 

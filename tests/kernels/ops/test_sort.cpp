@@ -32,27 +32,39 @@ enum class IdPattern { kRandom, kSkewed, kAllOneExpert, kSparse, kWithOutOfRange
 
 const char* to_string(IdPattern pattern) {
   switch (pattern) {
-    case IdPattern::kRandom: return "random";
-    case IdPattern::kSkewed: return "skewed";
-    case IdPattern::kAllOneExpert: return "all-one-expert";
-    case IdPattern::kSparse: return "sparse";
-    case IdPattern::kWithOutOfRange: return "with-out-of-range";
+    case IdPattern::kRandom:
+      return "random";
+    case IdPattern::kSkewed:
+      return "skewed";
+    case IdPattern::kAllOneExpert:
+      return "all-one-expert";
+    case IdPattern::kSparse:
+      return "sparse";
+    case IdPattern::kWithOutOfRange:
+      return "with-out-of-range";
   }
   return "?";
 }
 
-std::vector<int32_t> make_ids(IdPattern pattern, int64_t num_pairs, int64_t num_experts,
-                              std::mt19937& rng) {
+std::vector<int32_t> make_ids(IdPattern pattern, int64_t num_pairs, int64_t num_experts, std::mt19937& rng) {
   std::uniform_int_distribution<int32_t> any(0, static_cast<int32_t>(num_experts - 1));
   std::uniform_int_distribution<int> percent(0, 99);
   const int32_t hot = any(rng);
   std::vector<int32_t> ids(static_cast<size_t>(num_pairs));
   for (auto& id : ids) {
     switch (pattern) {
-      case IdPattern::kRandom: id = any(rng); break;
-      case IdPattern::kSkewed: id = percent(rng) < 90 ? hot : any(rng); break;
-      case IdPattern::kAllOneExpert: id = hot; break;
-      case IdPattern::kSparse: id = (any(rng) / 4) * 4; break;  // 3 of 4 experts get nothing
+      case IdPattern::kRandom:
+        id = any(rng);
+        break;
+      case IdPattern::kSkewed:
+        id = percent(rng) < 90 ? hot : any(rng);
+        break;
+      case IdPattern::kAllOneExpert:
+        id = hot;
+        break;
+      case IdPattern::kSparse:
+        id = (any(rng) / 4) * 4;
+        break;  // 3 of 4 experts get nothing
       case IdPattern::kWithOutOfRange: {
         const int r = percent(rng);
         id = r < 3 ? -1 : r < 6 ? static_cast<int32_t>(num_experts) : any(rng);
@@ -65,10 +77,9 @@ std::vector<int32_t> make_ids(IdPattern pattern, int64_t num_pairs, int64_t num_
 
 // Checks a sort's outputs (downloaded; rows poisoned before the run) against
 // every property of moe_ops.hpp's contract for `ids`.
-void verify_sort(const std::vector<int32_t>& ids, int64_t num_tokens, int top_k,
-                 int64_t num_experts, const std::vector<int32_t>& offsets,
-                 const std::vector<int32_t>& token_of_row, const std::vector<int32_t>& pair_of_row,
-                 const std::string& what) {
+void verify_sort(const std::vector<int32_t>& ids, int64_t num_tokens, int top_k, int64_t num_experts,
+                 const std::vector<int32_t>& offsets, const std::vector<int32_t>& token_of_row,
+                 const std::vector<int32_t>& pair_of_row, const std::string& what) {
   const int64_t num_pairs = num_tokens * top_k;
   std::vector<int32_t> expected_offsets(static_cast<size_t>(num_experts + 1), 0);
   for (int32_t id : ids)
@@ -90,29 +101,26 @@ void verify_sort(const std::vector<int32_t>& ids, int64_t num_tokens, int top_k,
     }
     if (seen[static_cast<size_t>(pair)]++) report(row, "pair " + std::to_string(pair) + " placed twice");
     if (ids[static_cast<size_t>(pair)] != expert)
-      report(row, "pair " + std::to_string(pair) + " has expert " +
-                      std::to_string(ids[static_cast<size_t>(pair)]) + ", the row is expert " +
-                      std::to_string(expert) + "'s");
+      report(row, "pair " + std::to_string(pair) + " has expert " + std::to_string(ids[static_cast<size_t>(pair)]) +
+                      ", the row is expert " + std::to_string(expert) + "'s");
     if (token_of_row[static_cast<size_t>(row)] != pair / top_k)
       report(row, "token " + std::to_string(token_of_row[static_cast<size_t>(row)]) +
                       ", expected pair / top_k = " + std::to_string(pair / top_k));
   }
   // Rows past offsets[E] are left unwritten.
   for (int64_t row = num_placed; row < num_pairs; ++row)
-    if (pair_of_row[static_cast<size_t>(row)] != kPoisonId ||
-        token_of_row[static_cast<size_t>(row)] != kPoisonId)
+    if (pair_of_row[static_cast<size_t>(row)] != kPoisonId || token_of_row[static_cast<size_t>(row)] != kPoisonId)
       report(row, "written past offsets[E] = " + std::to_string(num_placed));
   EXPECT_EQ(num_bad, 0) << what;
 }
 
 // Runs the sort and checks it (verify_sort) and the error word.
-void check_sort(const std::vector<int32_t>& ids, int64_t num_tokens, int top_k,
-                int64_t num_experts, const std::string& what) {
+void check_sort(const std::vector<int32_t>& ids, int64_t num_tokens, int top_k, int64_t num_experts,
+                const std::string& what) {
   const int64_t num_pairs = num_tokens * top_k;
   // kAbsentSlot (-1) is skipped without an error; every other id outside the range is one.
-  const bool has_out_of_range = std::any_of(ids.begin(), ids.end(), [&](int32_t id) {
-    return (id < 0 && id != kernels::kAbsentSlot) || id >= num_experts;
-  });
+  const bool has_out_of_range = std::any_of(
+      ids.begin(), ids.end(), [&](int32_t id) { return (id < 0 && id != kernels::kAbsentSlot) || id >= num_experts; });
   const DeviceBuffer<int32_t> d_ids(ids);
   DeviceBuffer<int32_t> d_offsets(static_cast<size_t>(num_experts + 1));
   DeviceBuffer<int32_t> d_token_of_row(static_cast<size_t>(num_pairs));
@@ -123,13 +131,12 @@ void check_sort(const std::vector<int32_t>& ids, int64_t num_tokens, int top_k,
   d_token_of_row.fill_bytes(0xFF);
   d_pair_of_row.fill_bytes(0xFF);
   d_scratch.fill_bytes(0xFF);  // every count is written before it is read
-  kernels::launch_sort_by_expert(d_ids.get(), num_tokens, top_k, num_experts, d_offsets.get(),
-                                 d_token_of_row.get(), d_pair_of_row.get(), d_error.get(), d_scratch.get(), nullptr);
+  kernels::launch_sort_by_expert(d_ids.get(), num_tokens, top_k, num_experts, d_offsets.get(), d_token_of_row.get(),
+                                 d_pair_of_row.get(), d_error.get(), d_scratch.get(), nullptr);
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
   verify_sort(ids, num_tokens, top_k, num_experts, d_offsets.download(), d_token_of_row.download(),
               d_pair_of_row.download(), what);
-  EXPECT_EQ(d_error.download()[0], 1 | (has_out_of_range ? kernels::kErrorExpertIdOutOfRange : 0))
-      << what;
+  EXPECT_EQ(d_error.download()[0], 1 | (has_out_of_range ? kernels::kErrorExpertIdOutOfRange : 0)) << what;
 }
 
 TEST(MoeOpsGpu, SortByExpertEnumerated) {
@@ -138,8 +145,8 @@ TEST(MoeOpsGpu, SortByExpertEnumerated) {
   for (int64_t num_tokens : {1, 3, 64, 1000, 20000})
     for (int64_t num_experts : {8, 128, 256, 512})
       for (int top_k : {1, 6, 8})
-        for (IdPattern pattern : {IdPattern::kRandom, IdPattern::kSkewed, IdPattern::kAllOneExpert,
-                                  IdPattern::kSparse, IdPattern::kWithOutOfRange}) {
+        for (IdPattern pattern : {IdPattern::kRandom, IdPattern::kSkewed, IdPattern::kAllOneExpert, IdPattern::kSparse,
+                                  IdPattern::kWithOutOfRange}) {
           const std::vector<int32_t> ids = make_ids(pattern, num_tokens * top_k, num_experts, rng);
           check_sort(ids, num_tokens, top_k, num_experts,
                      std::string(to_string(pattern)) + " tokens=" + std::to_string(num_tokens) +
@@ -204,15 +211,14 @@ TEST(MoeOpsGpu, RouteAndSortMatchesRouteThenSort) {
     const int top_k = c.params.top_k;
     for (int64_t num_tokens : {1, 2, 3, 31, 32, 33, 64, 127, 128, 129, 1000}) {
       const std::string what = std::string(c.name) + " T=" + std::to_string(num_tokens) +
-                                (num_tokens * top_k <= 1024 ? " (one kernel)" : " (two kernels)");
+                               (num_tokens * top_k <= 1024 ? " (one kernel)" : " (two kernels)");
       const int64_t num_pairs = num_tokens * top_k;
-      const DeviceBuffer<float> d_logits(
-          random_normal(static_cast<size_t>(num_tokens * c.num_experts), rng));
+      const DeviceBuffer<float> d_logits(random_normal(static_cast<size_t>(num_tokens * c.num_experts), rng));
       const DeviceBuffer<float> d_bias(random_normal(static_cast<size_t>(c.num_experts), rng, 0.1f));
       DeviceBuffer<int32_t> ref_ids(static_cast<size_t>(num_pairs));
       DeviceBuffer<float> ref_weights(ref_ids.size());
-      kernels::launch_route(d_logits.get(), d_bias.get(), num_tokens, c.num_experts, c.params,
-                            ref_ids.get(), ref_weights.get(), nullptr);
+      kernels::launch_route(d_logits.get(), d_bias.get(), num_tokens, c.num_experts, c.params, ref_ids.get(),
+                            ref_weights.get(), nullptr);
       DeviceBuffer<int32_t> ids(ref_ids.size()), token_of_row(ref_ids.size()), pair_of_row(ref_ids.size());
       DeviceBuffer<float> weights(ref_ids.size());
       DeviceBuffer<int32_t> offsets(static_cast<size_t>(c.num_experts + 1));
@@ -224,11 +230,9 @@ TEST(MoeOpsGpu, RouteAndSortMatchesRouteThenSort) {
         offsets.fill_bytes(0xFF);
         token_of_row.fill_bytes(0xFF);
         pair_of_row.fill_bytes(0xFF);
-        kernels::launch_route_and_sort(d_logits.get(), d_bias.get(), num_tokens, c.num_experts,
-                                       c.params, ids.get(), weights.get(), offsets.get(),
-                                       token_of_row.get(), pair_of_row.get(),
-                                       error_and_arrivals.get(), error_and_arrivals.get() + 1,
-                                       scratch.get(), nullptr);
+        kernels::launch_route_and_sort(d_logits.get(), d_bias.get(), num_tokens, c.num_experts, c.params, ids.get(),
+                                       weights.get(), offsets.get(), token_of_row.get(), pair_of_row.get(),
+                                       error_and_arrivals.get(), error_and_arrivals.get() + 1, scratch.get(), nullptr);
         FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
         const std::string run_what = what + " run " + std::to_string(run);
         const std::vector<int32_t> got_ids = ids.download();
@@ -237,8 +241,8 @@ TEST(MoeOpsGpu, RouteAndSortMatchesRouteThenSort) {
         const std::vector<float> want_weights = ref_weights.download();
         for (size_t i = 0; i < got_weights.size(); ++i)
           ASSERT_EQ(float_bits(got_weights[i]), float_bits(want_weights[i])) << run_what << " slot " << i;
-        verify_sort(got_ids, num_tokens, top_k, c.num_experts, offsets.download(),
-                    token_of_row.download(), pair_of_row.download(), run_what);
+        verify_sort(got_ids, num_tokens, top_k, c.num_experts, offsets.download(), token_of_row.download(),
+                    pair_of_row.download(), run_what);
         EXPECT_EQ(error_and_arrivals.download(), (std::vector<int32_t>{0, 0})) << run_what;
       }
     }
@@ -316,8 +320,8 @@ TEST(MoeOpsGpu, RouteAndSortAppendSharedSlots) {
         if (fused)
           kernels::launch_route_and_sort(d_logits.get(), d_bias.get(), num_tokens, c.num_experts, c.params, ids.get(),
                                          weights.get(), offsets.get(), token_of_row.get(), pair_of_row.get(),
-                                         error_and_arrivals.get(), error_and_arrivals.get() + 1, scratch.get(),
-                                         nullptr, false, shared);
+                                         error_and_arrivals.get(), error_and_arrivals.get() + 1, scratch.get(), nullptr,
+                                         false, shared);
         else
           kernels::launch_route(d_logits.get(), d_bias.get(), num_tokens, c.num_experts, c.params, ids.get(),
                                 weights.get(), nullptr, false, error_and_arrivals.get(), shared);
@@ -331,11 +335,11 @@ TEST(MoeOpsGpu, RouteAndSortAppendSharedSlots) {
           const double shared_weight = c.gated ? 1.0 / (1.0 + std::exp(-dot)) : 1.0;
           for (int j = 0; j < rows; ++j) {
             const size_t at = static_cast<size_t>(t * rows + j);
-            const bool ok =
-                j < top_k ? got_ids[at] == routed_ids[static_cast<size_t>(t * top_k + j)] &&
-                                float_bits(got_weights[at]) == float_bits(routed_weights[static_cast<size_t>(t * top_k + j)])
-                          : got_ids[at] == c.num_experts + j - top_k &&
-                                std::fabs(got_weights[at] - shared_weight) <= 1e-5 * shared_weight;
+            const bool ok = j < top_k ? got_ids[at] == routed_ids[static_cast<size_t>(t * top_k + j)] &&
+                                            float_bits(got_weights[at]) ==
+                                                float_bits(routed_weights[static_cast<size_t>(t * top_k + j)])
+                                      : got_ids[at] == c.num_experts + j - top_k &&
+                                            std::fabs(got_weights[at] - shared_weight) <= 1e-5 * shared_weight;
             if (!ok) {
               ++num_bad;
               ADD_FAILURE() << run_what << ": token " << t << " slot " << j << ": id " << got_ids[at] << " weight "
@@ -364,8 +368,8 @@ TEST(MoeOpsGpu, SortRejectsBadParameters) {
   // More pairs than one block sorts, and no scratch for the blocks' counts.
   EXPECT_THROW(kernels::launch_sort_by_expert(p, kernels::kSortChunkPairs + 1, 1, 8, p, p, p, p, nullptr, nullptr),
                Error);
-  EXPECT_NO_THROW(kernels::launch_sort_by_expert(nullptr, 0, 8, 8, nullptr, nullptr, nullptr,
-                                                 nullptr, nullptr, nullptr));
+  EXPECT_NO_THROW(
+      kernels::launch_sort_by_expert(nullptr, 0, 8, 8, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr));
 }
 
 }  // namespace
