@@ -241,6 +241,36 @@ double time_median_us(const std::function<void()>& launch, int iterations, const
   return time_interleaved_us({launch}, iterations, flusher, stream)[0];
 }
 
+std::string ceilings_json_line(const std::string& gpu, const std::string& date, const Ceilings& ceilings) {
+  const nlohmann::json j{{"kind", "ceilings"},
+                         {"gpu", gpu},
+                         {"date", date},
+                         {"copy_tbps", ceilings.copy_bytes_per_s / 1e12},
+                         {"read_tbps", ceilings.read_bytes_per_s / 1e12},
+                         {"memory_tbps", ceilings.memory_bytes_per_s() / 1e12},
+                         {"bf16_tflops", ceilings.bf16_flops_per_s / 1e12}};
+  return j.dump();
+}
+
+cudaGraphExec_t capture_graph(cudaStream_t stream, const std::function<void()>& work) {
+  cudaGraph_t graph = nullptr;
+  FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    work();
+  } catch (...) {
+    cudaStreamEndCapture(stream, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    throw;
+  }
+  FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t status = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  FP4MOE_CUDA_CHECK(status);
+  return exec;
+}
+
 Ceilings measure_ceilings(const L2Flusher& flusher) {
   Ceilings c;
   const size_t copy_bytes = size_t{2} << 30;
@@ -356,14 +386,7 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
   FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, device));
   const int compute_capability = cc_major * 10 + cc_minor;
   if (json) {
-    nlohmann::json j{{"kind", "ceilings"},
-                     {"gpu", gpu},
-                     {"date", date},
-                     {"copy_tbps", ceil.copy_bytes_per_s / 1e12},
-                     {"read_tbps", ceil.read_bytes_per_s / 1e12},
-                     {"memory_tbps", ceil.memory_bytes_per_s() / 1e12},
-                     {"bf16_tflops", ceil.bf16_flops_per_s / 1e12}};
-    *json << j.dump() << std::endl;
+    *json << ceilings_json_line(gpu, date, ceil) << std::endl;
   }
   std::mt19937_64 rng(opt.seed);
   for (const ModelSpec& model : opt.models) {

@@ -77,6 +77,14 @@ std::vector<double> time_interleaved_us(const std::vector<std::function<void()>>
                                         const L2Flusher& flusher, cudaStream_t stream = nullptr);
 
 Ceilings measure_ceilings(const L2Flusher& flusher);
+// The benchmarks' first JSON line: {"kind": "ceilings", gpu, date, the
+// memory rates in TB/s and the bf16 rate in TFLOP/s}.
+std::string ceilings_json_line(const std::string& gpu, const std::string& date, const Ceilings& ceilings);
+
+// Captures what `work` enqueues on `stream` (thread-local capture mode: a
+// capture-unsafe call, an allocation or a synchronisation, fails) into an
+// instantiated graph; the caller destroys it (cudaGraphExecDestroy).
+cudaGraphExec_t capture_graph(cudaStream_t stream, const std::function<void()>& work);
 
 // Bytes and flops of one grouped GEMM with `rows` routed rows over
 // `active_experts` experts (docs/design.md §6):

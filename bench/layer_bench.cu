@@ -27,16 +27,6 @@ namespace {
 constexpr uint8_t kFirstScaleCode = 0x28;
 constexpr int kNumScaleCodes = 0x48 - 0x28 + 1;
 
-// Global scale for unit gain with K inputs: Var(w.x) = K E[e2m1^2] E[e4m3^2] s^2 = 1
-// for uniform codes and uniform scale codes.
-float unit_gain_global_scale(int64_t k) {
-  double code_ms = 0.0, scale_ms = 0.0;
-  for (int c = 0; c < 16; ++c) code_ms += std::pow(e2m1_to_float(static_cast<uint8_t>(c)), 2) / 16.0;
-  for (int c = 0; c < kNumScaleCodes; ++c)
-    scale_ms += std::pow(e4m3_to_float(static_cast<uint8_t>(kFirstScaleCode + c)), 2) / kNumScaleCodes;
-  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(k) * code_ms * scale_ms));
-}
-
 Nvfp4Matrix random_matrix(int64_t rows, int64_t cols, float global_scale, SplitMix64& rng) {
   Nvfp4Matrix m;
   m.rows = rows;
@@ -85,6 +75,14 @@ std::string variant_name(const MoeLayerOptions& options, GatherMode gather) {
 
 // ---------------------------------------------------------------- weights
 
+float unit_gain_global_scale(int64_t k, uint8_t first_scale_code, int num_scale_codes) {
+  double code_ms = 0.0, scale_ms = 0.0;
+  for (int c = 0; c < 16; ++c) code_ms += std::pow(e2m1_to_float(static_cast<uint8_t>(c)), 2) / 16.0;
+  for (int c = 0; c < num_scale_codes; ++c)
+    scale_ms += std::pow(e4m3_to_float(static_cast<uint8_t>(first_scale_code + c)), 2) / num_scale_codes;
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(k) * code_ms * scale_ms));
+}
+
 MoeWeights random_moe_weights(const LayerShape& shape, uint64_t seed) {
   FP4MOE_CHECK(
       shape.num_experts >= 1 && shape.hidden % 16 == 0 && shape.inter % 16 == 0 && shape.hidden > 0 && shape.inter > 0,
@@ -95,8 +93,9 @@ MoeWeights random_moe_weights(const LayerShape& shape, uint64_t seed) {
   weights.hidden = shape.hidden;
   weights.inter = shape.inter;
   weights.experts.resize(static_cast<size_t>(shape.num_experts));
-  const float gate_up_scale = unit_gain_global_scale(shape.hidden);  // shared, as ModelOpt does
-  const float down_scale = unit_gain_global_scale(shape.inter);
+  const float gate_up_scale =
+      unit_gain_global_scale(shape.hidden, kFirstScaleCode, kNumScaleCodes);  // shared, as ModelOpt does
+  const float down_scale = unit_gain_global_scale(shape.inter, kFirstScaleCode, kNumScaleCodes);
   parallel_for(shape.num_experts, [&](int64_t e) {
     // Seeded per expert: experts are drawn in parallel, and a seed gives one layer.
     SplitMix64 rng(seed * 0x2545F4914F6CDD1Dull + static_cast<uint64_t>(e) + 1);
@@ -333,24 +332,9 @@ StageTimes LayerTimer::time_stages(int64_t tokens, int iterations, const L2Flush
 }
 
 LayerTimer::GraphTimes LayerTimer::time_graph(int64_t tokens, int iterations, const L2Flusher& flusher) {
-  cudaGraph_t graph = nullptr;
-  // NOTE: thread-local capture mode: a forward that made a capture-unsafe
-  // call (an allocation, a synchronisation) fails here, which is part of
-  // what this measurement checks.
-  FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  try {
-    forward(tokens, nullptr);
-  } catch (...) {
-    cudaStreamEndCapture(stream_, &graph);
-    if (graph) cudaGraphDestroy(graph);
-    cudaGetLastError();
-    throw;
-  }
-  FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-  cudaGraphExec_t exec = nullptr;
-  const cudaError_t status = cudaGraphInstantiate(&exec, graph, 0);
-  cudaGraphDestroy(graph);
-  FP4MOE_CUDA_CHECK(status);
+  // NOTE: a forward that made a capture-unsafe call fails here, which is
+  // part of what this measurement checks.
+  cudaGraphExec_t exec = capture_graph(stream_, [&] { forward(tokens, nullptr); });
   GraphTimes t;
   try {
     const std::vector<double> us = time_interleaved_us(
@@ -465,14 +449,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
   table << "model         variant                routing      T act   hot  med   time_us  graph_us   roof_us   eff | "
            "route+sort gather    gemm1    gemm2  final |  out%\n";
   if (json) {
-    nlohmann::json j{{"kind", "ceilings"},
-                     {"gpu", gpu},
-                     {"date", date},
-                     {"copy_tbps", ceil.copy_bytes_per_s / 1e12},
-                     {"read_tbps", ceil.read_bytes_per_s / 1e12},
-                     {"memory_tbps", ceil.memory_bytes_per_s() / 1e12},
-                     {"bf16_tflops", ceil.bf16_flops_per_s / 1e12}};
-    *json << j.dump() << std::endl;
+    *json << ceilings_json_line(gpu, date, ceil) << std::endl;
   }
 
   // The default variant first, then the same with plain launches (no

@@ -71,6 +71,12 @@ struct LayerShape {
 // finite. Biases (has_bias) are uniform in [-0.1, 0.1]. For timing only.
 MoeWeights random_moe_weights(const LayerShape& shape, uint64_t seed);
 
+// The global scale that gives a projection with k inputs unit gain on
+// unit-variance inputs, Var(w.x) = k E[e2m1^2] E[e4m3^2] s^2 = 1, for codes
+// uniform over all 16 nibbles and block scales uniform over the e4m3 codes
+// first_scale_code .. + num_scale_codes - 1.
+float unit_gain_global_scale(int64_t k, uint8_t first_scale_code, int num_scale_codes);
+
 // How the benchmark's router logits spread the tokens over the experts:
 //   kUniform    logits ~ N(0, 1), no correction bias: every expert is equally
 //               likely, the top-k a uniformly random set (the GEMM bench's

@@ -84,18 +84,6 @@ constexpr double kCheckToleranceCpu = 1e-5;
 constexpr uint8_t kFirstScaleCode = 0x68;
 constexpr int kNumScaleCodes = 16;
 
-// The global scale that gives a projection with K inputs unit gain on unit-
-// variance inputs: Var(w·x) = K · E[e2m1²] · E[e4m3²] · s² = 1, where codes
-// are uniform over all 16 nibbles and scales uniform over the codes above.
-float unit_gain_global_scale(int64_t cols) {
-  double code_ms = 0.0;
-  for (int c = 0; c < 16; ++c) code_ms += std::pow(e2m1_to_float(static_cast<uint8_t>(c)), 2) / 16.0;
-  double scale_ms = 0.0;
-  for (int c = 0; c < kNumScaleCodes; ++c)
-    scale_ms += std::pow(e4m3_to_float(static_cast<uint8_t>(kFirstScaleCode + c)), 2) / kNumScaleCodes;
-  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(cols) * code_ms * scale_ms));
-}
-
 Nvfp4Matrix synthesize_matrix(int64_t rows, int64_t cols, float global_scale, SplitMix64& rng) {
   Nvfp4Matrix m;
   m.rows = rows;
@@ -121,10 +109,12 @@ Nvfp4Matrix synthesize_matrix(int64_t rows, int64_t cols, float global_scale, Sp
 ExpertWeights synthesize_expert(const ModelShape& model, uint64_t seed, int64_t expert_idx) {
   SplitMix64 rng(seed * 0x2545F4914F6CDD1Dull + static_cast<uint64_t>(expert_idx) + 1);
   ExpertWeights ex;
-  const float gate_up_scale = unit_gain_global_scale(model.hidden);  // shared, as ModelOpt does
+  const float gate_up_scale =
+      bench::unit_gain_global_scale(model.hidden, kFirstScaleCode, kNumScaleCodes);  // shared, as ModelOpt does
   ex.gate = synthesize_matrix(model.inter, model.hidden, gate_up_scale, rng);
   ex.up = synthesize_matrix(model.inter, model.hidden, gate_up_scale, rng);
-  ex.down = synthesize_matrix(model.hidden, model.inter, unit_gain_global_scale(model.inter), rng);
+  ex.down = synthesize_matrix(model.hidden, model.inter,
+                              bench::unit_gain_global_scale(model.inter, kFirstScaleCode, kNumScaleCodes), rng);
   if (model.has_bias) {
     const auto bias = [&](int64_t n) {
       std::vector<float> b(static_cast<size_t>(n));

@@ -53,6 +53,7 @@
 #include "fp4moe/error.hpp"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/nvfp4.hpp"
+#include "gemm_bench.hpp"
 #include "models.hpp"
 #include "soak_compare.hpp"
 #include "util/device_buffer.hpp"
@@ -233,20 +234,7 @@ class Worker {
   // One graph per case: a poisoning memset and the forward.
   void capture_graphs() {
     for (const SoakCase& c : cases_) {
-      cudaGraph_t graph = nullptr;
-      FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-      try {
-        enqueue_forward(c);
-      } catch (...) {
-        cudaStreamEndCapture(stream_, &graph);
-        if (graph) cudaGraphDestroy(graph);
-        throw;
-      }
-      FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-      cudaGraphExec_t exec = nullptr;
-      const cudaError_t status = cudaGraphInstantiate(&exec, graph, 0);
-      cudaGraphDestroy(graph);
-      FP4MOE_CUDA_CHECK(status);
+      const cudaGraphExec_t exec = bench::capture_graph(stream_, [&] { enqueue_forward(c); });
       graphs_.push_back(exec);
     }
   }
