@@ -20,8 +20,8 @@ namespace fp4moe::kernels::sm90 {
 // 0) and, per 64-wide K fragment, the unit's activation rows in boxes of STEP
 // rows (rows past the expert's land in columns nobody stores; past x and past
 // k they are zeros). One thread issuing all of m128's ten copies spent ~136
-// instructions per stage, as long as the stage's wgmmas (docs/performance.md
-// §5.14).
+// instructions per stage, as long as the stage's wgmmas
+// (docs/performance.md §5.14).
 template <class T>
 __device__ __forceinline__ void copy_by_tensor_map(const GroupedGemmParams& p, const Shared<T>& sh, int ptid,
                                                    int64_t num_units, int units_per_mtile, int k_tiles_total) {
@@ -167,8 +167,8 @@ __device__ __forceinline__ void gather_activations(const GroupedGemmParams& p, c
     ptx::named_barrier_sync(kBarProducer, kGatherThreads);
     // Only the rows the consumers' wgmmas read (zeros past the valid ones);
     // the copy loop is compiled per width so that it has no data-dependent
-    // branch per copy (one cost 2-4 % on full tiles, docs/performance.md
-    // §5.4).
+    // branch per copy (one cost 2-4 % on full tiles,
+    // docs/performance.md §5.4).
     with_mma_width<BLOCK_M, STEP>(mma_width<BLOCK_M, STEP>(u.rows_valid), [&](auto width) {
       constexpr int WIDTH = decltype(width)::value;
       constexpr int PASSES = (WIDTH + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
