@@ -507,97 +507,97 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                               options.batch_invariant == defaults.batch_invariant;
       const MoeLayer layer = MoeLayerInternals::prepare(weights, options, variant.gather);
       for (RouterLoad load : opt.loads) {
-      LayerTimer timer(layer, max_tokens, opt.seed, load);
-      if (load == RouterLoad::kRealistic)
-        table << "# " << shape.name << " realistic routing: logits N(0, 1) + " << timer.popularity_scale()
-              << " z_e, z_e ~ N(0, 1) per expert\n";
-      for (int64_t tokens : opt.tokens) {
-        const bool with_graph = opt.with_graph && is_default;
-        const LayerMeasurement m = measure_layer(timer, layer, tokens, opt.iterations, with_graph, ceil, flusher);
-        const StageTimes& s = m.stages;
-        char graph_text[32] = "-";
-        if (with_graph) std::snprintf(graph_text, sizeof graph_text, "%.1f", m.graph_us);
-        const std::string graph_us = graph_text;
-        char line[512];
-        const LayerTimer::ExpertLoad& el = m.expert_load;
-        std::snprintf(line, sizeof line,
-                      "%-13s %-22s %-9s %6lld %3lld %5.2f %4.2f %9.1f %9s %9.1f %5.2f | %10.1f %6.1f %8.1f %8.1f "
-                      "%6.1f | %4.0f%%\n",
-                      shape.name.c_str(), variant_name(options, variant.gather).c_str(), to_string(load).c_str(),
-                      static_cast<long long>(tokens), static_cast<long long>(m.roofline.active_experts),
-                      static_cast<double>(el.max_rows) / el.mean_rows,
-                      static_cast<double>(el.median_rows) / el.mean_rows, m.time_us, graph_us.c_str(),
-                      m.roofline.roof_us, m.efficiency, s.route_sort_us, s.gather_us, s.gemm1_us, s.gemm2_us,
-                      s.finalize_us, 100.0 * s.outside_gemm_share());
-        table << line;
-        if (with_graph)
-          table << "  graph replay " << m.graph_us << " us against eager forwards taken in turn with it "
-                << m.graph_eager_us << " us (" << m.graph_us / m.graph_eager_us << "x)\n"
-                << "  host time of one eager forward() call: " << m.host_us << " us (its 4 kernel launches alone, "
-                << "empty kernels: " << m.launch_floor_us << " us); of one graph replay: " << m.graph_launch_host_us
-                << " us\n";
-        if (m.nonfinite_outputs > 0)
-          table << "  WARNING: " << m.nonfinite_outputs << " output elements are NaN or infinite\n";
-        table << std::flush;
-        if (json) {
-          const MoeLayerPlan plan = layer.plan(tokens);
-          nlohmann::json j{{"kind", "moe_layer"},
-                           {"gpu", gpu},
-                           {"date", date},
-                           {"model", shape.name},
-                           {"num_experts", shape.num_experts},
-                           {"top_k", shape.routing.top_k},
-                           {"hidden", shape.hidden},
-                           {"inter", shape.inter},
-                           {"routing", to_string(shape.routing.mode)},
-                           {"router_load", to_string(load)},
-                           {"popularity_scale", timer.popularity_scale()},
-                           {"expert_rows_mean", el.mean_rows},
-                           {"tokens", tokens},
-                           {"rows", m.roofline.rows},
-                           {"active_experts", m.roofline.active_experts},
-                           {"expert_rows_max", m.expert_load.max_rows},
-                           {"expert_rows_median", m.expert_load.median_rows},
-                           {"variant", variant_name(options, variant.gather)},
-                           {"finalize", to_string(options.finalize)},
-                           {"gather", to_string(variant.gather)},
-                           {"programmatic_launch", options.programmatic_launch},
-                           {"batch_invariant", options.batch_invariant},
-                           {"activations", to_string(layer.activation_numerics())},
-                           {"gemm1_config", plan.gemm1.config.to_string()},
-                           {"gemm1_split_k", plan.gemm1.split_k},
-                           {"gemm1_row_stages", describe_row_stages(plan.gemm1)},
-                           {"gemm2_config", plan.gemm2.config.to_string()},
-                           {"gemm2_split_k", plan.gemm2.split_k},
-                           {"gemm2_row_stages", describe_row_stages(plan.gemm2)},
-                           {"time_us", m.time_us},
-                           {"graph_us", with_graph ? nlohmann::json(m.graph_us) : nlohmann::json(nullptr)},
-                           {"graph_eager_us", with_graph ? nlohmann::json(m.graph_eager_us) : nlohmann::json(nullptr)},
-                           {"host_us_per_forward", with_graph ? nlohmann::json(m.host_us) : nlohmann::json(nullptr)},
-                           {"graph_launch_host_us",
-                            with_graph ? nlohmann::json(m.graph_launch_host_us) : nlohmann::json(nullptr)},
-                           {"launch_floor_us", with_graph ? nlohmann::json(m.launch_floor_us) : nlohmann::json(nullptr)},
-                           {"roof_us", m.roofline.roof_us},
-                           {"gemm1_roof_us", m.roofline.gemm1_roof_us},
-                           {"gemm2_roof_us", m.roofline.gemm2_roof_us},
-                           {"combine_roof_us", m.roofline.combine_roof_us},
-                           {"efficiency", m.efficiency},
-                           {"stage_us",
-                            {{"route_sort", s.route_sort_us},
-                             {"gather", s.gather_us},
-                             {"gemm1", s.gemm1_us},
-                             {"gemm2", s.gemm2_us},
-                             {"finalize", s.finalize_us},
-                             {"total", s.total_us}}},
-                           {"outside_gemm_share", s.outside_gemm_share()},
-                           {"nonfinite_outputs", m.nonfinite_outputs},
-                           {"copy_tbps", ceil.copy_bytes_per_s / 1e12},
-                           {"memory_tbps", ceil.memory_bytes_per_s() / 1e12},
-                           {"bf16_tflops", ceil.bf16_flops_per_s / 1e12},
-                           {"iterations", opt.iterations}};
-          *json << j.dump() << std::endl;
+        LayerTimer timer(layer, max_tokens, opt.seed, load);
+        if (load == RouterLoad::kRealistic)
+          table << "# " << shape.name << " realistic routing: logits N(0, 1) + " << timer.popularity_scale()
+                << " z_e, z_e ~ N(0, 1) per expert\n";
+        for (int64_t tokens : opt.tokens) {
+          const bool with_graph = opt.with_graph && is_default;
+          const LayerMeasurement m = measure_layer(timer, layer, tokens, opt.iterations, with_graph, ceil, flusher);
+          const StageTimes& s = m.stages;
+          char graph_text[32] = "-";
+          if (with_graph) std::snprintf(graph_text, sizeof graph_text, "%.1f", m.graph_us);
+          const std::string graph_us = graph_text;
+          char line[512];
+          const LayerTimer::ExpertLoad& el = m.expert_load;
+          std::snprintf(line, sizeof line,
+                        "%-13s %-22s %-9s %6lld %3lld %5.2f %4.2f %9.1f %9s %9.1f %5.2f | %10.1f %6.1f %8.1f %8.1f "
+                        "%6.1f | %4.0f%%\n",
+                        shape.name.c_str(), variant_name(options, variant.gather).c_str(), to_string(load).c_str(),
+                        static_cast<long long>(tokens), static_cast<long long>(m.roofline.active_experts),
+                        static_cast<double>(el.max_rows) / el.mean_rows,
+                        static_cast<double>(el.median_rows) / el.mean_rows, m.time_us, graph_us.c_str(),
+                        m.roofline.roof_us, m.efficiency, s.route_sort_us, s.gather_us, s.gemm1_us, s.gemm2_us,
+                        s.finalize_us, 100.0 * s.outside_gemm_share());
+          table << line;
+          if (with_graph)
+            table << "  graph replay " << m.graph_us << " us against eager forwards taken in turn with it "
+                  << m.graph_eager_us << " us (" << m.graph_us / m.graph_eager_us << "x)\n"
+                  << "  host time of one eager forward() call: " << m.host_us << " us (its 4 kernel launches alone, "
+                  << "empty kernels: " << m.launch_floor_us << " us); of one graph replay: " << m.graph_launch_host_us
+                  << " us\n";
+          if (m.nonfinite_outputs > 0)
+            table << "  WARNING: " << m.nonfinite_outputs << " output elements are NaN or infinite\n";
+          table << std::flush;
+          if (json) {
+            const MoeLayerPlan plan = layer.plan(tokens);
+            nlohmann::json j{{"kind", "moe_layer"},
+                             {"gpu", gpu},
+                             {"date", date},
+                             {"model", shape.name},
+                             {"num_experts", shape.num_experts},
+                             {"top_k", shape.routing.top_k},
+                             {"hidden", shape.hidden},
+                             {"inter", shape.inter},
+                             {"routing", to_string(shape.routing.mode)},
+                             {"router_load", to_string(load)},
+                             {"popularity_scale", timer.popularity_scale()},
+                             {"expert_rows_mean", el.mean_rows},
+                             {"tokens", tokens},
+                             {"rows", m.roofline.rows},
+                             {"active_experts", m.roofline.active_experts},
+                             {"expert_rows_max", m.expert_load.max_rows},
+                             {"expert_rows_median", m.expert_load.median_rows},
+                             {"variant", variant_name(options, variant.gather)},
+                             {"finalize", to_string(options.finalize)},
+                             {"gather", to_string(variant.gather)},
+                             {"programmatic_launch", options.programmatic_launch},
+                             {"batch_invariant", options.batch_invariant},
+                             {"activations", to_string(layer.activation_numerics())},
+                             {"gemm1_config", plan.gemm1.config.to_string()},
+                             {"gemm1_split_k", plan.gemm1.split_k},
+                             {"gemm1_row_stages", describe_row_stages(plan.gemm1)},
+                             {"gemm2_config", plan.gemm2.config.to_string()},
+                             {"gemm2_split_k", plan.gemm2.split_k},
+                             {"gemm2_row_stages", describe_row_stages(plan.gemm2)},
+                             {"time_us", m.time_us},
+                             {"graph_us", with_graph ? nlohmann::json(m.graph_us) : nlohmann::json(nullptr)},
+                             {"graph_eager_us", with_graph ? nlohmann::json(m.graph_eager_us) : nlohmann::json(nullptr)},
+                             {"host_us_per_forward", with_graph ? nlohmann::json(m.host_us) : nlohmann::json(nullptr)},
+                             {"graph_launch_host_us",
+                              with_graph ? nlohmann::json(m.graph_launch_host_us) : nlohmann::json(nullptr)},
+                             {"launch_floor_us", with_graph ? nlohmann::json(m.launch_floor_us) : nlohmann::json(nullptr)},
+                             {"roof_us", m.roofline.roof_us},
+                             {"gemm1_roof_us", m.roofline.gemm1_roof_us},
+                             {"gemm2_roof_us", m.roofline.gemm2_roof_us},
+                             {"combine_roof_us", m.roofline.combine_roof_us},
+                             {"efficiency", m.efficiency},
+                             {"stage_us",
+                              {{"route_sort", s.route_sort_us},
+                               {"gather", s.gather_us},
+                               {"gemm1", s.gemm1_us},
+                               {"gemm2", s.gemm2_us},
+                               {"finalize", s.finalize_us},
+                               {"total", s.total_us}}},
+                             {"outside_gemm_share", s.outside_gemm_share()},
+                             {"nonfinite_outputs", m.nonfinite_outputs},
+                             {"copy_tbps", ceil.copy_bytes_per_s / 1e12},
+                             {"memory_tbps", ceil.memory_bytes_per_s() / 1e12},
+                             {"bf16_tflops", ceil.bf16_flops_per_s / 1e12},
+                             {"iterations", opt.iterations}};
+            *json << j.dump() << std::endl;
+          }
         }
-      }
       }
     }
   }
