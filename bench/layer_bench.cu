@@ -446,6 +446,8 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
   table << "# routing load (--routing): uniform = random top-k; realistic = a fixed per-expert popularity, the "
            "hottest expert 2.5x the mean rows at T = 4096; skewed = N(0, 1) logits with a 0.1 N(0, 1) correction "
            "bias; hot = rows of the hottest expert / the mean, med = the median active expert's / the mean\n";
+  if (opt.config)
+    table << "# tile config forced for both GEMMs (--config): " << opt.config->to_string() << "; no row classes\n";
   table << "model         variant                routing      T act   hot  med   time_us  graph_us   roof_us   eff | "
            "route+sort gather    gemm1    gemm2  final |  out%\n";
   if (json) {
@@ -485,6 +487,8 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
       MoeLayerOptions options = variant.options;
       options.activation = shape.activation;
       options.routing = shape.routing;
+      options.gemm1_config = opt.config;
+      options.gemm2_config = opt.config;
       // Graph replays for the default finalize and gather, with and without PDL.
       const bool is_default = options.finalize == defaults.finalize && variant.gather == GatherMode::kAuto &&
                               options.batch_invariant == defaults.batch_invariant;

@@ -42,6 +42,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -231,6 +232,7 @@ struct LayerBenchOptions {
   int iterations = 20;
   bool with_graph = true;     // graph replay of the default variant
   bool default_only = false;  // skip the other variants (plain launches, w4a4, batch invariant, ...)
+  std::optional<TileConfig> config;  // forced for both GEMMs (MoeLayerOptions::gemm1_config, gemm2_config)
   uint64_t seed = 1;
 };
 

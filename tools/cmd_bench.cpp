@@ -48,7 +48,9 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--tokens", o->options.tokens, "Token counts")->capture_default_str();
   cmd->add_option("--gemms", o->options.gemms, "Which GEMMs: 1 and/or 2 (not with --layer)")->capture_default_str();
   cmd->add_option("--iterations", o->options.iterations, "Timed launches per case (median)")->capture_default_str();
-  cmd->add_option("--config", o->config, "Force a tile config, e.g. n128m8k256s4w4 (not with --layer)");
+  cmd->add_option("--config", o->config,
+                  "Force a tile config, e.g. n128m8k256s4w4 (with --layer: for both GEMMs, each with its own "
+                  "epilogue, at every token count)");
   cmd->add_flag("--no-cublas", o->no_cublas, "Skip the cuBLAS bf16 peer (not with --layer)");
   cmd->add_flag("--no-graph", o->no_graph, "--layer: skip the CUDA-graph replay");
   cmd->add_flag("--default-only", o->default_only,
@@ -76,12 +78,13 @@ void add_bench_command(CLI::App& app) {
     };
 
     if (o->layer) {
-      for (const char* flag : {"--gemms", "--config", "--no-cublas"})
+      for (const char* flag : {"--gemms", "--no-cublas"})
         FP4MOE_CHECK(cmd->count(flag) == 0, flag, " does not apply to --layer");
       bench::LayerBenchOptions opts;
       opts.iterations = o->options.iterations;
       opts.with_graph = !o->no_graph;
       opts.default_only = o->default_only;
+      if (!o->config.empty()) opts.config = TileConfig::parse(o->config);
       opts.loads.clear();
       for (const std::string& name : o->routing) opts.loads.push_back(bench::parse_router_load(name));
       if (cmd->count("--tokens") > 0) opts.tokens = o->options.tokens;
