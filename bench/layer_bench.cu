@@ -27,26 +27,6 @@ namespace {
 constexpr uint8_t kFirstScaleCode = 0x28;
 constexpr int kNumScaleCodes = 0x48 - 0x28 + 1;
 
-Nvfp4Matrix random_matrix(int64_t rows, int64_t cols, float global_scale, SplitMix64& rng) {
-  Nvfp4Matrix m;
-  m.rows = rows;
-  m.cols = cols;
-  m.global_scale = global_scale;
-  m.input_scale = 1.0f;
-  m.packed.resize(static_cast<size_t>(rows * cols / 2));
-  for (size_t i = 0; i < m.packed.size(); i += 8) {  // 16 codes per draw
-    const uint64_t bits = rng.next();
-    std::memcpy(m.packed.data() + i, &bits, std::min<size_t>(8, m.packed.size() - i));
-  }
-  m.scales.resize(static_cast<size_t>(rows * cols / kNvfp4BlockSize));
-  for (size_t i = 0; i < m.scales.size(); i += 8) {  // 8 scales (one byte each) per draw
-    const uint64_t bits = rng.next();
-    for (size_t b = 0; b < 8 && i + b < m.scales.size(); ++b)
-      m.scales[i + b] = static_cast<uint8_t>(kFirstScaleCode + ((bits >> (8 * b)) & 0xFF) % kNumScaleCodes);
-  }
-  return m;
-}
-
 std::vector<float> random_bias(int64_t n, SplitMix64& rng) {
   std::vector<float> bias(static_cast<size_t>(n));
   for (float& b : bias) b = static_cast<float>((rng.uniform() - 0.5) * 0.2);
@@ -75,6 +55,29 @@ std::string variant_name(const MoeLayerOptions& options, GatherMode gather) {
 
 // ---------------------------------------------------------------- weights
 
+Nvfp4Matrix random_nvfp4_matrix(int64_t rows, int64_t cols, float global_scale, uint8_t first_scale_code,
+                                int num_scale_codes, SplitMix64& rng) {
+  FP4MOE_CHECK(num_scale_codes >= 1 && first_scale_code + num_scale_codes <= 256, "random_nvfp4_matrix: scale codes ",
+               int{first_scale_code}, " + ", num_scale_codes, " outside e4m3");
+  Nvfp4Matrix m;
+  m.rows = rows;
+  m.cols = cols;
+  m.global_scale = global_scale;
+  m.input_scale = 1.0f;
+  m.packed.resize(static_cast<size_t>(rows * cols / 2));
+  for (size_t i = 0; i < m.packed.size(); i += 8) {  // 16 codes per draw
+    const uint64_t bits = rng.next();
+    std::memcpy(m.packed.data() + i, &bits, std::min<size_t>(8, m.packed.size() - i));
+  }
+  m.scales.resize(static_cast<size_t>(rows * cols / kNvfp4BlockSize));
+  for (size_t i = 0; i < m.scales.size(); i += 8) {  // 8 scales (one byte each) per draw
+    const uint64_t bits = rng.next();
+    for (size_t b = 0; b < 8 && i + b < m.scales.size(); ++b)
+      m.scales[i + b] = static_cast<uint8_t>(first_scale_code + ((bits >> (8 * b)) & 0xFF) % num_scale_codes);
+  }
+  return m;
+}
+
 float unit_gain_global_scale(int64_t k, uint8_t first_scale_code, int num_scale_codes) {
   double code_ms = 0.0, scale_ms = 0.0;
   for (int c = 0; c < 16; ++c) code_ms += std::pow(e2m1_to_float(static_cast<uint8_t>(c)), 2) / 16.0;
@@ -100,9 +103,9 @@ MoeWeights random_moe_weights(const LayerShape& shape, uint64_t seed) {
     // Seeded per expert: experts are drawn in parallel, and a seed gives one layer.
     SplitMix64 rng(seed * 0x2545F4914F6CDD1Dull + static_cast<uint64_t>(e) + 1);
     ExpertWeights& ex = weights.experts[static_cast<size_t>(e)];
-    ex.gate = random_matrix(shape.inter, shape.hidden, gate_up_scale, rng);
-    ex.up = random_matrix(shape.inter, shape.hidden, gate_up_scale, rng);
-    ex.down = random_matrix(shape.hidden, shape.inter, down_scale, rng);
+    ex.gate = random_nvfp4_matrix(shape.inter, shape.hidden, gate_up_scale, kFirstScaleCode, kNumScaleCodes, rng);
+    ex.up = random_nvfp4_matrix(shape.inter, shape.hidden, gate_up_scale, kFirstScaleCode, kNumScaleCodes, rng);
+    ex.down = random_nvfp4_matrix(shape.hidden, shape.inter, down_scale, kFirstScaleCode, kNumScaleCodes, rng);
     // Input scales as calibration would set them (amax / 2688) for the
     // benchmark's hidden states, uniform in [-1, 1), and the unit-gain
     // SwiGLU output; used by the w4a4 variant only (the layer's format is

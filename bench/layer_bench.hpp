@@ -51,6 +51,7 @@
 #include "fp4moe/reference.hpp"
 #include "gemm_bench.hpp"
 #include "layer/moe_layer_internals.hpp"  // MoeStageEvents
+#include "util/splitmix64.hpp"
 
 namespace fp4moe::bench {
 
@@ -71,6 +72,12 @@ struct LayerShape {
 // projection unit gain on unit-variance inputs, so outputs stay O(1) and
 // finite. Biases (has_bias) are uniform in [-0.1, 0.1]. For timing only.
 MoeWeights random_moe_weights(const LayerShape& shape, uint64_t seed);
+
+// Random NVFP4 codes (uniform over all 16 nibbles) and block scales uniform
+// over the e4m3 codes first_scale_code .. + num_scale_codes - 1 (at most
+// 256), with the given global scale; input_scale 1.
+Nvfp4Matrix random_nvfp4_matrix(int64_t rows, int64_t cols, float global_scale, uint8_t first_scale_code,
+                                int num_scale_codes, SplitMix64& rng);
 
 // The global scale that gives a projection with k inputs unit gain on
 // unit-variance inputs, Var(w.x) = k E[e2m1^2] E[e4m3^2] s^2 = 1, for codes
@@ -230,8 +237,8 @@ struct LayerBenchOptions {
   std::vector<int64_t> tokens = {1, 16, 64, 256, 1024};
   std::vector<RouterLoad> loads = {RouterLoad::kRealistic};
   int iterations = 20;
-  bool with_graph = true;     // graph replay of the default variant
-  bool default_only = false;  // skip the other variants (plain launches, w4a4, batch invariant, ...)
+  bool with_graph = true;            // graph replay of the default variant
+  bool default_only = false;         // skip the other variants (plain launches, w4a4, batch invariant, ...)
   std::optional<TileConfig> config;  // forced for both GEMMs (MoeLayerOptions::gemm1_config, gemm2_config)
   uint64_t seed = 1;
 };

@@ -21,6 +21,8 @@
 #include "fp4moe/expert_parallel_layer.hpp"
 #endif
 #include "format/checkpoint_reader.hpp"
+#include "layer_bench.hpp"
+#include "models.hpp"
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
@@ -464,5 +466,17 @@ Activation parse_activation(const std::string& name) {
 }
 
 std::string to_string(Activation activation) { return activation == Activation::kSwiGLU ? "swiglu" : "gptoss"; }
+
+bench::LayerShape layer_shape(const ModelShape& model) {
+  bench::LayerShape shape;
+  shape.name = std::string(model.name);
+  shape.num_experts = model.num_experts;
+  shape.hidden = model.hidden;
+  shape.inter = model.inter;
+  shape.routing = model.routing_params();
+  shape.activation = model.activation;
+  shape.has_bias = model.has_bias;
+  return shape;
+}
 
 }  // namespace fp4moe::cli

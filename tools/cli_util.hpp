@@ -19,7 +19,17 @@
 #include "tensors.hpp"
 #include "util/output_path.hpp"  // check_output_path
 
+namespace fp4moe::bench {
+struct LayerShape;  // bench/layer_bench.hpp
+}
+
 namespace fp4moe::cli {
+
+struct ModelShape;  // models.hpp
+
+// The layer benchmark's description of a model shape (name, experts, sizes,
+// routing, activation, biases).
+bench::LayerShape layer_shape(const ModelShape& model);
 
 // ------------------------------------------------------------------ files
 

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <iostream>
 
+#include "cli_util.hpp"
 #include "commands.hpp"
 #include "fp4moe/error.hpp"
 #ifdef FP4MOE_WITH_NCCL
@@ -90,18 +91,7 @@ void add_bench_command(CLI::App& app) {
       if (cmd->count("--tokens") > 0) opts.tokens = o->options.tokens;
       const std::vector<std::string> names =
           o->models.empty() ? std::vector<std::string>{"glm-5", "deepseek-v3"} : o->models;
-      for (const std::string& name : names) {
-        const ModelShape& m = find_model(name);
-        bench::LayerShape shape;
-        shape.name = std::string(m.name);
-        shape.num_experts = m.num_experts;
-        shape.hidden = m.hidden;
-        shape.inter = m.inter;
-        shape.routing = m.routing_params();
-        shape.activation = m.activation;
-        shape.has_bias = m.has_bias;
-        opts.models.push_back(shape);
-      }
+      for (const std::string& name : names) opts.models.push_back(layer_shape(find_model(name)));
       open_json();
       if (cmd->count("--ep") > 0) {
 #ifdef FP4MOE_WITH_NCCL

@@ -29,7 +29,6 @@
 // names) and tests/tools/test_cli_gpu.cpp (GPU: check and timing table).
 #include <algorithm>
 #include <array>
-#include <cstring>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -84,26 +83,6 @@ constexpr double kCheckToleranceCpu = 1e-5;
 constexpr uint8_t kFirstScaleCode = 0x68;
 constexpr int kNumScaleCodes = 16;
 
-Nvfp4Matrix synthesize_matrix(int64_t rows, int64_t cols, float global_scale, SplitMix64& rng) {
-  Nvfp4Matrix m;
-  m.rows = rows;
-  m.cols = cols;
-  m.global_scale = global_scale;
-  m.input_scale = 1.0f;
-  m.packed.resize(static_cast<size_t>(rows * cols / 2));
-  for (size_t i = 0; i < m.packed.size(); i += 8) {  // 16 random codes per draw
-    const uint64_t bits = rng.next();
-    std::memcpy(m.packed.data() + i, &bits, std::min<size_t>(8, m.packed.size() - i));
-  }
-  m.scales.resize(static_cast<size_t>(rows * cols / kNvfp4BlockSize));
-  for (size_t i = 0; i < m.scales.size(); i += 16) {  // 16 scales (4 bits each) per draw
-    const uint64_t bits = rng.next();
-    for (size_t b = 0; b < 16 && i + b < m.scales.size(); ++b)
-      m.scales[i + b] = static_cast<uint8_t>(kFirstScaleCode + ((bits >> (4 * b)) & 0xF));
-  }
-  return m;
-}
-
 // Expert `expert_idx` of the model; its weights depend only on the seed and
 // its index, not on which other experts are active.
 ExpertWeights synthesize_expert(const ModelShape& model, uint64_t seed, int64_t expert_idx) {
@@ -111,10 +90,11 @@ ExpertWeights synthesize_expert(const ModelShape& model, uint64_t seed, int64_t 
   ExpertWeights ex;
   const float gate_up_scale =
       bench::unit_gain_global_scale(model.hidden, kFirstScaleCode, kNumScaleCodes);  // shared, as ModelOpt does
-  ex.gate = synthesize_matrix(model.inter, model.hidden, gate_up_scale, rng);
-  ex.up = synthesize_matrix(model.inter, model.hidden, gate_up_scale, rng);
-  ex.down = synthesize_matrix(model.hidden, model.inter,
-                              bench::unit_gain_global_scale(model.inter, kFirstScaleCode, kNumScaleCodes), rng);
+  ex.gate = bench::random_nvfp4_matrix(model.inter, model.hidden, gate_up_scale, kFirstScaleCode, kNumScaleCodes, rng);
+  ex.up = bench::random_nvfp4_matrix(model.inter, model.hidden, gate_up_scale, kFirstScaleCode, kNumScaleCodes, rng);
+  ex.down = bench::random_nvfp4_matrix(model.hidden, model.inter,
+                                       bench::unit_gain_global_scale(model.inter, kFirstScaleCode, kNumScaleCodes),
+                                       kFirstScaleCode, kNumScaleCodes, rng);
   if (model.has_bias) {
     const auto bias = [&](int64_t n) {
       std::vector<float> b(static_cast<size_t>(n));
@@ -279,14 +259,7 @@ CheckResult check_against_reference(const ModelShape& model, const MoeWeights& w
 // Step 6: the whole layer on the GPU at several token counts (see the file
 // comment for why its weights are random codes).
 void print_timing_table(const ModelShape& model, const DemoOptions& opts) {
-  bench::LayerShape shape;
-  shape.name = std::string(model.name);
-  shape.num_experts = model.num_experts;
-  shape.hidden = model.hidden;
-  shape.inter = model.inter;
-  shape.routing = model.routing_params();
-  shape.activation = model.activation;
-  shape.has_bias = model.has_bias;
+  const bench::LayerShape shape = layer_shape(model);
   const double weight_bytes =
       3.0 * static_cast<double>(model.hidden * model.inter) * (0.5 + 1.0 / kNvfp4BlockSize) * model.num_experts;
   std::printf(

@@ -2,7 +2,7 @@
 // bit with a first pass over the same inputs (determinism is a library
 // guarantee, docs/design.md §3), while device memory is sampled for drift.
 //
-//   1. Synthesise one layer (default: DeepSeek-V3's router, 256 experts,
+//   1. Synthesise one layer (bench::random_moe_weights; default: DeepSeek-V3's router, 256 experts,
 //      top-8, 8 groups / 4 kept, over experts of hidden 1024 and inter 512;
 //      --model gives a full-size shape instead) and a set of cases: random
 //      token counts in [1, --max-tokens] (half log-uniform, so decode sizes
@@ -35,7 +35,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <exception>
 #include <functional>
 #include <iostream>
@@ -54,10 +53,10 @@
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/nvfp4.hpp"
 #include "gemm_bench.hpp"
+#include "layer_bench.hpp"
 #include "models.hpp"
 #include "soak_compare.hpp"
 #include "util/device_buffer.hpp"
-#include "util/parallel.hpp"
 #include "util/splitmix64.hpp"
 
 namespace fp4moe::cli {
@@ -79,15 +78,7 @@ struct SoakOptions {
 // forward, so a mismatch is pinned to its case and mode).
 constexpr int kCheckEvery = 64;
 
-struct LayerShape {
-  std::string name;
-  int64_t num_experts, hidden, inter;
-  RoutingParams routing;
-  Activation activation;
-  bool has_bias;
-};
-
-LayerShape soak_shape(const std::string& model) {
+bench::LayerShape soak_shape(const std::string& model) {
   if (model.empty()) {
     const ModelShape& ds = find_model("deepseek-v3");
     return {"deepseek-v3-router, hidden 1024, inter 512",
@@ -98,52 +89,7 @@ LayerShape soak_shape(const std::string& model) {
             ds.activation,
             ds.has_bias};
   }
-  const ModelShape& m = find_model(model);
-  return {std::string(m.name), m.num_experts, m.hidden, m.inter, m.routing_params(), m.activation, m.has_bias};
-}
-
-// Random codes, block scales 0.125..2 (e4m3 codes 0x28..0x47), and a global
-// scale that keeps a projection's outputs O(1) for unit inputs.
-Nvfp4Matrix random_matrix(int64_t rows, int64_t cols, SplitMix64& rng) {
-  Nvfp4Matrix m;
-  m.rows = rows;
-  m.cols = cols;
-  m.global_scale = 0.5f / std::sqrt(static_cast<float>(cols));
-  m.packed.resize(static_cast<size_t>(rows * cols / 2));
-  for (size_t i = 0; i < m.packed.size(); i += 8) {
-    const uint64_t bits = rng.next();
-    std::memcpy(m.packed.data() + i, &bits, std::min<size_t>(8, m.packed.size() - i));
-  }
-  m.scales.resize(static_cast<size_t>(rows * cols / kNvfp4BlockSize));
-  for (uint8_t& s : m.scales) s = static_cast<uint8_t>(0x28 + rng.next() % 32);
-  return m;
-}
-
-MoeWeights synthesize_weights(const LayerShape& shape, uint64_t seed) {
-  MoeWeights w;
-  w.num_experts = shape.num_experts;
-  w.hidden = shape.hidden;
-  w.inter = shape.inter;
-  w.experts.resize(static_cast<size_t>(shape.num_experts));
-  parallel_for(shape.num_experts, [&](int64_t e) {
-    SplitMix64 rng(seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(e) + 1);
-    ExpertWeights& x = w.experts[static_cast<size_t>(e)];
-    x.gate = random_matrix(shape.inter, shape.hidden, rng);
-    x.up = random_matrix(shape.inter, shape.hidden, rng);
-    x.up.global_scale = x.gate.global_scale;  // shared, as ModelOpt writes them
-    x.down = random_matrix(shape.hidden, shape.inter, rng);
-    if (shape.has_bias) {
-      const auto bias = [&](int64_t n) {
-        std::vector<float> b(static_cast<size_t>(n));
-        for (float& v : b) v = static_cast<float>(0.1 * rng.normal());
-        return b;
-      };
-      x.gate_bias = bias(shape.inter);
-      x.up_bias = bias(shape.inter);
-      x.down_bias = bias(shape.hidden);
-    }
-  });
-  return w;
+  return layer_shape(find_model(model));
 }
 
 // One case: its inputs on the device and the first pass's output bits.
@@ -172,7 +118,7 @@ struct SoakCase {
   }
 };
 
-SoakCase make_case(const LayerShape& shape, int top_k, int64_t max_tokens, SplitMix64& rng, int case_idx) {
+SoakCase make_case(const bench::LayerShape& shape, int top_k, int64_t max_tokens, SplitMix64& rng, int case_idx) {
   SoakCase c;
   const bool log_uniform = case_idx % 2 == 0;
   c.num_tokens = log_uniform ? static_cast<int64_t>(std::exp(rng.uniform() * std::log(static_cast<double>(max_tokens))))
@@ -364,7 +310,7 @@ void run_soak(const SoakOptions& o) {
   FP4MOE_CHECK(o.cases >= 1, "--cases must be >= 1, not ", o.cases);
   FP4MOE_CHECK(o.max_tokens >= 1, "--max-tokens must be >= 1, not ", o.max_tokens);
   FP4MOE_CHECK(o.seconds > 0 && o.forwards >= 1, "--seconds and --forwards must be positive");
-  const LayerShape shape = soak_shape(o.model);
+  const bench::LayerShape shape = soak_shape(o.model);
   const GpuInfo gpu = probe_gpu();
   FP4MOE_CHECK(gpu.num_devices > 0, "soak needs a CUDA GPU, and this machine has ", gpu.description);
   int device = 0;
@@ -378,7 +324,7 @@ void run_soak(const SoakOptions& o) {
   MoeLayerOptions options;
   options.activation = shape.activation;
   options.routing = shape.routing;
-  const MoeLayer layer = MoeLayer::prepare(synthesize_weights(shape, o.seed), options);
+  const MoeLayer layer = MoeLayer::prepare(bench::random_moe_weights(shape, o.seed), options);
 
   SplitMix64 rng(o.seed);
   std::vector<SoakCase> cases;
