@@ -19,7 +19,7 @@
 // unchanged. Anything else (another exception, a sanitizer
 // report, a leak, a hang) is a finding.
 //
-// Seeds: fuzz/corpus/modelopt (fuzz/make-seeds); dictionary:
+// Seeds: fuzz/make-seeds (<build>/fuzz/seeds/modelopt); dictionary:
 // fuzz/modelopt.dict. Run with scripts/fuzz modelopt.
 #include <algorithm>
 #include <cstdint>

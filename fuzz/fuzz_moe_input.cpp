@@ -23,7 +23,7 @@
 // moderate. Anything else (another exception, a sanitizer report, a
 // leak, a hang) is a finding.
 //
-// Seeds: fuzz/corpus/moe_input (fuzz/make-seeds); dictionary:
+// Seeds: fuzz/make-seeds (<build>/fuzz/seeds/moe_input); dictionary:
 // fuzz/moe_input.dict. Run with scripts/fuzz moe_input.
 #include <algorithm>
 #include <bit>

@@ -9,7 +9,7 @@
 // bytes as its dtype and shape need. Then the tensors and metadata go through
 // SafetensorsWriter and are read back unchanged.
 //
-// Seeds: fuzz/corpus/safetensors (fuzz/make-seeds); dictionary:
+// Seeds: fuzz/make-seeds (<build>/fuzz/seeds/safetensors); dictionary:
 // fuzz/safetensors.dict. Run with scripts/fuzz safetensors.
 #include <cstdint>
 #include <cstdio>

@@ -11,7 +11,7 @@
 // split the planner could pick), and through write_cache and a second read,
 // which must give the same entries (the last of each key).
 //
-// Seeds: fuzz/corpus/tune_cache (fuzz/make-seeds); dictionary:
+// Seeds: fuzz/make-seeds (<build>/fuzz/seeds/tune_cache); dictionary:
 // fuzz/tune_cache.dict. Run with scripts/fuzz tune_cache.
 #include <algorithm>
 #include <cstdint>

@@ -41,7 +41,7 @@ import sys
 ROOTS = ("docs", "src", "tests", "bench", "scripts", "include/fp4moe", "python", "tools", "examples", "fuzz",
          "cmake")
 # Data, not text that cites anything: benchmark output, fuzz inputs, test data.
-SKIP_PREFIXES = ("bench/results/", "fuzz/corpus/", "fuzz/regressions/", "tests/data/")
+SKIP_PREFIXES = ("bench/results/", "fuzz/regressions/", "tests/data/")
 SKIP_SUFFIXES = (".png", ".jpg", ".safetensors", ".jsonl", ".json", ".bin", ".gz")
 # Paths of a build tree, not of the source tree, that comments and documents
 # name as such (`BUILD/tools/fp4moe`, "the previous commit's tools/fp4moe").
