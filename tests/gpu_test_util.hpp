@@ -25,21 +25,7 @@
 
 namespace fp4moe::testing {
 
-// Why GPU tests cannot run here: "" where a CUDA device is visible, else
-// what the CUDA runtime said (the error's name and text, or that it counts
-// no device). A driver/runtime mismatch or an empty CUDA_VISIBLE_DEVICES
-// shows here as the error it is, never as a silent "no GPU".
-inline std::string gpu_unavailable_reason() {
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return std::string("cudaGetDeviceCount failed: ") + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
-  }
-  return count > 0 ? std::string() : std::string("cudaGetDeviceCount counts 0 devices");
-}
-
-inline bool has_cuda_device() { return gpu_unavailable_reason().empty(); }
+inline bool has_cuda_device() { return cuda_unavailable_reason().empty(); }
 
 // FP4MOE_EXPECT_GPU=1 (set by the scripts that run the suite on a GPU
 // machine): a missing or broken GPU fails the GPU tests instead of skipping
@@ -53,7 +39,7 @@ inline bool gpu_expected() {
 // be used; fails it instead under FP4MOE_EXPECT_GPU=1.
 #define FP4MOE_REQUIRE_GPU()                                                             \
   do {                                                                                   \
-    const std::string fp4moe_gpu_why = ::fp4moe::testing::gpu_unavailable_reason();      \
+    const std::string fp4moe_gpu_why = ::fp4moe::cuda_unavailable_reason();              \
     if (!fp4moe_gpu_why.empty()) {                                                       \
       if (::fp4moe::testing::gpu_expected())                                             \
         FAIL() << "FP4MOE_EXPECT_GPU is set but no GPU can be used: " << fp4moe_gpu_why; \

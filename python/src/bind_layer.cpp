@@ -301,19 +301,6 @@ int cuda_device_count() {
   return count;
 }
 
-// Why no CUDA device can be used: "" when one can, else the CUDA runtime's
-// error (name and text) or that it counts none, so that a broken driver is
-// told apart from a machine without a GPU.
-std::string cuda_unavailable_reason() {
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return std::string("cudaGetDeviceCount failed: ") + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
-  }
-  return count > 0 ? std::string() : std::string("cudaGetDeviceCount counts 0 devices");
-}
-
 }  // namespace
 
 void register_layer(nb::module_& m) {
@@ -378,7 +365,7 @@ void register_layer(nb::module_& m) {
         nb::arg("w2"), nb::arg("w2_scale"), nb::arg("w2_scale_2"), nb::arg("top_k"),
         "Seconds MoeLayer::prepare (host packer + upload) takes for stacked host arrays (benchmarks).");
   m.def("cuda_device_count", &cuda_device_count, "CUDA devices usable by the library (0 without a driver).");
-  m.def("cuda_unavailable_reason", &cuda_unavailable_reason,
+  m.def("cuda_unavailable_reason", &fp4moe::cuda_unavailable_reason,
         "'' where a CUDA device can be used, else why not (the CUDA runtime's error, named).");
   m.def(
       "set_current_stream_fallback", [](nb::object fn) { current_stream_fallback() = std::move(fn); },
