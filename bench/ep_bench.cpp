@@ -70,11 +70,11 @@ double measure_all_to_all_gbps(int num_ranks, size_t bytes_per_peer) {
 }
 
 // Bytes one rank moved in a forward: dispatch (bf16 row + metadata per sent
-// row) and return (an fp32 row per computed pair), sent and received.
+// row) and return (a bf16 row per computed pair), sent and received.
 double bytes_moved(const ExpertParallelStats& s, int64_t hidden, int top_k) {
   const double row = 2.0 * hidden + 4.0 * static_cast<double>(dispatch_meta_words(top_k));
   return row * static_cast<double>(s.sent_rows + s.received_rows) +
-         4.0 * hidden * static_cast<double>(s.received_pairs + s.sent_pairs);
+         2.0 * hidden * static_cast<double>(s.received_pairs + s.sent_pairs);
 }
 
 }  // namespace

@@ -23,9 +23,8 @@
 // with the memory ceiling (max of copy and streaming read) and the cuBLAS
 // bf16 rate measured at start-up (bench/gemm_bench.hpp). GEMM2's rows are
 // counted at bf16, the least that rows computed by different blocks and
-// summed in a fixed order can move; the deterministic finalize's fp32 rows
-// (twice that, written and read back) are this implementation's choice, so
-// they count as time, not budget. Routing and sort get no budget: their
+// summed in a fixed order can move, and what the deterministic finalize
+// writes and reads back. Routing and sort get no budget: their
 // bytes (logits, ids) are negligible beside the weights, and the time they
 // take is what the "outside" share shows.
 //

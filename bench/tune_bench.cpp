@@ -35,7 +35,7 @@ struct GemmTuneBench::State {
   DeviceBuffer<uint16_t> x_sorted;       // GEMM 1 with the separate gather: bf16 [rows, hidden], grown
   DeviceBuffer<float> row_weights;       // [rows]
   DeviceBuffer<uint16_t> y;              // GEMM 1: bf16 [rows, inter]
-  DeviceBuffer<float> out_f32;           // GEMM 2: fp32 [rows, hidden]
+  DeviceBuffer<uint16_t> out_bf16;       // GEMM 2: bf16 [rows, hidden]
   DeviceBuffer<int32_t> error_flags;     // [4]: the GEMM's error word
   DeviceBuffer<int32_t> split_counters;  // [kMaxSplitKTiles], zero between launches
   DeviceBuffer<uint8_t> workspace;       // split-K partials, grown to the largest plan
@@ -63,7 +63,7 @@ struct GemmTuneBench::State {
     } else {
       a.scatter_rows = r.pair_of_row.get();
       a.row_weights = row_weights.get();
-      a.out_f32 = out_f32.get();
+      a.out_bf16 = out_bf16.get();
       a.out_rows = rows();
     }
     a.workspace = workspace.get();
@@ -136,10 +136,10 @@ void GemmTuneBench::set_tokens(int64_t num_tokens, int num_routings, double rout
   s.row_weights = DeviceBuffer<float>(row_weights);
   if (s.gemm == 1) {
     s.y = DeviceBuffer<uint16_t>(rows * static_cast<size_t>(s.n / 2));
-    s.out_f32 = DeviceBuffer<float>();
+    s.out_bf16 = DeviceBuffer<uint16_t>();
   } else {
     s.y = DeviceBuffer<uint16_t>();
-    s.out_f32 = DeviceBuffer<float>(rows * static_cast<size_t>(s.n));
+    s.out_bf16 = DeviceBuffer<uint16_t>(rows * static_cast<size_t>(s.n));
   }
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
 }
@@ -210,13 +210,12 @@ GemmTuneBench::HostCopy GemmTuneBench::host_copy(int routing_idx) const {
 
 void GemmTuneBench::poison_output() {
   state_->y.fill_bytes(0xFF);
-  state_->out_f32.fill_bytes(0xFF);
+  state_->out_bf16.fill_bytes(0xFF);
 }
 
 std::vector<float> GemmTuneBench::output() const {
   const State& s = *state_;
-  if (s.gemm == 2) return s.out_f32.download();
-  const std::vector<uint16_t> bits = s.y.download();
+  const std::vector<uint16_t> bits = s.gemm == 2 ? s.out_bf16.download() : s.y.download();
   std::vector<float> out(bits.size());
   for (size_t i = 0; i < bits.size(); ++i) out[i] = bf16_to_float(bits[i]);
   return out;

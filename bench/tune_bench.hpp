@@ -60,10 +60,10 @@ struct TuneShape {
 // read by tensor map), a launch is that pass and GEMM 1 on the sorted copy,
 // so the candidate is timed as the layer runs it. GEMM 2
 // reads activated rows [rows, inter] in expert order and stores each row,
-// plus its bias, times its router weight in fp32 at its (token, slot) row
-// (the deterministic finalize). Weights are random_gemm_weights(); split-K
-// counters and the error word live outside the workspace, as in the layer,
-// so plans of any tile count can follow each other on one workspace.
+// plus its bias, times its router weight, rounded to bf16, at its (token,
+// slot) row (the deterministic finalize). Weights are random_gemm_weights();
+// split-K counters and the error word live outside the workspace, as in the
+// layer, so plans of any tile count can follow each other on one workspace.
 class GemmTuneBench {
  public:
   GemmTuneBench(const TuneShape& shape, int gemm, uint64_t seed);
@@ -100,8 +100,8 @@ class GemmTuneBench {
   HostCopy host_copy(int routing_idx) const;
   // Fills the output with NaN bytes, so that an unwritten element shows.
   void poison_output();
-  // The output: GEMM 1 bf16 [rows, inter] as floats; GEMM 2 fp32 [rows, hidden]
-  // by (token, slot) pair.
+  // The output as floats: GEMM 1 bf16 [rows, inter]; GEMM 2 bf16 [rows,
+  // hidden] by (token, slot) pair.
   std::vector<float> output() const;
 
  private:

@@ -8,9 +8,9 @@
 //      token's bf16 hidden row once to every rank owning one of its experts,
 //      with the slot metadata (local expert id or -1, router weight);
 //   3. runs the grouped GEMMs of its experts on what it received
-//      (MoeLayer::forward_pair_rows: one fp32 row per (row, slot) it serves);
+//      (MoeLayer::forward_pair_rows: one bf16 row per (row, slot) it serves);
 //   4. returns those rows to their home ranks (NCCL), where each token's rows
-//      are summed in slot order and rounded once to bf16, by the same kernel
+//      are summed in slot order in fp32 and rounded once to bf16, by the same kernel
 //      as the single-GPU deterministic finalize.
 // The local layer is batch invariant (no split-K), so in deterministic mode
 // the output is bit-identical to a batch-invariant single-GPU MoeLayer on the
@@ -44,7 +44,7 @@ struct ExpertParallelStats {
   int64_t sent_rows = 0;       // hidden rows sent (one per token and destination rank)
   int64_t sent_pairs = 0;      // (token, slot) pairs those rows serve = tokens * top_k
   int64_t received_rows = 0;   // rows this rank computed for all ranks
-  int64_t received_pairs = 0;  // fp32 result rows it returned
+  int64_t received_pairs = 0;  // bf16 result rows it returned
   // Router logits given and some token had a non-finite one: those experts
   // were excluded, as MoeLayer does (docs/design.md §3), which reports the
   // same through device_errors().

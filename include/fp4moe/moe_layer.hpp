@@ -55,7 +55,7 @@ class MoeLayerInternals;
 // (GLM-5, H200) and slower from 1024 tokens on (docs/performance.md §5.20),
 // at the price of output bits that vary from run to run.
 enum class FinalizeMode {
-  kDeterministic,  // fp32 row per (token, slot), summed in slot order: bit-identical runs
+  kDeterministic,  // bf16 row per (token, slot), summed in slot order in fp32: bit-identical runs
   kAtomic,         // fp32 atomic adds into the token's row: order varies run to run
 };
 std::string to_string(FinalizeMode mode);
@@ -253,13 +253,15 @@ class MoeLayer {
                cudaStream_t stream) const;
 
   // The forward without its last step, for callers that sum the top-k rows
-  // themselves (expert parallelism): pair_rows, fp32 [num_tokens * top_k,
+  // themselves (expert parallelism): pair_rows, bf16 [num_tokens * top_k,
   // hidden] and 16-byte aligned, receives at row token * top_k + slot the
-  // router-weighted expert output of every slot with a valid id, exactly
-  // the rows the deterministic finalize sums in slot order; rows of absent
-  // slots are left as they were. Needs FinalizeMode::kDeterministic and a
-  // layer without a shared expert (its rows have no place in that layout).
-  void forward_pair_rows(const MoeForwardArgs& args, float* pair_rows, void* workspace, size_t workspace_bytes,
+  // router-weighted expert output of every slot with a valid id, rounded
+  // once to bf16 (nearest even): exactly the rows the deterministic finalize
+  // sums in slot order, in fp32 from 0.0f, before rounding the sum to bf16
+  // once. Rows of absent slots are left as they were. Needs
+  // FinalizeMode::kDeterministic and a layer without a shared expert (its
+  // rows have no place in that layout).
+  void forward_pair_rows(const MoeForwardArgs& args, void* pair_rows, void* workspace, size_t workspace_bytes,
                          cudaStream_t stream) const;
 
   // Device-side errors recorded in `workspace` by earlier forwards (expert

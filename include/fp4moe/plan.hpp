@@ -39,7 +39,7 @@ bool local_arch_limits(ArchLimits* limits, std::string* device_name = nullptr);
 enum class Epilogue {
   kNone,      // bf16 rows in expert-sorted order
   kSwiglu,    // GEMM1: gate and up rows interleaved in one tile -> act(gate, up), bf16, half width
-  kFinalize,  // GEMM2: (row (+ bias)) x router weight, fp32, scattered to the (token, slot) or token row
+  kFinalize,  // GEMM2: (row (+ bias)) x router weight, bf16 to the (token, slot) row or fp32 added to the token row
 };
 std::string to_string(Epilogue epilogue);
 

@@ -152,7 +152,8 @@ ReceivePlan plan_receive(const int64_t* recv_counts, const int32_t* recv_meta, i
 
 // A rank's local expert computation for a batch of pairs: out[i, :] (fp32
 // [num_pairs, hidden]) = weights[i] * expert(x[i, :]) for the rank's local
-// expert local_expert_idx[i], the row the layer's GEMM2 epilogue writes.
+// expert local_expert_idx[i], the row the layer's GEMM2 epilogue writes
+// (which the GPU layer rounds to bf16; the simulation keeps fp32, see below).
 // x is [num_pairs, hidden] (the received bf16 rows, widened exactly).
 using LocalExpertFn = std::function<void(int rank, int64_t num_pairs, const int32_t* local_expert_idx,
                                          const float* weights, const float* x, float* out)>;
@@ -164,11 +165,14 @@ struct ExpertParallelSimulation {
 };
 
 // Runs one expert-parallel forward over placement.num_ranks simulated ranks,
-// moving bytes as the NCCL implementation will: counts exchange, dispatch of
+// moving rows as the NCCL implementation does: counts exchange, dispatch of
 // bf16 rows + metadata, local computation in expert-grouped order with each
-// pair's row scattered to its return position, return of fp32 rows, and the
+// pair's row scattered to its return position, return of the rows, and the
 // combine: output[t] = ((0.0f + r_0) + r_1) + ... over slots in slot order,
-// in fp32, as the single-GPU layer's deterministic finalize sums them.
+// in fp32, as the single-GPU layer's deterministic finalize sums them. The
+// returned rows stay fp32 here (the GPU layer's are bf16): what is under
+// test is where each row goes, and fp32 rows let the test hold the combine
+// to moe_reference closely.
 // The global tokens are split over ranks in order: rank r is home to
 // tokens_per_rank[r] consecutive tokens. hidden_states bf16 [num_tokens,
 // hidden]; topk_ids/topk_weights [num_tokens, top_k]. Also checks on the way

@@ -1,10 +1,10 @@
 // ExpertParallelMoeLayer (include/fp4moe/expert_parallel_layer.hpp): the
 // host plans of expert_parallel.hpp carried out with the NCCL helpers of
 // nccl_util.hpp and the single-GPU layer's kernels. Row moves on the device
-// use the layer's row gather (16-byte vectors, so an fp32 row of H values is
-// gathered as 2H bf16-sized halves); the final slot-order sum is the
-// deterministic finalize kernel itself, which is what makes the result
-// bit-identical to one GPU.
+// use the layer's row gather (16-byte vectors of bf16: the hidden rows and
+// the bf16 result rows alike); the final slot-order sum is the deterministic
+// finalize kernel itself, which is what makes the result bit-identical to
+// one GPU.
 #include "fp4moe/expert_parallel_layer.hpp"
 
 #include <cuda_runtime.h>
@@ -91,12 +91,12 @@ struct ExpertParallelMoeLayer::Impl {
   DeviceBuffer<int32_t> local_ids;                 // [R, k]
   DeviceBuffer<float> local_weights;               // [R, k]
   DeviceBuffer<uint8_t> workspace;                 // the local layer's
-  DeviceBuffer<float> pair_rows;                   // [R * k, H]
+  DeviceBuffer<uint16_t> pair_rows;                // bf16 [R * k, H]
   DeviceBuffer<int32_t> return_idx;                // [Rp]
-  DeviceBuffer<float> return_rows;                 // [Rp, H]
-  DeviceBuffer<float> returned;                    // [T * k, H] in rank order
+  DeviceBuffer<uint16_t> return_rows;              // bf16 [Rp, H]
+  DeviceBuffer<uint16_t> returned;                 // bf16 [T * k, H] in rank order
   DeviceBuffer<int32_t> combine_idx;               // [T * k]
-  DeviceBuffer<float> home_pair_rows;              // [T * k, H] in (token, slot) order
+  DeviceBuffer<uint16_t> home_pair_rows;           // bf16 [T * k, H] in (token, slot) order
   PhaseEvents phases;
 
   Impl(ExpertPlacement p, ncclComm_t c, int r, MoeLayer layer)
@@ -242,7 +242,7 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
   const ReceivePlan recv = plan_receive(recv_counts.data(), recv_meta.data(), k, m.placement, m.rank);
   const int64_t Rp = recv.num_recv_pairs();
 
-  // 5. This rank's experts on what it received: one fp32 row per served
+  // 5. This rank's experts on what it received: one bf16 row per served
   // (row, slot), then those rows in return order.
   m.return_rows.grow(static_cast<size_t>(Rp * H));
   if (R > 0) {
@@ -267,7 +267,7 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
       const RecvPair& pair = recv.pairs[static_cast<size_t>(p)];
       return_idx[static_cast<size_t>(p)] = static_cast<int32_t>(pair.recv_row * k + pair.slot);
     }
-    m.gather(m.pair_rows.get(), return_idx, m.return_idx, H * 4, m.return_rows.get(), stream);
+    m.gather(m.pair_rows.get(), return_idx, m.return_idx, H * 2, m.return_rows.get(), stream);
   }
 
   phase_done(3);
@@ -283,7 +283,7 @@ ExpertParallelStats ExpertParallelMoeLayer::forward(const MoeForwardArgs& args, 
     for (size_t i = 0; i < combine_idx.size(); ++i)
       combine_idx[i] = static_cast<int32_t>(plan.combine.return_row_idx[i]);
     m.home_pair_rows.grow(static_cast<size_t>(T * k * H));
-    m.gather(m.returned.get(), combine_idx, m.combine_idx, H * 4, m.home_pair_rows.get(), stream);
+    m.gather(m.returned.get(), combine_idx, m.combine_idx, H * 2, m.home_pair_rows.get(), stream);
     kernels::launch_finalize_pairs(m.home_pair_rows.get(), home_ids, T, k, m.num_experts, H, output, stream);
   }
   phase_done(5);

@@ -189,13 +189,15 @@ void nccl_dispatch(const DispatchPlan& plan, const int64_t* recv_counts, int64_t
   FP4MOE_NCCL_CHECK(ncclGroupEnd());
 }
 
-void nccl_return_rows(const ReceivePlan& recv, const DispatchPlan& plan, int64_t hidden, const float* return_rows,
-                      float* returned, ncclComm_t comm, cudaStream_t stream) {
+void nccl_return_rows(const ReceivePlan& recv, const DispatchPlan& plan, int64_t hidden, const void* return_rows,
+                      void* returned, ncclComm_t comm, cudaStream_t stream) {
   FP4MOE_CHECK(recv.num_ranks == plan.num_ranks && recv.my_rank == plan.my_rank,
                "nccl_return_rows: the receive plan is for rank ", recv.my_rank, " of ", recv.num_ranks,
                ", the dispatch plan for rank ", plan.my_rank, " of ", plan.num_ranks);
   check_comm(comm, plan.num_ranks, "nccl_return_rows");
   FP4MOE_CHECK(hidden >= 1, "nccl_return_rows: hidden = ", hidden, "; expected >= 1");
+  const auto* send_rows_bf16 = static_cast<const uint16_t*>(return_rows);
+  auto* recv_rows_bf16 = static_cast<uint16_t*>(returned);
   FP4MOE_NCCL_CHECK(ncclGroupStart());
   for (int r = 0; r < plan.num_ranks; ++r) {
     const int64_t send_begin = recv.return_offsets[static_cast<size_t>(r)];
@@ -203,11 +205,11 @@ void nccl_return_rows(const ReceivePlan& recv, const DispatchPlan& plan, int64_t
     const int64_t recv_begin = plan.combine.recv_offsets[static_cast<size_t>(r)];
     const int64_t recv_rows = plan.combine.recv_offsets[static_cast<size_t>(r + 1)] - recv_begin;
     if (send_rows > 0)
-      FP4MOE_NCCL_CHECK(ncclSend(return_rows + send_begin * hidden, static_cast<size_t>(send_rows * hidden),
-                                 ncclFloat32, r, comm, stream));
+      FP4MOE_NCCL_CHECK(ncclSend(send_rows_bf16 + send_begin * hidden, static_cast<size_t>(send_rows * hidden),
+                                 ncclBfloat16, r, comm, stream));
     if (recv_rows > 0)
-      FP4MOE_NCCL_CHECK(ncclRecv(returned + recv_begin * hidden, static_cast<size_t>(recv_rows * hidden), ncclFloat32,
-                                 r, comm, stream));
+      FP4MOE_NCCL_CHECK(ncclRecv(recv_rows_bf16 + recv_begin * hidden, static_cast<size_t>(recv_rows * hidden),
+                                 ncclBfloat16, r, comm, stream));
   }
   FP4MOE_NCCL_CHECK(ncclGroupEnd());
 }

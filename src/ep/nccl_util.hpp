@@ -77,11 +77,12 @@ void nccl_dispatch(const DispatchPlan& plan, const int64_t* recv_counts, int64_t
                    const int32_t* send_meta, void* recv_hidden, int32_t* recv_meta, ncclComm_t comm,
                    cudaStream_t stream);
 
-// Return of the fp32 result rows: sends return_rows [recv.num_recv_pairs(),
-// hidden] (block s to rank s) and receives the rows computed for this rank
-// into returned [plan.num_send_pairs(), hidden] (block r from rank r), where
+// Return of the bf16 result rows (MoeLayer::forward_pair_rows'): sends
+// return_rows bf16 [recv.num_recv_pairs(), hidden] (block s to rank s) and
+// receives the rows computed for this rank into returned bf16
+// [plan.num_send_pairs(), hidden] (block r from rank r), where
 // plan.combine.return_row_idx finds them.
-void nccl_return_rows(const ReceivePlan& recv, const DispatchPlan& plan, int64_t hidden, const float* return_rows,
-                      float* returned, ncclComm_t comm, cudaStream_t stream);
+void nccl_return_rows(const ReceivePlan& recv, const DispatchPlan& plan, int64_t hidden, const void* return_rows,
+                      void* returned, ncclComm_t comm, cudaStream_t stream);
 
 }  // namespace fp4moe

@@ -1,7 +1,8 @@
 // A CPU simulation of one expert-parallel forward over P ranks, moving the
-// same bytes in the same order as the NCCL implementation will (counts
-// exchange, dispatch, local computation, return, combine), so the plans of
-// dispatch_plan.cpp are validated end to end without a GPU.
+// same rows in the same order as the NCCL implementation (counts exchange,
+// dispatch, local computation, return, combine; the returned rows in fp32,
+// where the GPU's are bf16), so the plans of dispatch_plan.cpp are validated
+// end to end without a GPU.
 // Tested in tests/ep/test_dispatch_plan.cpp against the single-node combine.
 #include <algorithm>
 #include <numeric>

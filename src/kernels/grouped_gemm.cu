@@ -182,12 +182,25 @@ void validate_args(const GroupedGemmArgs& a, bool for_launch, Epilogue epilogue)
   std::pair<const void*, const char*> vectors[5] = {{a.weights, "weights"}, {a.scales, "scales"}, {a.x, "x"}};
   int num_vectors = 3;
   if (epilogue == Epilogue::kFinalize) {
-    FP4MOE_CHECK(a.out_f32 != nullptr && a.scatter_rows != nullptr,
-                 "grouped_gemm: the finalize epilogue needs out_f32 and scatter_rows");
+    FP4MOE_CHECK(a.scatter_rows != nullptr, "grouped_gemm: the finalize epilogue needs scatter_rows");
+    if (a.atomic_out)
+      FP4MOE_CHECK(a.out_f32 != nullptr && a.out_bf16 == nullptr,
+                   "grouped_gemm: the atomic finalize epilogue adds into out_f32 (fp32 [out_rows, n]); out_f32 = ",
+                   static_cast<const void*>(a.out_f32), ", out_bf16 = ", a.out_bf16,
+                   "; expected out_f32 set and out_bf16 null");
+    else
+      FP4MOE_CHECK(a.out_bf16 != nullptr && a.out_f32 == nullptr,
+                   "grouped_gemm: the finalize epilogue without atomic_out stores bf16 rows into out_bf16 (bf16 "
+                   "[out_rows, n]); out_bf16 = ",
+                   a.out_bf16, ", out_f32 = ", static_cast<const void*>(a.out_f32),
+                   "; expected out_bf16 set and out_f32 null");
     FP4MOE_CHECK(a.out_row_divisor >= 1 && a.out_rows >= 1 && a.out_rows < (int64_t{1} << 31),
                  "grouped_gemm: finalize out_rows = ", a.out_rows, ", out_row_divisor = ", a.out_row_divisor,
                  "; expected both >= 1 and out_rows < 2^31");
-    vectors[num_vectors++] = {a.out_f32, "out_f32"};
+    if (a.atomic_out)
+      vectors[num_vectors++] = {a.out_f32, "out_f32"};
+    else
+      vectors[num_vectors++] = {a.out_bf16, "out_bf16"};
     if (a.bias) vectors[num_vectors++] = {a.bias, "bias"};
   } else {
     FP4MOE_CHECK(a.y != nullptr, "grouped_gemm: y is null but num_rows = ", a.num_rows);
@@ -289,7 +302,10 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   p.activation = args.activation == Activation::kGptOss ? kernels::kActGptOss : kernels::kActSwiglu;
   p.scatter_rows = args.scatter_rows;
   p.row_weights = args.row_weights;
-  p.out_f32 = args.out_f32;
+  if (args.atomic_out)
+    p.out_f32 = args.out_f32;
+  else
+    p.out_bf16 = static_cast<__nv_bfloat16*>(args.out_bf16);
   p.out_rows = static_cast<int>(args.out_rows);
   p.out_row_divisor = args.out_row_divisor;
   p.atomic_out = args.atomic_out ? 1 : 0;

@@ -86,16 +86,20 @@ struct GroupedGemmArgs {
   //   kNone      y bf16 [num_rows, n].
   //   kSwiglu    weights made with interleave_gate_up(); y bf16 [num_rows, n/2]
   //              = activation(gate + bias[e][f], up + bias[e][n/2 + f]).
-  //   kFinalize  out_f32 fp32 [out_rows, n]: row r of the problem, scaled,
-  //              (+ bias[e][c]) x row_weights[s], goes to out_f32 row
-  //              s / out_row_divisor with s = scatter_rows[r], stored (or, with
-  //              atomic_out, added atomically).
+  //   kFinalize  row r of the problem, scaled, (+ bias[e][c]) x
+  //              row_weights[s] with s = scatter_rows[r], goes to output row
+  //              s / out_row_divisor: without atomic_out, rounded to bf16 and
+  //              stored into out_bf16 (bf16 [out_rows, n], one row per slot:
+  //              the deterministic combine's rows); with atomic_out, added
+  //              atomically into out_f32 (fp32 [out_rows, n], one row per
+  //              token). Exactly one of the two is set, 16-byte aligned.
   void* y = nullptr;
   Activation activation = Activation::kSwiGLU;
   const float* bias = nullptr;  // optional fp32 [num_experts][n], device
   const int32_t* scatter_rows = nullptr;
   const float* row_weights = nullptr;  // optional (1.0 when null), indexed by s
-  float* out_f32 = nullptr;
+  float* out_f32 = nullptr;            // kFinalize with atomic_out
+  void* out_bf16 = nullptr;            // kFinalize without atomic_out
   int64_t out_rows = 0;
   int out_row_divisor = 1;
   bool atomic_out = false;

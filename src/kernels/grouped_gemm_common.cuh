@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "kernels/act_quant.cuh"
+#include "kernels/bf16x4.cuh"
 #include "kernels/fragment_layout.hpp"
 #include "kernels/ptx/mma.cuh"
 #include "plan/smem_model.hpp"
@@ -47,7 +48,15 @@ struct GroupedGemmParams {
   const float* act_quant_scales;
   const int32_t* scatter_rows;  // kFinalize [num_rows]: output slot of each row
   const float* row_weights;     // kFinalize: router weight per slot (indexed by scatter row)
-  float* out_f32;               // kFinalize: fp32 [out_rows, n], row = slot / out_row_divisor
+  // kFinalize, the one of its mode (row = slot / out_row_divisor): with
+  // atomic_out, out_f32 fp32 [out_rows, n], added into; without, out_bf16
+  // bf16 [out_rows, n], one row per slot, stored.
+  // NOTE: one pointer: a parameter block 8 bytes longer made ptxas spill 4
+  // bytes in the SM90 m8 (k128, 9 stages) kernels of every epilogue.
+  union {
+    float* out_f32;
+    __nv_bfloat16* out_bf16;
+  };
   int out_rows;
   int out_row_divisor;     // kFinalize: 1 (one row per slot) or top_k (one per token)
   int atomic_out;          // kFinalize: add atomically instead of storing
@@ -251,8 +260,11 @@ __device__ __forceinline__ float4 finalize_bias(const GroupedGemmParams& p, int 
 
 // The kFinalize epilogue of four columns [col, col + 4) of one row (already
 // scaled by the global scale): + bias (finalize_bias), x the slot's router
-// weight, stored to (or, with atomic_out, added into) output row `out_row`
-// (finalize_out_row: the slot's or the token's).
+// weight, then added into the fp32 token row `out_row` with atomic_out, or
+// else rounded once to bf16 (nearest even) and stored, one 8-byte store, to
+// the bf16 (token, slot) row `out_row` (finalize_out_row). The epilogues
+// stage fp32; only the deterministic rows' global store is bf16
+// (docs/design.md §4.4).
 __device__ __forceinline__ void finalize_store(const GroupedGemmParams& p, int out_row, int col, float4 v, float4 bias,
                                                float router_weight) {
   if (p.bias) {  // (without one, -0 stays -0 as before)
@@ -265,8 +277,9 @@ __device__ __forceinline__ void finalize_store(const GroupedGemmParams& p, int o
   v.y *= router_weight;
   v.z *= router_weight;
   v.w *= router_weight;
-  float* dst = p.out_f32 + static_cast<size_t>(out_row) * p.n + col;
+  const size_t at = static_cast<size_t>(out_row) * p.n + col;
   if (p.atomic_out) {
+    float* dst = p.out_f32 + at;
 #if __CUDA_ARCH__ >= 900
     atomicAdd(reinterpret_cast<float4*>(dst), v);
 #else
@@ -276,7 +289,7 @@ __device__ __forceinline__ void finalize_store(const GroupedGemmParams& p, int o
     atomicAdd(dst + 3, v.w);
 #endif
   } else {
-    *reinterpret_cast<float4*>(dst) = v;
+    *reinterpret_cast<uint2*>(p.out_bf16 + at) = to_bf16x4(v);
   }
 }
 

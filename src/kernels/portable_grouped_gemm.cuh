@@ -27,9 +27,10 @@
 //              gate and up of a (feature, token) in registers:
 //              y[row, n/2] = bf16(act(gate + bias_g, up + bias_u))
 //   kFinalize  v = (acc * global_scale + bias[col]) * row_weights[s], with
-//              s = scatter_rows[row]; stored fp32 to out_f32[s / out_row_divisor]
-//              (a (token, slot) row: deterministic) or added atomically (a
-//              token row: fast). The layer sums or converts afterwards.
+//              s = scatter_rows[row], to row s / out_row_divisor: rounded to
+//              bf16 and stored to out_bf16 (a (token, slot) row:
+//              deterministic) or added atomically to out_f32 (a token row:
+//              fast). The layer sums or converts afterwards.
 //
 // Tested in tests/kernels/test_grouped_gemm.cpp against the CPU reference.
 #pragma once
@@ -387,7 +388,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) portable_grouped_gemm_kernel(co
     if (store_tile) {
       if constexpr (EPI == Epilogue::kFinalize) {
         // (rows_valid, BLOCK_N) fp32 -> (+ bias) x router weight -> the slot's
-        // (or token's) row, 16-byte stores or vector atomics.
+        // bf16 row (8-byte stores) or the token's fp32 row (vector atomics).
         constexpr int OUT_CHUNKS = BLOCK_N / 4;
         const int n0 = n_tile * BLOCK_N;
         for (int i = tid; i < rows_valid * OUT_CHUNKS; i += THREADS) {

@@ -61,7 +61,7 @@ void MoeLayerInternals::forward(const MoeLayer& layer, const MoeForwardArgs& arg
   layer.impl_->run(args, output, nullptr, workspace, workspace_bytes, stream, &events);
 }
 
-void MoeLayer::forward_pair_rows(const MoeForwardArgs& args, float* pair_rows, void* workspace, size_t workspace_bytes,
+void MoeLayer::forward_pair_rows(const MoeForwardArgs& args, void* pair_rows, void* workspace, size_t workspace_bytes,
                                  cudaStream_t stream) const {
   FP4MOE_CHECK(impl_->options.finalize == FinalizeMode::kDeterministic,
                "MoeLayer::forward_pair_rows: needs FinalizeMode::kDeterministic (the atomic mode "
@@ -72,7 +72,7 @@ void MoeLayer::forward_pair_rows(const MoeForwardArgs& args, float* pair_rows, v
   impl_->run(args, nullptr, pair_rows, workspace, workspace_bytes, stream, nullptr);
 }
 
-void MoeLayer::Impl::run(const MoeForwardArgs& args, void* output, float* pair_rows, void* workspace,
+void MoeLayer::Impl::run(const MoeForwardArgs& args, void* output, void* pair_rows, void* workspace,
                          size_t workspace_bytes, cudaStream_t stream, const MoeStageEvents* events) const {
   const Impl& m = *this;
   const int64_t T = args.num_tokens;
@@ -85,7 +85,7 @@ void MoeLayer::Impl::run(const MoeForwardArgs& args, void* output, float* pair_r
   if (pair_rows)
     FP4MOE_CHECK(aligned16(pair_rows),
                  "MoeLayer::forward_pair_rows: pair_rows must be a 16-byte "
-                 "aligned device pointer (fp32 [",
+                 "aligned device pointer (bf16 [",
                  T * m.top_k, ", ", m.hidden, "])");
   else
     FP4MOE_CHECK(output && aligned16(output),
@@ -119,7 +119,9 @@ void MoeLayer::Impl::run(const MoeForwardArgs& args, void* output, float* pair_r
   auto* token_of_row = reinterpret_cast<int32_t*>(ws + s.token_of_row);
   auto* pair_of_row = reinterpret_cast<int32_t*>(ws + s.pair_of_row);
   auto* sort_scratch = reinterpret_cast<int32_t*>(ws + s.sort_scratch);
-  auto* finalize = reinterpret_cast<float*>(ws + s.finalize);
+  // Deterministic: bf16 (token, slot) rows; atomic: the fp32 token rows.
+  uint8_t* finalize = ws + s.finalize;
+  auto* accum = reinterpret_cast<float*>(finalize);
   // Rows per token: the routed slots, then the shared expert's chunks.
   const int rows = m.rows_per_token();
   const int64_t pairs = T * rows;
@@ -196,7 +198,7 @@ void MoeLayer::Impl::run(const MoeForwardArgs& args, void* output, float* pair_r
   record(ev.gemm1, stream);
 
   const bool atomic = m.options.finalize == FinalizeMode::kAtomic;
-  if (atomic) FP4MOE_CUDA_CHECK(cudaMemsetAsync(finalize, 0, static_cast<size_t>(T * m.hidden) * 4, stream));
+  if (atomic) FP4MOE_CUDA_CHECK(cudaMemsetAsync(accum, 0, static_cast<size_t>(T * m.hidden) * 4, stream));
   GroupedGemmArgs g2;
   g2.weights = m.w2.weights.get();
   g2.scales = m.w2.scales.get();
@@ -210,7 +212,10 @@ void MoeLayer::Impl::run(const MoeForwardArgs& args, void* output, float* pair_r
   g2.bias = m.bias2.get();
   g2.scatter_rows = pair_of_row;
   g2.row_weights = topk_weights;
-  g2.out_f32 = pair_rows ? pair_rows : finalize;
+  if (atomic)
+    g2.out_f32 = accum;
+  else
+    g2.out_bf16 = pair_rows ? pair_rows : finalize;
   g2.out_rows = atomic ? T : pairs;
   g2.out_row_divisor = atomic ? rows : 1;
   g2.atomic_out = atomic;
@@ -226,7 +231,7 @@ void MoeLayer::Impl::run(const MoeForwardArgs& args, void* output, float* pair_r
   if (pair_rows) return;
 
   if (atomic)
-    kernels::launch_finalize_accumulated(finalize, T, m.hidden, output, stream, pdl);
+    kernels::launch_finalize_accumulated(accum, T, m.hidden, output, stream, pdl);
   else
     // The routing kernel's ids are all valid: no id check (a round trip
     // before the rows' loads at small T).

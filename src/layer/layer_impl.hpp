@@ -137,7 +137,7 @@ struct MoeLayer::Impl {
 
   // forward.cpp: forward() (output set) or forward_pair_rows() (pair_rows
   // set), recording `events` between the stages where given.
-  void run(const MoeForwardArgs& args, void* output, float* pair_rows, void* workspace, size_t workspace_bytes,
+  void run(const MoeForwardArgs& args, void* output, void* pair_rows, void* workspace, size_t workspace_bytes,
            cudaStream_t stream, const MoeStageEvents* events) const;
 };
 

@@ -67,6 +67,18 @@ size_t MoeLayer::Impl::min_forward_bytes(int64_t num_tokens, const MoeLayerPlan&
   return scratch(num_tokens, p, required).end;
 }
 
+// The forward's regions, each starting on a kAlign (256 B) boundary. With
+// P = num_tokens * rows_per_token() (routed slots + shared chunks), E' =
+// gemm_experts(), H = hidden, I = inter and A(b) = b rounded up to 256:
+//
+//   end = kHeaderBytes + 4 A(4 P) + A(4 (E' + 1)) + A(4 sort_scratch_ints(P, E'))
+//       + [A(2 P H): the sorted copy, separate gather only] + A(2 P I)
+//       + (deterministic: A(2 P H), bf16 (token, slot) rows;
+//          atomic: A(4 num_tokens H), the fp32 token rows)
+//       + A(GEMM1 workspace) + A(GEMM2 workspace)
+//
+// (ids, weights, token_of_row, pair_of_row: int32 / fp32 per slot; the
+// activated rows bf16 [P, I]; the GEMMs' grouped_gemm_workspace_bytes).
 layer::ScratchLayout MoeLayer::Impl::scratch(int64_t num_tokens, const MoeLayerPlan& p, bool separate_gather) const {
   const size_t pairs = static_cast<size_t>(num_tokens * rows_per_token());
   layer::ScratchLayout s;
@@ -85,9 +97,9 @@ layer::ScratchLayout MoeLayer::Impl::scratch(int64_t num_tokens, const MoeLayerP
       take(static_cast<size_t>(kernels::sort_scratch_ints(static_cast<int64_t>(pairs), gemm_experts())) * 4);
   if (separate_gather) s.x_sorted = take(pairs * hidden * 2);
   s.activated = take(pairs * inter * 2);
-  const size_t finalize_rows =
-      options.finalize == FinalizeMode::kDeterministic ? pairs : static_cast<size_t>(num_tokens);
-  s.finalize = take(finalize_rows * hidden * 4);
+  // GEMM2's output (docs/design.md §3, Combine).
+  s.finalize = options.finalize == FinalizeMode::kDeterministic ? take(pairs * hidden * 2)
+                                                                : take(static_cast<size_t>(num_tokens) * hidden * 4);
   s.gemm1_ws_bytes = grouped_gemm_workspace_bytes(p.gemm1);
   s.gemm2_ws_bytes = grouped_gemm_workspace_bytes(p.gemm2);
   s.gemm1_ws = take(s.gemm1_ws_bytes);

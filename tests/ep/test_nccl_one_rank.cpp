@@ -2,7 +2,7 @@
 // the unique id's hex form (no GPU needed), and a one-rank communicator that
 // sends to itself, with the helpers' grouped ncclSend/ncclRecv, the counts
 // exchange, the dispatch payload (bf16 rows + metadata) of a P = 1
-// DispatchPlan and the return of fp32 rows, checking every byte. The
+// DispatchPlan and the return of bf16 rows, checking every byte. The
 // multi-rank runs need a multi-GPU machine (docs/expert-parallel.md).
 // GPU label; the NCCL tests skip visibly without a device.
 #include <gtest/gtest.h>
@@ -153,25 +153,30 @@ TEST(NcclOneRank, CountsPayloadAndReturnFollowTheDispatchPlan) {
     // returned and found through the combine plan.
     const ReceivePlan recv = plan_receive(recv_counts.data(), got_meta.data(), kTopK, placement, 0);
     ASSERT_EQ(recv.num_recv_pairs(), num_tokens * kTopK);
-    std::vector<float> return_rows(static_cast<size_t>(recv.num_recv_pairs() * kHidden));
+    // bf16 rows, a distinct bit pattern per (token, slot, element) (moved
+    // as bits: < 2^16 for these counts).
+    const auto mark = [](int64_t token, int64_t slot, int64_t n) {
+      return static_cast<uint16_t>(token * 1000 + slot * 100 + n);
+    };
+    std::vector<uint16_t> return_rows(static_cast<size_t>(recv.num_recv_pairs() * kHidden));
     for (int64_t p = 0; p < recv.num_recv_pairs(); ++p) {
       const RecvPair& pair = recv.pairs[static_cast<size_t>(p)];
       const int32_t token = got_meta[static_cast<size_t>(pair.recv_row * meta_words)];
       for (int64_t n = 0; n < kHidden; ++n)
-        return_rows[static_cast<size_t>(p * kHidden + n)] = static_cast<float>(token * 1000 + pair.slot * 100 + n);
+        return_rows[static_cast<size_t>(p * kHidden + n)] = mark(token, pair.slot, n);
     }
-    DeviceBuffer<float> d_return(std::max<size_t>(return_rows.size(), 1));
+    DeviceBuffer<uint16_t> d_return(std::max<size_t>(return_rows.size(), 1));
     d_return.upload(return_rows);
-    DeviceBuffer<float> d_returned(static_cast<size_t>((plan.num_send_pairs() + 1) * kHidden));
+    DeviceBuffer<uint16_t> d_returned(static_cast<size_t>((plan.num_send_pairs() + 1) * kHidden));
     d_returned.fill_bytes(0xFF);
     nccl_return_rows(recv, plan, kHidden, d_return.get(), d_returned.get(), comm.get(), stream);
     FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const std::vector<float> returned = d_returned.download();
+    const std::vector<uint16_t> returned = d_returned.download();
     for (int64_t t = 0; t < num_tokens; ++t)
       for (int j = 0; j < kTopK; ++j) {
         const int64_t row = plan.combine.return_row_idx[static_cast<size_t>(t * kTopK + j)];
         for (int64_t n = 0; n < kHidden; ++n)
-          ASSERT_EQ(returned[static_cast<size_t>(row * kHidden + n)], static_cast<float>(t * 1000 + j * 100 + n))
+          ASSERT_EQ(returned[static_cast<size_t>(row * kHidden + n)], mark(t, j, n))
               << "token " << t << " slot " << j << " element " << n;
       }
   }

@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <random>
+#include <string>
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/nvfp4.hpp"
@@ -48,6 +50,36 @@ void expect_error(const GroupedGemmArgs& args, const std::string& fragment) {
   }
 }
 
+// valid_args() for the finalize epilogue, deterministic: bf16 rows, one per
+// slot.
+GroupedGemmArgs finalize_args() {
+  alignas(16) static uint16_t out_bf16[8 * 128];
+  static const int32_t scatter[8] = {};
+  GroupedGemmArgs a = valid_args();
+  a.y = nullptr;
+  a.out_bf16 = out_bf16;
+  a.scatter_rows = scatter;
+  a.out_rows = 8;
+  return a;
+}
+
+// grouped_gemm with a finalize config must refuse `args` with a message
+// holding every fragment.
+void expect_finalize_error(const GroupedGemmArgs& args, std::initializer_list<const char*> fragments) {
+  GemmPlan plan;
+  for (const TileConfig& c : compiled_configs())
+    if (c.epilogue == Epilogue::kFinalize) plan.config = c;
+  ASSERT_EQ(plan.config.epilogue, Epilogue::kFinalize);
+  try {
+    grouped_gemm(args, plan, nullptr);
+    ADD_FAILURE() << "accepted; expected an error containing '" << *fragments.begin() << "'";
+  } catch (const Error& e) {
+    for (const char* fragment : fragments)
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)
+          << "message: " << e.what() << "\nexpected to contain: " << fragment;
+  }
+}
+
 TEST(GroupedGemmArgs, RejectsMisalignedShapes) {
   GroupedGemmArgs a = valid_args();
   a.k = 200;
@@ -87,24 +119,47 @@ TEST(GroupedGemmArgs, RejectsRowCountsPast2To31) {
   a.x_rows = int64_t{1} << 31;
   expect_error(a, "x_rows = 2147483648; expected < 2^31");
 
-  a = valid_args();
-  alignas(16) static float out[4];
-  static const int32_t scatter[8] = {};
-  a.y = nullptr;
-  a.out_f32 = out;
-  a.scatter_rows = scatter;
+  a = finalize_args();
   a.out_rows = int64_t{1} << 31;
-  GemmPlan plan;
-  for (const TileConfig& c : compiled_configs())
-    if (c.epilogue == Epilogue::kFinalize) plan.config = c;
-  ASSERT_EQ(plan.config.epilogue, Epilogue::kFinalize);
-  try {
-    grouped_gemm(a, plan, nullptr);
-    ADD_FAILURE() << "out_rows = 2^31 accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("out_rows = 2147483648"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("out_rows < 2^31"), std::string::npos) << e.what();
-  }
+  expect_finalize_error(a, {"out_rows = 2147483648", "out_rows < 2^31"});
+}
+
+// The finalize epilogue writes bf16 (token, slot) rows (out_bf16) or adds
+// into fp32 token rows (out_f32, atomic_out): exactly the one of its mode.
+TEST(GroupedGemmArgs, RejectsFinalizeOutputsOfTheOtherMode) {
+  alignas(16) static float out_f32[4];
+  GroupedGemmArgs a = finalize_args();
+  a.out_bf16 = nullptr;
+  expect_finalize_error(
+      a, {"without atomic_out stores bf16 rows into out_bf16", "expected out_bf16 set and out_f32 null"});
+  a.out_f32 = out_f32;  // fp32 rows are the atomic mode's
+  expect_finalize_error(a, {"expected out_bf16 set and out_f32 null"});
+  a = finalize_args();
+  a.out_f32 = out_f32;  // both
+  expect_finalize_error(a, {"expected out_bf16 set and out_f32 null"});
+
+  a = finalize_args();
+  a.atomic_out = true;  // bf16 rows given, no fp32 accumulator
+  expect_finalize_error(a,
+                        {"the atomic finalize epilogue adds into out_f32", "expected out_f32 set and out_bf16 null"});
+  a.out_f32 = out_f32;  // both
+  expect_finalize_error(a, {"expected out_f32 set and out_bf16 null"});
+
+  a = finalize_args();
+  a.scatter_rows = nullptr;
+  expect_finalize_error(a, {"the finalize epilogue needs scatter_rows"});
+}
+
+TEST(GroupedGemmArgs, RejectsMisalignedFinalizeRows) {
+  GroupedGemmArgs a = finalize_args();
+  a.out_bf16 = static_cast<uint8_t*>(a.out_bf16) + 8;  // one bf16x4 off
+  expect_finalize_error(a, {"out_bf16 = ", "is not 16-byte aligned"});
+  alignas(16) static float out_f32[8];
+  a = finalize_args();
+  a.atomic_out = true;
+  a.out_bf16 = nullptr;
+  a.out_f32 = out_f32 + 2;
+  expect_finalize_error(a, {"out_f32 = ", "is not 16-byte aligned"});
 }
 
 TEST(GroupedGemmArgs, RejectsNullPointersWithRows) {

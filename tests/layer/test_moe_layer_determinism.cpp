@@ -10,7 +10,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -229,9 +228,9 @@ TEST(MoeLayerBatchInvariance, TokenOutputsDoNotDependOnTheBatch) {
   }
 }
 
-// forward_pair_rows: the fp32 (token, slot) rows, summed in slot order on the
-// host and rounded once, are forward()'s output bits; absent slots (-1) are
-// left untouched; the atomic mode refuses.
+// forward_pair_rows: the bf16 (token, slot) rows, widened and summed in slot
+// order in fp32 from 0.0f on the host and rounded once, are forward()'s
+// output bits; absent slots (-1) are left untouched; the atomic mode refuses.
 TEST(MoeLayerPairRows, SlotOrderSumOfThePairRowsIsTheForwardOutput) {
   FP4MOE_REQUIRE_GPU();
   const ModelShape& shape = shape_named("GptOss");  // with biases
@@ -247,21 +246,21 @@ TEST(MoeLayerPairRows, SlotOrderSumOfThePairRowsIsTheForwardOutput) {
   DeviceBuffer<uint16_t> output(static_cast<size_t>(T * H));
   const std::vector<uint16_t> want = forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
 
-  DeviceBuffer<float> pair_rows(static_cast<size_t>(T * k * H));
-  pair_rows.fill_bytes(0xFF);  // NaN: absent slots must keep it
+  DeviceBuffer<uint16_t> pair_rows(static_cast<size_t>(T * k * H));  // bf16
+  pair_rows.fill_bytes(0xFF);                                        // NaN: absent slots must keep it
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
   layer.forward_pair_rows(inputs.caller_routing(), pair_rows.get(), workspace.get(), workspace.bytes(), stream.get());
-  const std::vector<float> rows = pair_rows.download(stream.get());
+  const std::vector<uint16_t> rows = pair_rows.download(stream.get());
   int64_t bad = 0;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t c = 0; c < H; ++c) {
       float sum = 0.0f;
       for (int j = 0; j < k; ++j) {
-        const float v = rows[static_cast<size_t>((t * k + j) * H + c)];
+        const uint16_t v = rows[static_cast<size_t>((t * k + j) * H + c)];
         if (given.topk_ids[static_cast<size_t>(t * k + j)] == -1)
-          bad += !std::isnan(v);  // untouched
+          bad += v != 0xFFFF;  // untouched
         else
-          sum += v;
+          sum += bf16_to_float(v);
       }
       bad += float_to_bf16(sum) != want[static_cast<size_t>(t * H + c)];
     }

@@ -92,7 +92,7 @@ TEST(MoeLayerSharedExpert, MatchesReference) {
           std::printf("  %-60s rel_err %.2e\n", what.c_str(), rel_err);
         }
         if (finalize == FinalizeMode::kDeterministic && T == 3) {
-          DeviceBuffer<float> pair_rows(static_cast<size_t>(T * layer.top_k() * c.shape.hidden));
+          DeviceBuffer<uint16_t> pair_rows(static_cast<size_t>(T * layer.top_k() * c.shape.hidden));  // bf16
           EXPECT_THAT(
               [&] {
                 try {

@@ -139,17 +139,19 @@ void launch_gather_rows_fp4(const void* x, const int32_t* token_of_row, const in
 
 // The last step of the layer, output bf16 [num_tokens, hidden]:
 //   per_pair (deterministic): output[t, :] = bf16(sum over slots j = 0..top_k-1,
-//     in slot order, of pair_rows[t * top_k + j, :]), skipping slots whose id
-//     topk_ids[t * top_k + j] is outside [0, num_experts) (they were never
-//     written); topk_ids null: every slot is valid (the routing kernel's ids
-//     always are), and the kernel saves the ids' round trip before the rows'.
-//     pair_rows is fp32 [num_tokens * top_k, hidden].
+//     in slot order, in fp32 from 0.0f, of pair_rows[t * top_k + j, :]),
+//     skipping slots whose id topk_ids[t * top_k + j] is outside
+//     [0, num_experts) (they were never written); topk_ids null: every slot
+//     is valid (the routing kernel's ids always are), and the kernel saves
+//     the ids' round trip before the rows'. pair_rows is bf16
+//     [num_tokens * top_k, hidden] (GEMM2's finalize epilogue rounds each
+//     row there once); the sum is rounded to bf16 (nearest even) once.
 //   accumulated (atomic mode): output[t, :] = bf16(accum[t, :]), then
 //     accum[t, :] = 0 so the buffer is ready for the next forward. accum is
 //     fp32 [num_tokens, hidden].
 // hidden % 4 == 0, pointers 16-byte aligned. A token with no valid slot gets
 // zeros.
-void launch_finalize_pairs(const float* pair_rows, const int32_t* topk_ids, int64_t num_tokens, int top_k,
+void launch_finalize_pairs(const void* pair_rows, const int32_t* topk_ids, int64_t num_tokens, int top_k,
                            int64_t num_experts, int64_t hidden, void* output, cudaStream_t stream,
                            bool programmatic = false);
 void launch_finalize_accumulated(float* accum, int64_t num_tokens, int64_t hidden, void* output, cudaStream_t stream,

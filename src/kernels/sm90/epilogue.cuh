@@ -4,8 +4,9 @@
 // gpt-oss variant, biases, W4A4's quantised rows) stage each warpgroup's 64
 // rows x CHUNK tokens token-major in a region of its own (the producer keeps
 // filling the ring meanwhile) and write whole 16-byte chunks of output rows;
-// FINALIZE stages fp32 and writes each row, weighted, to its output slot (or
-// adds it to the token's row), with the slots loaded while the mainloop runs.
+// FINALIZE stages fp32 and writes each row, weighted and rounded to bf16, to
+// its output slot (or adds it in fp32 to the token's row), with the slots
+// loaded while the mainloop runs.
 #pragma once
 
 #include "kernels/sm90/common.cuh"
@@ -172,8 +173,8 @@ __device__ __forceinline__ void store_unit(const GroupedGemmParams& p, const Sha
       const int rows = min(CHUNK, u.rows_valid - c * CHUNK);
       const int row_first = u.row_begin + c * CHUNK;
       if constexpr (EPI == Epilogue::kFinalize) {
-        // (rows, 64) fp32 -> (+ bias) x router weight -> the slot's (or
-        // token's) row, 16-byte stores or vector atomics.
+        // (rows, 64) fp32 -> (+ bias) x router weight -> the slot's bf16
+        // row (8-byte stores) or the token's fp32 row (vector atomics).
         // A thread stores the same four columns of rows r0, r0 + 8, ...
         constexpr int OUT_CHUNKS = kSm90WarpgroupRows / 4;
         constexpr int ROWS_PER_PASS = 128 / OUT_CHUNKS;

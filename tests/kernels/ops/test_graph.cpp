@@ -36,7 +36,7 @@ TEST(MoeOpsGpu, GraphReplayEqualsEager) {
   const DeviceBuffer<float> d_logits(random_normal(kTokens * kExperts, rng));
   const DeviceBuffer<float> d_bias(random_normal(kExperts, rng, 0.1f));
   const DeviceBuffer<uint16_t> d_x(testing::random_bf16(kTokens * kHidden, rng));
-  const DeviceBuffer<float> d_pair_rows(random_normal(num_pairs * kHidden, rng));
+  const DeviceBuffer<uint16_t> d_pair_rows(testing::random_bf16(num_pairs * kHidden, rng));  // bf16 (token, slot) rows
   DeviceBuffer<int32_t> d_ids(num_pairs), d_offsets(kExperts + 1), d_token_of_row(num_pairs), d_pair_of_row(num_pairs),
       d_error(std::vector<int32_t>{0}), d_scratch(static_cast<size_t>(kernels::sort_scratch_ints(num_pairs, kExperts)));
   DeviceBuffer<float> d_weights(num_pairs);
