@@ -78,6 +78,15 @@ enum class Intermediate {
            // contract is W4A16, so GEMM2's input activations are bf16 too
 };
 
+// How a token's weighted (token, slot) rows w_j · y_j are summed.
+enum class Combine {
+  kExact,     // in double (the GPU layer's atomic combine, fp32 rows)
+  kBf16Rows,  // each row rounded to float, then to bf16 (nearest even), then
+              // summed in slot order, as the GPU layer's deterministic combine
+              // stores them (docs/design.md §3); a shared expert's output as
+              // the layer's rows of it: one per chunk of the routed width
+};
+
 // kCheckpoint resolved for `weights` (kBf16 or kFp4); kBf16 and kFp4 as they
 // are. kFp4 on weights without an input_scale on every expert matrix throws,
 // in one line naming the first matrix without one.
@@ -124,12 +133,13 @@ ActivationNumerics resolve_stacked_activation_numerics(ActivationNumerics reques
                                                        bool has_w2_input_scale, const std::string& where);
 
 // As above with an explicit thread count (num_threads <= 0 means all
-// hardware threads), intermediate precision and activation numerics. With
+// hardware threads), intermediate precision, activation numerics and
+// combine. With
 // kFp4 the intermediate is rounded as `intermediate` says, to float, then
 // quantised; the quantised values q * e4m3 * input_scale are exact in
 // double, as an FP4 tensor-core engine multiplies them.
 void moe_reference(const MoeWeights& weights, const float* hidden_states, const Routing& routing, Activation activation,
                    float* output, int num_threads, Intermediate intermediate = Intermediate::kExact,
-                   ActivationNumerics numerics = ActivationNumerics::kCheckpoint);
+                   ActivationNumerics numerics = ActivationNumerics::kCheckpoint, Combine combine = Combine::kExact);
 
 }  // namespace fp4moe

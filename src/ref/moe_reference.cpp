@@ -53,12 +53,15 @@ const CodeTables& code_tables() {
 // each packed byte costs one table lookup. Each e2m1 · x product is exact in
 // double; the order of the sums is fixed (per block: even and odd elements,
 // then blocks in order), so the result does not depend on the caller.
-double row_dot(const Nvfp4Matrix& m, int64_t r, const double* x) {
+// Columns [col_begin, col_end) only where given (multiples of 16): one
+// chunk of a shared expert's down projection; x is indexed by column.
+double row_dot(const Nvfp4Matrix& m, int64_t r, const double* x, int64_t col_begin = 0, int64_t col_end = -1) {
   const CodeTables& tables = code_tables();
   const uint8_t* packed = m.packed.data() + r * (m.cols / 2);
   const uint8_t* scales = m.scales.data() + r * (m.cols / kNvfp4BlockSize);
   double total = 0.0;
-  for (int64_t b = 0; b < m.cols / kNvfp4BlockSize; ++b) {
+  const int64_t block_end = (col_end < 0 ? m.cols : col_end) / kNvfp4BlockSize;
+  for (int64_t b = col_begin / kNvfp4BlockSize; b < block_end; ++b) {
     const uint8_t* block_bytes = packed + b * (kNvfp4BlockSize / 2);
     const double* block_x = x + b * kNvfp4BlockSize;
     double even = 0.0, odd = 0.0;
@@ -197,7 +200,8 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states, const 
 }
 
 void moe_reference(const MoeWeights& weights, const float* hidden_states, const Routing& routing, Activation activation,
-                   float* output, int num_threads, Intermediate intermediate, ActivationNumerics numerics) {
+                   float* output, int num_threads, Intermediate intermediate, ActivationNumerics numerics,
+                   Combine combine) {
   validate_weights(weights);
   const bool fp4_activations = resolve_activation_numerics(weights, numerics) == ActivationNumerics::kFp4;
   if (fp4_activations) {
@@ -222,6 +226,11 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states, const 
   const int64_t inter = weights.inter;
   const int top_k = routing.top_k;
   const SharedExpertWeights* shared = weights.shared_expert ? &*weights.shared_expert : nullptr;
+  // A weighted (token, slot) row as the combine sums it (Combine).
+  const bool bf16_rows = combine == Combine::kBf16Rows;
+  const auto slot_row = [bf16_rows](double v) {
+    return bf16_rows ? static_cast<double>(bf16_to_float(float_to_bf16(static_cast<float>(v)))) : v;
+  };
   const int64_t shared_inter = shared ? shared->inter : 0;
   // Per token: its activations, per slot the intermediate and the output,
   // and the shared expert's intermediate, output and weight (+ with fp4
@@ -238,7 +247,7 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states, const 
   std::vector<double> y;              // [chunk * top_k, hidden]  down(act) per (token, slot)
   std::vector<double> xq;             // fp4: [chunk * top_k, hidden] x quantised with the slot's expert's input_scale
   std::vector<double> shared_act;     // [chunk, shared_inter]
-  std::vector<double> shared_y;       // [chunk, hidden]
+  std::vector<double> shared_y;       // [chunk, hidden]  the weighted output (its bf16 rows summed, kBf16Rows)
   std::vector<double> shared_weight;  // [chunk]: 1, or sigmoid(gate · x)
   std::vector<double> shared_xq;      // fp4: [chunk, hidden] x quantised with the shared expert's input_scale
   for (int64_t t0 = 0; t0 < routing.num_tokens; t0 += chunk_tokens) {
@@ -371,25 +380,34 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states, const 
             },
             num_threads);
       }
-      const std::vector<WorkUnit> down_units_shared = split_rows({0}, hidden);
-      parallel_for(
-          static_cast<int64_t>(down_units_shared.size()),
-          [&](int64_t u) {
-            const WorkUnit& unit = down_units_shared[static_cast<size_t>(u)];
-            for (int64_t n = unit.row_begin; n < unit.row_end; ++n)
-              for (int64_t t = 0; t < num_tokens; ++t)
-                shared_y[static_cast<size_t>(t * hidden + n)] =
-                    shared->dense() ? dense_dot(shared->dense_down.data() + n * shared_inter,
-                                                shared_act.data() + t * shared_inter, shared_inter)
-                                    : row_dot(shared->mlp.down, n, shared_act.data() + t * shared_inter);
-          },
-          num_threads);
       for (int64_t t = 0; t < num_tokens; ++t) {
         double logit = 0.0;
         for (size_t h = 0; h < shared->gate.size(); ++h)
           logit += static_cast<double>(shared->gate[h]) * x[static_cast<size_t>(t * hidden) + h];
         shared_weight[static_cast<size_t>(t)] = shared->gate.empty() ? 1.0 : sigmoid(logit);
       }
+      // The weighted output: whole (kExact), or as the GPU layer's chunks of
+      // the routed width, each weighted row rounded to bf16 (kBf16Rows).
+      const int64_t chunk_width = bf16_rows && shared_inter % inter == 0 ? inter : shared_inter;
+      const std::vector<WorkUnit> down_units_shared = split_rows({0}, hidden);
+      parallel_for(
+          static_cast<int64_t>(down_units_shared.size()),
+          [&](int64_t u) {
+            const WorkUnit& unit = down_units_shared[static_cast<size_t>(u)];
+            for (int64_t n = unit.row_begin; n < unit.row_end; ++n)
+              for (int64_t t = 0; t < num_tokens; ++t) {
+                const double* at = shared_act.data() + t * shared_inter;
+                double sum = 0.0;
+                for (int64_t c0 = 0; c0 < shared_inter; c0 += chunk_width) {
+                  const double part = shared->dense() ? dense_dot(shared->dense_down.data() + n * shared_inter + c0,
+                                                                  at + c0, chunk_width)
+                                                      : row_dot(shared->mlp.down, n, at, c0, c0 + chunk_width);
+                  sum += slot_row(shared_weight[static_cast<size_t>(t)] * part);
+                }
+                shared_y[static_cast<size_t>(t * hidden + n)] = sum;
+              }
+          },
+          num_threads);
     }
 
     // output[t] = sum over slots j, in slot order, of w_j * y[(t, j)], then
@@ -402,10 +420,10 @@ void moe_reference(const MoeWeights& weights, const float* hidden_states, const 
             double sum = 0.0;
             for (int j = 0; j < top_k; ++j) {
               const int64_t p = t * top_k + j;
-              sum += static_cast<double>(routing.topk_weights[static_cast<size_t>(t0 * top_k + p)]) *
-                     y[static_cast<size_t>(p * hidden + n)];
+              sum += slot_row(static_cast<double>(routing.topk_weights[static_cast<size_t>(t0 * top_k + p)]) *
+                              y[static_cast<size_t>(p * hidden + n)]);
             }
-            if (shared) sum += shared_weight[static_cast<size_t>(t)] * shared_y[static_cast<size_t>(t * hidden + n)];
+            if (shared) sum += shared_y[static_cast<size_t>(t * hidden + n)];
             out[n] = static_cast<float>(sum);
           }
         },

@@ -153,10 +153,12 @@ std::vector<float> draw_router_logits(int64_t num_tokens, int64_t num_experts,
 }
 
 std::vector<float> reference_output(const MoeWeights& weights, const std::vector<uint16_t>& hidden_states,
-                                    const Routing& routing, Activation activation, Intermediate intermediate) {
+                                    const Routing& routing, Activation activation, Intermediate intermediate,
+                                    Combine combine) {
   const std::vector<float> x = bf16_to_floats(hidden_states);  // exact
   std::vector<float> out(static_cast<size_t>(routing.num_tokens * weights.hidden));
-  moe_reference(weights, x.data(), routing, activation, out.data(), 0, intermediate);
+  moe_reference(weights, x.data(), routing, activation, out.data(), 0, intermediate, ActivationNumerics::kCheckpoint,
+                combine);
   return out;
 }
 

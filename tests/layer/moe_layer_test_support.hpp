@@ -81,14 +81,22 @@ std::vector<float> draw_router_logits(int64_t num_tokens, int64_t num_experts,
 
 // The reference the layer is held to element by element: the CPU layer in
 // double with the intermediate act(gate, up) rounded to bf16, as the GPU
-// stores it (W4A16: GEMM2's activations are bf16). Against the all-double
+// stores it (W4A16: GEMM2's activations are bf16), and the (token, slot)
+// rows combined as the finalize mode does (reference_combine). Against the all-double
 // reference a single element can miss by far more than the bf16 output
 // rounding where large per-slot contributions cancel (the random weights
 // have block scales up to 448); ModelMatrix checks the relative error
 // against that reference too.
 std::vector<float> reference_output(const MoeWeights& weights, const std::vector<uint16_t>& hidden_states,
                                     const Routing& routing, Activation activation,
-                                    Intermediate intermediate = Intermediate::kBf16);
+                                    Intermediate intermediate = Intermediate::kBf16,
+                                    Combine combine = Combine::kBf16Rows);
+
+// The reference's combine for a finalize mode: the deterministic one sums
+// bf16 rows, the atomic one fp32 rows (docs/design.md §3).
+inline Combine reference_combine(FinalizeMode finalize) {
+  return finalize == FinalizeMode::kAtomic ? Combine::kExact : Combine::kBf16Rows;
+}
 
 // One batch of tokens with its routing and reference output.
 struct TokenBatch {
@@ -96,8 +104,13 @@ struct TokenBatch {
   std::vector<uint16_t> hidden_states;  // bf16 [T, hidden]
   std::vector<float> router_logits;     // fp32 [T, num_experts]
   Routing routing;                      // route(router_logits): the reference's routing
-  std::vector<float> reference;         // fp32 [T, hidden], bf16 intermediate
+  std::vector<float> reference;         // fp32 [T, hidden], bf16 intermediate, bf16 rows (deterministic)
+  std::vector<float> reference_atomic;  // fp32 [T, hidden], bf16 intermediate, rows in double (atomic)
   std::vector<float> reference_exact;   // fp32 [T, hidden], all in double
+
+  const std::vector<float>& reference_for(FinalizeMode finalize) const {
+    return finalize == FinalizeMode::kAtomic ? reference_atomic : reference;
+  }
 };
 
 // A model's weights and its batches, built once per test binary run.
@@ -118,6 +131,8 @@ struct ModelData {
     b.router_logits = draw_router_logits(num_tokens, shape.num_experts, correction_bias, shape.routing, rng);
     b.routing = route(b.router_logits.data(), num_tokens, shape.num_experts, bias_or_null(), shape.routing);
     b.reference = reference_output(weights, b.hidden_states, b.routing, shape.activation);
+    b.reference_atomic =
+        reference_output(weights, b.hidden_states, b.routing, shape.activation, Intermediate::kBf16, Combine::kExact);
     b.reference_exact = reference_output(weights, b.hidden_states, b.routing, shape.activation, Intermediate::kExact);
     return b;
   }

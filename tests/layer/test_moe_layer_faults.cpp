@@ -127,7 +127,8 @@ TEST(MoeLayerFaults, NonFiniteLogitsAreExcludedAndReported) {
   EXPECT_EQ(routing.tokens_with_nonfinite_logits, T);
   std::vector<float> ref(static_cast<size_t>(T * s.hidden));
   const std::vector<float> x = bf16_to_floats(hidden);
-  moe_reference(weights, x.data(), routing, Activation::kSwiGLU, ref.data(), 0, Intermediate::kBf16);
+  moe_reference(weights, x.data(), routing, Activation::kSwiGLU, ref.data(), 0, Intermediate::kBf16,
+                ActivationNumerics::kCheckpoint, Combine::kBf16Rows);  // the deterministic layer
 
   const DeviceBuffer<uint16_t> d_hidden(hidden);
   const DeviceBuffer<float> d_logits(logits);

@@ -61,7 +61,7 @@ TEST_P(ModelMatrix, MatchesReferenceWithDeviceAndCallerRouting) {
       SCOPED_TRACE(what);
       const std::vector<uint16_t> out = forward_bits(
           layer, device_routing ? inputs.device_routing() : inputs.caller_routing(), output, workspace, stream.get());
-      const double rel_err = expect_matches_reference(out, batch.reference, shape.hidden);
+      const double rel_err = expect_matches_reference(out, batch.reference_for(finalize), shape.hidden);
       // Against the all-double layer: the contract's ||out - ref|| / ||ref|| < 1e-2.
       const double rel_err_exact =
           testing::compare(bf16_to_floats(out),
@@ -170,8 +170,11 @@ TEST_P(CallerRoutingPatterns, MatchReference) {
       SCOPED_TRACE(what);
       const DeviceInputs inputs(hidden, {}, {}, routing, num_tokens);
       const std::vector<uint16_t> out = forward_bits(layer, inputs.caller_routing(), output, workspace, stream.get());
-      const double rel_err = expect_matches_reference(
-          out, reference_output(data.weights, hidden, routing, shape.activation), shape.hidden);
+      const double rel_err =
+          expect_matches_reference(out,
+                                   reference_output(data.weights, hidden, routing, shape.activation,
+                                                    Intermediate::kBf16, reference_combine(finalize)),
+                                   shape.hidden);
       std::printf("  %-90s rel_err %.2e\n", what.c_str(), rel_err);
     }
   }

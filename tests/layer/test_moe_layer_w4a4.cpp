@@ -49,11 +49,12 @@ MoeWeights w4a4_weights(const MoeWeights& weights) {
 // The W4A4 reference: GEMM1's input quantised with gate/up's input_scale,
 // the intermediate rounded to bf16 (as the GPU stages it) then quantised
 // with down's, all products exact in double.
-std::vector<float> w4a4_reference(const MoeWeights& weights, const TokenBatch& batch, Activation activation) {
+std::vector<float> w4a4_reference(const MoeWeights& weights, const TokenBatch& batch, Activation activation,
+                                  Combine combine = Combine::kBf16Rows) {
   const std::vector<float> x = bf16_to_floats(batch.hidden_states);
   std::vector<float> out(static_cast<size_t>(batch.num_tokens * weights.hidden));
   moe_reference(weights, x.data(), batch.routing, activation, out.data(), 0, Intermediate::kBf16,
-                ActivationNumerics::kFp4);
+                ActivationNumerics::kFp4, combine);
   return out;
 }
 
@@ -106,15 +107,18 @@ TEST(MoeLayerW4a4, EveryCompiledConfigBothFinalizeModesMatchTheReference) {
     const MoeWeights weights = w4a4_weights(data.weights);
     const int64_t token_counts[] = {1, 3, 64, kMaxTokens};
     std::vector<std::unique_ptr<DeviceInputs>> inputs;
-    std::vector<std::vector<float>> references;
+    std::vector<std::vector<float>> references, references_atomic;
     for (int64_t t : token_counts) {
       inputs.push_back(std::make_unique<DeviceInputs>(data.batch(t), data.correction_bias));
       references.push_back(w4a4_reference(weights, data.batch(t), shape.activation));
+      references_atomic.push_back(w4a4_reference(weights, data.batch(t), shape.activation, Combine::kExact));
     }
     Stream stream;
     DeviceBuffer<uint16_t> output(static_cast<size_t>(kMaxTokens * shape.hidden));
     for (FinalizeMode finalize : {FinalizeMode::kDeterministic, FinalizeMode::kAtomic})
       for (const auto& forced : plans) {
+        const std::vector<std::vector<float>>& reference =
+            finalize == FinalizeMode::kAtomic ? references_atomic : references;
         MoeLayerOptions options = layer_options(shape, finalize);
         if (forced) {
           options.gemm1_config = forced->first;
@@ -142,12 +146,12 @@ TEST(MoeLayerW4a4, EveryCompiledConfigBothFinalizeModesMatchTheReference) {
           const std::vector<uint16_t> out =
               forward_bits(layer, inputs[i]->device_routing(), output, workspace, stream.get());
           const double rel_err =
-              expect_matches_w4a4_reference(out, references[i], data.batch(num_tokens).reference, shape.hidden);
+              expect_matches_w4a4_reference(out, reference[i], data.batch(num_tokens).reference, shape.hidden);
           std::printf("  %-75s rel_err %.2e\n", what.c_str(), rel_err);
           if (num_tokens == 64) {
             const std::vector<uint16_t> caller =
                 forward_bits(layer, inputs[i]->caller_routing(), output, workspace, stream.get());
-            expect_matches_w4a4_reference(caller, references[i], data.batch(num_tokens).reference, shape.hidden);
+            expect_matches_w4a4_reference(caller, reference[i], data.batch(num_tokens).reference, shape.hidden);
           }
         }
         EXPECT_EQ(layer.device_errors(workspace.get(), stream.get()), "");

@@ -79,7 +79,8 @@ TEST(MoeLayerSharedExpert, MatchesReference) {
             draw_router_logits(T, c.shape.num_experts, correction_bias, c.shape.routing, rng);
         const Routing routing = route(logits.data(), T, c.shape.num_experts,
                                       correction_bias.empty() ? nullptr : correction_bias.data(), c.shape.routing);
-        const std::vector<float> reference = reference_output(weights, hidden, routing, c.shape.activation);
+        const std::vector<float> reference = reference_output(weights, hidden, routing, c.shape.activation,
+                                                              Intermediate::kBf16, reference_combine(finalize));
         const DeviceInputs inputs(hidden, logits, correction_bias, routing, T);
         for (const bool device_routing : {true, false}) {
           const std::string what = c.shape.name + " T=" + std::to_string(T) + " " + to_string(finalize) + " " +

@@ -1085,6 +1085,81 @@ TEST(ReferenceMoe, SharedExpertMatchesIndependentPaths) {
     }
 }
 
+// Combine::kBf16Rows (the GPU layer's deterministic combine): each weighted
+// (token, slot) row rounded to bf16, then summed in slot order. Bit for bit
+// the per-slot kExact outputs (the other slots weighted 0) rounded and summed
+// by hand; a shared expert's rows one per chunk, as the chunks routed as
+// experts give; and not the kExact output. Routed experts with biases.
+TEST(ReferenceMoe, Bf16RowsCombineRoundsEachSlotRow) {
+  const int tokens = 4, experts = 5, top_k = 3, hidden = 64, inter = 32, chunks = 2;
+  std::mt19937_64 rng(77);
+  MoeWeights w = random_weights(experts, hidden, inter, true, rng);
+  const std::vector<float> x = random_vector(static_cast<size_t>(tokens * hidden), 1.0f, rng);
+  const std::vector<float> logits = random_vector(static_cast<size_t>(tokens * experts), 2.0f, rng);
+  RoutingParams p;
+  p.top_k = top_k;
+  const Routing routing = route(logits.data(), tokens, experts, nullptr, p);
+  const auto run = [&](const MoeWeights& weights, const Routing& r, Combine combine) {
+    std::vector<float> out(static_cast<size_t>(r.num_tokens * hidden), NAN);
+    moe_reference(weights, x.data(), r, Activation::kSwiGLU, out.data(), 1, Intermediate::kExact,
+                  ActivationNumerics::kCheckpoint, combine);
+    return out;
+  };
+
+  const std::vector<float> rows = run(w, routing, Combine::kBf16Rows);
+  std::vector<double> by_hand(rows.size(), 0.0);
+  for (int j = 0; j < top_k; ++j) {
+    Routing only_j = routing;
+    for (int t = 0; t < tokens; ++t)
+      for (int i = 0; i < top_k; ++i)
+        if (i != j) only_j.topk_weights[static_cast<size_t>(t * top_k + i)] = 0.0f;
+    const std::vector<float> row = run(w, only_j, Combine::kExact);
+    for (size_t i = 0; i < row.size(); ++i) by_hand[i] += static_cast<double>(bf16_to_float(float_to_bf16(row[i])));
+  }
+  for (size_t i = 0; i < rows.size(); ++i) ASSERT_EQ(rows[i], static_cast<float>(by_hand[i])) << "element " << i;
+  const std::vector<float> exact = run(w, routing, Combine::kExact);
+  EXPECT_NE(rows, exact) << "kBf16Rows rounded nothing";
+
+  // An ungated shared expert of two chunks against its chunks as experts.
+  w = random_weights(experts, hidden, inter, false, rng);
+  SharedExpertWeights shared;
+  shared.inter = chunks * inter;
+  shared.mlp = random_weights(1, hidden, shared.inter, false, rng).experts[0];
+  MoeWeights with_shared = w;
+  with_shared.shared_expert = shared;
+  MoeWeights as_experts = w;
+  Routing extended;
+  extended.num_tokens = tokens;
+  extended.top_k = top_k + chunks;
+  for (int j = 0; j < chunks; ++j) {
+    ExpertWeights chunk;
+    chunk.gate = slice(shared.mlp.gate, false, j * inter, inter);
+    chunk.up = slice(shared.mlp.up, false, j * inter, inter);
+    chunk.down = slice(shared.mlp.down, true, j * inter, inter);
+    as_experts.experts.push_back(chunk);
+  }
+  as_experts.num_experts = experts + chunks;
+  for (int t = 0; t < tokens; ++t) {
+    for (int j = 0; j < top_k; ++j) {
+      extended.topk_ids.push_back(routing.topk_ids[static_cast<size_t>(t * top_k + j)]);
+      extended.topk_weights.push_back(routing.topk_weights[static_cast<size_t>(t * top_k + j)]);
+    }
+    for (int j = 0; j < chunks; ++j) {
+      extended.topk_ids.push_back(experts + j);
+      extended.topk_weights.push_back(1.0f);
+    }
+  }
+  const std::vector<float> shared_rows = run(with_shared, routing, Combine::kBf16Rows);
+  expect_close(
+      shared_rows,
+      [&] {
+        const std::vector<float> v = run(as_experts, extended, Combine::kBf16Rows);
+        return std::vector<double>(v.begin(), v.end());
+      }(),
+      hidden, 1e-6);
+  EXPECT_NE(shared_rows, run(with_shared, routing, Combine::kExact));
+}
+
 // A shared expert of the wrong shape, or with a gate of the wrong size, is
 // refused with what was expected.
 TEST(ReferenceMoe, SharedExpertShapeErrors) {

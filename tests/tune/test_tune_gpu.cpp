@@ -259,7 +259,8 @@ void expect_forward_matches_reference(const MoeLayer& layer, const MoeWeights& w
   std::vector<float> x(hidden.size());
   for (size_t i = 0; i < x.size(); ++i) x[i] = bf16_to_float(hidden[i]);
   std::vector<float> ref(static_cast<size_t>(tokens * kHidden));
-  moe_reference(weights, x.data(), routing, Activation::kSwiGLU, ref.data(), 0, Intermediate::kBf16);
+  moe_reference(weights, x.data(), routing, Activation::kSwiGLU, ref.data(), 0, Intermediate::kBf16,
+                ActivationNumerics::kCheckpoint, Combine::kBf16Rows);  // the deterministic layer
 
   const DeviceBuffer<uint16_t> d_hidden(hidden);
   const DeviceBuffer<int32_t> d_ids(routing.topk_ids);
