@@ -1027,6 +1027,43 @@ TEST(ReferenceMoe, UnquantisedSharedExpertRunsInFloat) {
   expect_close(with_shared, expected, hidden, 1e-5);
 }
 
+// The layer's view of a shared expert: its chunks of the routed width as
+// experts E .. E + chunks - 1 after the routed slots of every token, each
+// weighted 1 or by the expert's sigmoid gate (as a float).
+std::pair<MoeWeights, Routing> shared_chunks_as_experts(const MoeWeights& w, const std::vector<float>& x,
+                                                        const Routing& routing) {
+  const SharedExpertWeights& shared = *w.shared_expert;
+  const int64_t chunks = shared.inter / w.inter, hidden = w.hidden;
+  MoeWeights as_experts = w;
+  as_experts.shared_expert.reset();
+  for (int64_t j = 0; j < chunks; ++j) {
+    ExpertWeights chunk;
+    chunk.gate = slice(shared.mlp.gate, false, j * w.inter, w.inter);
+    chunk.up = slice(shared.mlp.up, false, j * w.inter, w.inter);
+    chunk.down = slice(shared.mlp.down, true, j * w.inter, w.inter);
+    as_experts.experts.push_back(chunk);
+  }
+  as_experts.num_experts = w.num_experts + chunks;
+  Routing extended;
+  extended.num_tokens = routing.num_tokens;
+  extended.top_k = routing.top_k + static_cast<int>(chunks);
+  for (int64_t t = 0; t < routing.num_tokens; ++t) {
+    double z = 0.0;
+    for (int64_t k = 0; k < static_cast<int64_t>(shared.gate.size()); ++k)
+      z += static_cast<double>(shared.gate[static_cast<size_t>(k)]) * x[static_cast<size_t>(t * hidden + k)];
+    const float scale = shared.gate.empty() ? 1.0f : static_cast<float>(sigmoid(z));
+    for (int j = 0; j < routing.top_k; ++j) {
+      extended.topk_ids.push_back(routing.topk_ids[static_cast<size_t>(t * routing.top_k + j)]);
+      extended.topk_weights.push_back(routing.topk_weights[static_cast<size_t>(t * routing.top_k + j)]);
+    }
+    for (int64_t j = 0; j < chunks; ++j) {
+      extended.topk_ids.push_back(static_cast<int32_t>(w.num_experts + j));
+      extended.topk_weights.push_back(scale);
+    }
+  }
+  return {as_experts, extended};
+}
+
 TEST(ReferenceMoe, SharedExpertMatchesIndependentPaths) {
   const int tokens = 5, experts = 6, top_k = 2, hidden = 48, inter = 32;
   for (const bool gated : {false, true})
@@ -1052,33 +1089,7 @@ TEST(ReferenceMoe, SharedExpertMatchesIndependentPaths) {
       expect_close(out, expected, hidden, 1e-6);
 
       // Chunks as experts E .. E + chunks - 1, every token routed to each.
-      MoeWeights as_experts = w;
-      as_experts.shared_expert.reset();
-      Routing extended;
-      extended.num_tokens = tokens;
-      extended.top_k = top_k + chunks;
-      for (int j = 0; j < chunks; ++j) {
-        ExpertWeights chunk;
-        chunk.gate = slice(shared.mlp.gate, false, j * inter, inter);
-        chunk.up = slice(shared.mlp.up, false, j * inter, inter);
-        chunk.down = slice(shared.mlp.down, true, j * inter, inter);
-        as_experts.experts.push_back(chunk);
-      }
-      as_experts.num_experts = experts + chunks;
-      for (int t = 0; t < tokens; ++t) {
-        double z = 0.0;
-        for (int k = 0; k < hidden; ++k)
-          z += static_cast<double>(shared.gate.empty() ? 0.0f : shared.gate[k]) * x[t * hidden + k];
-        const float scale = gated ? static_cast<float>(sigmoid(z)) : 1.0f;
-        for (int j = 0; j < top_k; ++j) {
-          extended.topk_ids.push_back(routing.topk_ids[t * top_k + j]);
-          extended.topk_weights.push_back(routing.topk_weights[t * top_k + j]);
-        }
-        for (int j = 0; j < chunks; ++j) {
-          extended.topk_ids.push_back(experts + j);
-          extended.topk_weights.push_back(scale);
-        }
-      }
+      const auto [as_experts, extended] = shared_chunks_as_experts(w, x, routing);
       std::vector<float> chunked(out.size(), NAN);
       moe_reference(as_experts, x.data(), extended, Activation::kSwiGLU, chunked.data());
       expect_close(chunked, std::vector<double>(out.begin(), out.end()), hidden, 1e-6);
@@ -1127,36 +1138,10 @@ TEST(ReferenceMoe, Bf16RowsCombineRoundsEachSlotRow) {
   shared.mlp = random_weights(1, hidden, shared.inter, false, rng).experts[0];
   MoeWeights with_shared = w;
   with_shared.shared_expert = shared;
-  MoeWeights as_experts = w;
-  Routing extended;
-  extended.num_tokens = tokens;
-  extended.top_k = top_k + chunks;
-  for (int j = 0; j < chunks; ++j) {
-    ExpertWeights chunk;
-    chunk.gate = slice(shared.mlp.gate, false, j * inter, inter);
-    chunk.up = slice(shared.mlp.up, false, j * inter, inter);
-    chunk.down = slice(shared.mlp.down, true, j * inter, inter);
-    as_experts.experts.push_back(chunk);
-  }
-  as_experts.num_experts = experts + chunks;
-  for (int t = 0; t < tokens; ++t) {
-    for (int j = 0; j < top_k; ++j) {
-      extended.topk_ids.push_back(routing.topk_ids[static_cast<size_t>(t * top_k + j)]);
-      extended.topk_weights.push_back(routing.topk_weights[static_cast<size_t>(t * top_k + j)]);
-    }
-    for (int j = 0; j < chunks; ++j) {
-      extended.topk_ids.push_back(experts + j);
-      extended.topk_weights.push_back(1.0f);
-    }
-  }
+  const auto [as_experts, extended] = shared_chunks_as_experts(with_shared, x, routing);
   const std::vector<float> shared_rows = run(with_shared, routing, Combine::kBf16Rows);
-  expect_close(
-      shared_rows,
-      [&] {
-        const std::vector<float> v = run(as_experts, extended, Combine::kBf16Rows);
-        return std::vector<double>(v.begin(), v.end());
-      }(),
-      hidden, 1e-6);
+  const std::vector<float> chunked = run(as_experts, extended, Combine::kBf16Rows);
+  expect_close(shared_rows, std::vector<double>(chunked.begin(), chunked.end()), hidden, 1e-6);
   EXPECT_NE(shared_rows, run(with_shared, routing, Combine::kExact));
 }
 
