@@ -271,6 +271,24 @@ cudaGraphExec_t capture_graph(cudaStream_t stream, const std::function<void()>& 
   return exec;
 }
 
+double time_stream_read_us(double bytes, int iterations, const L2Flusher& flusher) {
+  size_t free_bytes = 0, total_bytes = 0;
+  FP4MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (bytes + static_cast<double>(size_t{1} << 30) >= static_cast<double>(free_bytes)) return 0.0;
+  int device = 0, num_sms = 0;
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
+  FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  DeviceBuffer<uint8_t> src(static_cast<size_t>(bytes) / 16 * 16);
+  src.fill_bytes(0);
+  return time_median_us(
+      [&] {
+        stream_read<<<8 * num_sms, 256>>>(reinterpret_cast<const uint4*>(src.get()), src.size() / 16,
+                                          reinterpret_cast<uint32_t*>(src.get()));
+        FP4MOE_CHECK_LAUNCH();
+      },
+      iterations, flusher);
+}
+
 Ceilings measure_ceilings(const L2Flusher& flusher) {
   Ceilings c;
   const size_t copy_bytes = size_t{2} << 30;
@@ -470,26 +488,10 @@ void run_gemm_bench(const Options& opt, std::ostream& table, std::ostream* json)
           }
         }
 
-        // Peer at memory-bound points: a plain streaming read of the same bytes
-        // from DRAM (stream_read), timed the same way. At a few megabytes even
-        // that read stays below the roofline (launch and ramp-up do not shrink
-        // with the bytes). Left out (0) where its buffer would not leave 1 GiB
-        // of the device free.
-        double read_us = 0;
-        size_t free_bytes = 0, total_bytes = 0;
-        FP4MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-        if (cost.bytes / ceil.memory_bytes_per_s() >= cost.flops / ceil.bf16_flops_per_s &&
-            bytes + static_cast<double>(size_t{1} << 30) < static_cast<double>(free_bytes)) {
-          DeviceBuffer<uint8_t> src(static_cast<size_t>(bytes) / 16 * 16);
-          src.fill_bytes(0);
-          read_us = time_median_us(
-              [&] {
-                stream_read<<<8 * num_sms, 256>>>(reinterpret_cast<const uint4*>(src.get()), src.size() / 16,
-                                                  reinterpret_cast<uint32_t*>(src.get()));
-                FP4MOE_CHECK_LAUNCH();
-              },
-              iters, flusher);
-        }
+        // Peer at memory-bound points: a plain streaming read of the same bytes.
+        const double read_us = cost.bytes / ceil.memory_bytes_per_s() >= cost.flops / ceil.bf16_flops_per_s
+                                   ? time_stream_read_us(bytes, iters, flusher)
+                                   : 0.0;
 
         double cublas_us = 0, rel_err = -1;
         if (opt.with_cublas) {

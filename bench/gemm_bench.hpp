@@ -77,6 +77,14 @@ std::vector<double> time_interleaved_us(const std::vector<std::function<void()>>
                                         const L2Flusher& flusher, cudaStream_t stream = nullptr);
 
 Ceilings measure_ceilings(const L2Flusher& flusher);
+
+// The read peer of a memory-bound point: one plain streaming read of `bytes`
+// from DRAM (four independent 16-byte loads in flight per thread, eight
+// blocks of 256 threads per SM), timed as the kernels are. At a few
+// megabytes even this read stays below the roofline: launch and ramp-up do
+// not shrink with the bytes. 0 where its buffer would not leave 1 GiB of
+// the device free.
+double time_stream_read_us(double bytes, int iterations, const L2Flusher& flusher);
 // The benchmarks' first JSON line: {"kind": "ceilings", gpu, date, the
 // memory rates in TB/s and the bf16 rate in TFLOP/s}.
 std::string ceilings_json_line(const std::string& gpu, const std::string& date, const Ceilings& ceilings);

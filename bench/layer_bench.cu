@@ -424,6 +424,7 @@ LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t
     m.launch_floor_us = launch_floor_us(4, layer.options().programmatic_launch, nullptr, 50);
   }
   m.efficiency = m.roofline.roof_us / m.time_us;
+  if (m.roofline.memory_bound(ceilings)) m.read_peer_us = time_stream_read_us(m.roofline.bytes(), iterations, flusher);
   m.nonfinite_outputs = timer.count_nonfinite_outputs(tokens);
   const std::string errors = timer.device_errors();
   FP4MOE_CHECK(errors.empty(), "the layer reported device errors: ", errors);
@@ -526,6 +527,9 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                   << "  host time of one eager forward() call: " << m.host_us << " us (its 4 kernel launches alone, "
                   << "empty kernels: " << m.launch_floor_us << " us); of one graph replay: " << m.graph_launch_host_us
                   << " us\n";
+          if (m.read_peer_us > 0)
+            table << "  read peer: one streaming read of the layer's " << m.roofline.bytes() / 1e6 << " MB "
+                  << m.read_peer_us << " us (roof / read " << m.roofline.roof_us / m.read_peer_us << ")\n";
           if (m.nonfinite_outputs > 0)
             table << "  WARNING: " << m.nonfinite_outputs << " output elements are NaN or infinite\n";
           table << std::flush;
@@ -572,6 +576,9 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                 {"gemm2_roof_us", m.roofline.gemm2_roof_us},
                 {"combine_roof_us", m.roofline.combine_roof_us},
                 {"efficiency", m.efficiency},
+                {"read_peer_us", m.read_peer_us > 0 ? nlohmann::json(m.read_peer_us) : nlohmann::json(nullptr)},
+                {"read_peer_efficiency",
+                 m.read_peer_us > 0 ? nlohmann::json(m.roofline.roof_us / m.read_peer_us) : nlohmann::json(nullptr)},
                 {"stage_us",
                  {{"route_sort", s.route_sort_us},
                   {"gather", s.gather_us},

@@ -125,6 +125,13 @@ struct LayerRoofline {
   GemmCost gemm1, gemm2, combine;
   double gemm1_roof_us = 0, gemm2_roof_us = 0, combine_roof_us = 0;
   double roof_us = 0;  // the sum
+
+  double bytes() const { return gemm1.bytes + gemm2.bytes + combine.bytes; }
+  // The layer's bytes take longer at the memory ceiling than its flops at
+  // the bf16 rate.
+  bool memory_bound(const Ceilings& ceilings) const {
+    return bytes() / ceilings.memory_bytes_per_s() >= (gemm1.flops + gemm2.flops) / ceilings.bf16_flops_per_s;
+  }
 };
 LayerRoofline layer_roofline(int64_t hidden, int64_t inter, int64_t num_tokens, int64_t rows, int64_t active_experts,
                              const Ceilings& ceilings);
@@ -222,6 +229,10 @@ struct LayerMeasurement {
   StageTimes stages;
   LayerTimer::ExpertLoad expert_load;
   double efficiency = 0;  // roof_us / time_us
+  // Where the layer is memory-bound: one streaming read of all its bytes
+  // (time_stream_read_us), the one-stream peer of the forward's kernels;
+  // 0 elsewhere.
+  double read_peer_us = 0;
   int64_t nonfinite_outputs = 0;
 };
 // Host time (median of `calls`) of `launches` back-to-back launches of an
