@@ -134,10 +134,9 @@ ActivationNumerics resolve_stacked_activation_numerics(ActivationNumerics reques
 
 // As above with an explicit thread count (num_threads <= 0 means all
 // hardware threads), intermediate precision, activation numerics and
-// combine. With
-// kFp4 the intermediate is rounded as `intermediate` says, to float, then
-// quantised; the quantised values q * e4m3 * input_scale are exact in
-// double, as an FP4 tensor-core engine multiplies them.
+// combine. With kFp4 the intermediate is rounded as `intermediate` says, to
+// float, then quantised; the quantised values q * e4m3 * input_scale are
+// exact in double, as an FP4 tensor-core engine multiplies them.
 void moe_reference(const MoeWeights& weights, const float* hidden_states, const Routing& routing, Activation activation,
                    float* output, int num_threads, Intermediate intermediate = Intermediate::kExact,
                    ActivationNumerics numerics = ActivationNumerics::kCheckpoint, Combine combine = Combine::kExact);
