@@ -296,6 +296,20 @@ double LayerTimer::time_forward_us(int64_t tokens, int iterations, const L2Flush
   return time_median_us([&] { forward(tokens, nullptr); }, iterations, flusher, stream_);
 }
 
+std::vector<kernels::TimelineRecord> LayerTimer::timeline(int64_t tokens, const L2Flusher& flusher) {
+  using kernels::TimelineRecord;
+  DeviceBuffer<TimelineRecord> records(std::vector<TimelineRecord>(
+      static_cast<size_t>(kernels::TimelineKernel::kCount) * kernels::kTimelineMaxBlocks, TimelineRecord{~0ull, 0}));
+  forward(tokens, nullptr);  // warm-up
+  flusher.flush(stream_);
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  kernels::set_timeline(records.get());
+  forward(tokens, nullptr);
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  kernels::set_timeline(nullptr);
+  return records.download(stream_);
+}
+
 StageTimes LayerTimer::time_stages(int64_t tokens, int iterations, const L2Flusher& flusher) {
   FP4MOE_CHECK(iterations >= 1, "time_stages: iterations must be >= 1, not ", iterations);
   // Only events that delimit a stage that runs: every event adds its own gap.
@@ -433,6 +447,46 @@ LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t
 
 // ------------------------------------------------------------------ bench
 
+namespace {
+
+// One forward's per-block spans: a JSON line per block (µs from the
+// forward's first stamp) and a line per kernel in the table (its blocks,
+// their first and last start, first and last end).
+void write_timeline(const std::vector<kernels::TimelineRecord>& records, const LayerShape& shape, RouterLoad load,
+                    int64_t tokens, std::ostream& table, std::ostream& out) {
+  unsigned long long origin = ~0ull;
+  for (const kernels::TimelineRecord& r : records) origin = std::min(origin, r.start);
+  FP4MOE_CHECK(origin != ~0ull, "--timeline: no block stamped; the layer's kernels ran without timeline stamps");
+  const auto us = [&](unsigned long long ns) { return static_cast<double>(ns - origin) / 1e3; };
+  for (int k = 0; k < static_cast<int>(kernels::TimelineKernel::kCount); ++k) {
+    const auto kernel = static_cast<kernels::TimelineKernel>(k);
+    double first_start = 1e30, last_start = 0, first_end = 1e30, last_end = 0;
+    int blocks = 0;
+    for (int b = 0; b < kernels::kTimelineMaxBlocks; ++b) {
+      const kernels::TimelineRecord& r = records[static_cast<size_t>(k * kernels::kTimelineMaxBlocks + b)];
+      if (r.start == ~0ull) continue;
+      ++blocks;
+      first_start = std::min(first_start, us(r.start));
+      last_start = std::max(last_start, us(r.start));
+      first_end = std::min(first_end, us(r.end));
+      last_end = std::max(last_end, us(r.end));
+      out << nlohmann::json{{"kind", "timeline_block"}, {"model", shape.name},         {"router_load", to_string(load)},
+                            {"tokens", tokens},         {"kernel", to_string(kernel)}, {"block", b},
+                            {"start_us", us(r.start)},  {"end_us", us(r.end)}}
+                 .dump()
+          << "\n";
+    }
+    if (blocks == 0) continue;
+    char line[200];
+    std::snprintf(line, sizeof line, "  timeline %-9s %5d blocks: start %8.2f .. %8.2f us, end %8.2f .. %8.2f us\n",
+                  to_string(kernel), blocks, first_start, last_start, first_end, last_end);
+    table << line;
+  }
+  out << std::flush;
+}
+
+}  // namespace
+
 void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ostream* json) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
@@ -487,7 +541,8 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
 
   for (const LayerShape& shape : opt.models) {
     const MoeWeights weights = random_moe_weights(shape, opt.seed);
-    for (const Variant& variant : variants) {
+    for (size_t variant_index = 0; variant_index < variants.size(); ++variant_index) {
+      const Variant& variant = variants[variant_index];
       MoeLayerOptions options = variant.options;
       options.activation = shape.activation;
       options.routing = shape.routing;
@@ -532,6 +587,8 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                   << m.read_peer_us << " us (roof / read " << m.roofline.roof_us / m.read_peer_us << ")\n";
           if (m.nonfinite_outputs > 0)
             table << "  WARNING: " << m.nonfinite_outputs << " output elements are NaN or infinite\n";
+          if (opt.timeline && variant_index == 0)
+            write_timeline(timer.timeline(tokens, flusher), shape, load, tokens, table, *opt.timeline);
           table << std::flush;
           if (json) {
             const MoeLayerPlan plan = layer.plan(tokens);

@@ -51,6 +51,7 @@
 #include "gemm_bench.hpp"
 #include "layer/moe_layer_internals.hpp"  // MoeStageEvents
 #include "util/splitmix64.hpp"
+#include "kernels/timeline.hpp"
 
 namespace fp4moe::bench {
 
@@ -180,6 +181,9 @@ class LayerTimer {
   int64_t active_experts(int64_t tokens) const { return expert_load(tokens).active; }
 
   double time_forward_us(int64_t tokens, int iterations, const L2Flusher& flusher);
+  // One forward from a flushed L2 with every block of every kernel stamped
+  // (kernels/timeline.hpp; a build with FP4MOE_TIMELINE): the records.
+  std::vector<kernels::TimelineRecord> timeline(int64_t tokens, const L2Flusher& flusher);
   StageTimes time_stages(int64_t tokens, int iterations, const L2Flusher& flusher);
   // Captures one forward into a CUDA graph and times its replays against
   // eager forwards taken in turn with them (time_interleaved_us, L2 flushed,
@@ -250,6 +254,7 @@ struct LayerBenchOptions {
   bool with_graph = true;            // graph replay of the default variant
   bool default_only = false;         // skip the other variants (plain launches, w4a4, batch invariant, ...)
   std::optional<TileConfig> config;  // forced for both GEMMs (MoeLayerOptions::gemm1_config, gemm2_config)
+  std::ostream* timeline = nullptr;  // per-block spans of one default forward per case, as JSON lines
   uint64_t seed = 1;
 };
 

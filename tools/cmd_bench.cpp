@@ -26,6 +26,7 @@ void add_bench_command(CLI::App& app) {
     bench::Options options;
     std::string json_path;
     std::string config;
+    std::string timeline_path;
     bool no_cublas = false;
     bool layer = false;
     bool no_graph = false;
@@ -49,6 +50,9 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--tokens", o->options.tokens, "Token counts")->capture_default_str();
   cmd->add_option("--gemms", o->options.gemms, "Which GEMMs: 1 and/or 2 (not with --layer)")->capture_default_str();
   cmd->add_option("--iterations", o->options.iterations, "Timed launches per case (median)")->capture_default_str();
+  cmd->add_option("--timeline", o->timeline_path,
+                  "--layer: write every block's start and end in one default forward per case, as JSON lines, "
+                  "to this file (a build configured with -DFP4MOE_TIMELINE=ON)");
   cmd->add_option("--config", o->config,
                   "Force a tile config, e.g. n128m8k256s4w4 (with --layer: for both GEMMs, each with its own "
                   "epilogue, at every token count)");
@@ -86,6 +90,14 @@ void add_bench_command(CLI::App& app) {
       opts.with_graph = !o->no_graph;
       opts.default_only = o->default_only;
       if (!o->config.empty()) opts.config = TileConfig::parse(o->config);
+      std::ofstream timeline;
+      if (!o->timeline_path.empty()) {
+        FP4MOE_CHECK(kernels::timeline_available(),
+                     "--timeline: this build's kernels have no timeline stamps; configure with -DFP4MOE_TIMELINE=ON");
+        timeline.open(o->timeline_path);
+        FP4MOE_CHECK(timeline.good(), "cannot open ", o->timeline_path, " for writing");
+        opts.timeline = &timeline;
+      }
       opts.loads.clear();
       for (const std::string& name : o->routing) opts.loads.push_back(bench::parse_router_load(name));
       if (cmd->count("--tokens") > 0) opts.tokens = o->options.tokens;
@@ -95,7 +107,7 @@ void add_bench_command(CLI::App& app) {
       open_json();
       if (cmd->count("--ep") > 0) {
 #ifdef FP4MOE_WITH_NCCL
-        for (const char* flag : {"--no-graph", "--default-only", "--routing"})
+        for (const char* flag : {"--no-graph", "--default-only", "--routing", "--timeline"})
           FP4MOE_CHECK(cmd->count(flag) == 0, flag, " does not apply to --ep (one variant, no graph replays)");
         bench::EpBenchOptions ep;
         ep.models = opts.models;
@@ -112,7 +124,7 @@ void add_bench_command(CLI::App& app) {
       return;
     }
 
-    for (const char* flag : {"--no-graph", "--default-only", "--routing", "--ep"})
+    for (const char* flag : {"--no-graph", "--default-only", "--routing", "--ep", "--timeline"})
       FP4MOE_CHECK(cmd->count(flag) == 0, flag, " applies to --layer only");
     bench::Options opts = o->options;
     std::vector<std::string> names = o->models;

@@ -14,9 +14,17 @@
 #include "kernels/bf16x4.cuh"
 #include "kernels/fragment_layout.hpp"
 #include "kernels/ptx/mma.cuh"
+#include "kernels/timeline.cuh"
 #include "plan/smem_model.hpp"
 
 namespace fp4moe::kernels {
+
+// The timeline's name of a grouped GEMM launch (timeline.hpp).
+constexpr TimelineKernel gemm_timeline_kernel(Epilogue epilogue) {
+  return epilogue == Epilogue::kSwiglu     ? TimelineKernel::kGemm1
+         : epilogue == Epilogue::kFinalize ? TimelineKernel::kGemm2
+                                           : TimelineKernel::kGemm;
+}
 
 // Bits of the device-side error word at the start of the workspace.
 inline constexpr int kErrorOffsetsNotMonotone = 1;

@@ -68,6 +68,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) portable_grouped_gemm_kernel(co
                     BLOCK_M <= THREADS,
                 "unsupported tile shape");
 
+  FP4MOE_TIMELINE_SPAN(gemm_timeline_kernel(EPI));
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_weights = smem + L.weight_offset;  // (STAGES, K_FRAGS, N_GROUPS, 512 B)
   uint8_t* s_scales = smem + L.scale_offset;    // (STAGES, K_FRAGS, N_GROUPS, 64 B)

@@ -56,6 +56,7 @@ __global__ void __launch_bounds__(kSm90Threads)
   extern __shared__ __align__(1024) uint8_t smem[];
   const sm90::Shared<T> sh(smem);
 
+  FP4MOE_TIMELINE_SPAN(gemm_timeline_kernel(EPI));
   const int tid = threadIdx.x;
   ptx::wait_for_prior_grids();
   ptx::allow_dependent_launch();

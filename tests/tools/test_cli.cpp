@@ -932,6 +932,17 @@ TEST_F(CliTest, SoakRejectsBadArgumentsAndNeedsAGpu) {
   }
 }
 
+// --timeline belongs to the layer bench, and needs a build whose kernels
+// stamp their blocks (-DFP4MOE_TIMELINE=ON; these tests run the default one).
+TEST_F(CliTest, BenchTimelineIsRefusedWhereItCannotRun) {
+  const CliResult gemm = run("bench --timeline t.jsonl");
+  EXPECT_EQ(gemm.exit_code, 1);
+  EXPECT_NE(gemm.err.find("--timeline applies to --layer only"), std::string::npos) << gemm.err;
+  const CliResult layer = run("bench --layer --timeline t.jsonl");
+  EXPECT_EQ(layer.exit_code, 1);
+  EXPECT_NE(layer.err.find("configure with -DFP4MOE_TIMELINE=ON"), std::string::npos) << layer.err;
+}
+
 TEST_F(CliTest, DemoRunsAndChecksItself) {
   for (const std::string args : {"--model qwen3-30b --tokens 3", "--model gpt-oss-120b --tokens 2 --seed 5"}) {
     const CliResult r = run("demo --device cpu " + args);

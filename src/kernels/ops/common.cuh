@@ -9,6 +9,7 @@
 #include "fp4moe/error.hpp"
 #include "kernels/device_info.hpp"
 #include "kernels/ops/moe_ops.hpp"
+#include "kernels/timeline.cuh"
 #include "plan/smem_model.hpp"
 
 namespace fp4moe::kernels {

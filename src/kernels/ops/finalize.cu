@@ -26,6 +26,7 @@ __global__ void finalize_pairs_kernel(const uint2* __restrict__ pair_rows,   // 
                                       const int32_t* __restrict__ topk_ids,  // [num_tokens, top_k] or null
                                       int64_t num_tokens, int top_k, int num_experts, int64_t vectors_per_row,
                                       uint2* __restrict__ output) {  // [num_tokens, vectors_per_row]
+  FP4MOE_TIMELINE_SPAN(TimelineKernel::kFinalize);
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   const int64_t num_vectors = num_tokens * vectors_per_row;
@@ -62,6 +63,7 @@ __global__ void finalize_pairs_kernel(const uint2* __restrict__ pair_rows,   // 
 
 __global__ void finalize_accumulated_kernel(float4* __restrict__ accum,  // [num_tokens, vectors_per_row]
                                             int64_t num_vectors, uint2* __restrict__ output) {
+  FP4MOE_TIMELINE_SPAN(TimelineKernel::kFinalize);
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;

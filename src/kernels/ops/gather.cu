@@ -25,6 +25,7 @@ __global__ void gather_rows_kernel(const uint4* __restrict__ x,                 
                                    const int32_t* __restrict__ expert_offsets,  // [num_experts + 1]
                                    int num_experts, int64_t num_rows, int64_t vectors_per_row,
                                    uint4* __restrict__ x_sorted) {  // [num_rows, vectors_per_row]
+  FP4MOE_TIMELINE_SPAN(TimelineKernel::kGather);
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   const int64_t placed_rows = min(num_rows, static_cast<int64_t>(expert_offsets[num_experts]));
@@ -50,6 +51,7 @@ __global__ void __launch_bounds__(kElementwiseThreads)
                            const float* __restrict__ input_scales,  // [num_experts]
                            uint4* __restrict__ x_sorted) {          // [num_rows, 2 * blocks_per_row]
   __shared__ int32_t s_offsets[kMaxExperts + 1];
+  FP4MOE_TIMELINE_SPAN(TimelineKernel::kGather);
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) s_offsets[e] = expert_offsets[e];

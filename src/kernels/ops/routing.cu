@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(kRouteThreads)
                  int32_t* __restrict__ error_flags, SharedSlots shared) {
   __shared__ RouteShared sh;
   const ExpertBias bias = load_expert_bias(correction_bias, num_experts, params);
+  FP4MOE_TIMELINE_SPAN(TimelineKernel::kRouting);
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   route_token(sh, router_logits, bias, num_experts, params, blockIdx.x, topk_ids, topk_weights, error_flags, shared);
@@ -57,6 +58,7 @@ __global__ void __launch_bounds__(kRouteThreads)
   __shared__ SortShared<kRouteThreads> sort_sh;
   __shared__ bool is_last;
   const ExpertBias bias = load_expert_bias(correction_bias, num_experts, params);
+  FP4MOE_TIMELINE_SPAN(TimelineKernel::kRouting);
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   route_token(route_sh, router_logits, bias, num_experts, params, blockIdx.x, topk_ids, topk_weights, error_flags,
@@ -98,6 +100,7 @@ __global__ void __launch_bounds__(kSharedSlotThreads)
                                int32_t* __restrict__ out_ids,      // [num_tokens, top_k + num_shared]
                                float* __restrict__ out_weights) {  // [num_tokens, top_k + num_shared]
   __shared__ float warp_partial[kSharedSlotThreads / 32];
+  FP4MOE_TIMELINE_SPAN(TimelineKernel::kRouting);
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   const int64_t token = blockIdx.x;

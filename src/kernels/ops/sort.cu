@@ -26,6 +26,7 @@ __global__ void __launch_bounds__(kSortThreads)
                           int32_t* __restrict__ expert_offsets, int32_t* __restrict__ token_of_row,
                           int32_t* __restrict__ pair_of_row, int32_t* __restrict__ error_flags) {
   __shared__ SortShared<kSortThreads> sh;
+  FP4MOE_TIMELINE_SPAN(TimelineKernel::kSort);
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   sort_pairs_in_block<kSortThreads>(sh, topk_ids, num_pairs, top_k, num_experts, expert_offsets, token_of_row,
@@ -39,6 +40,7 @@ __global__ void __launch_bounds__(kSortThreads)
                        int32_t* __restrict__ block_counts,  // [gridDim.x][num_experts]
                        int32_t* __restrict__ error_flags) {
   __shared__ SortShared<kSortThreads> sh;
+  FP4MOE_TIMELINE_SPAN(TimelineKernel::kSort);
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * kSortChunkPairs;
@@ -57,6 +59,7 @@ __global__ void __launch_bounds__(kSortThreads)
                        int32_t* __restrict__ pair_of_row) {
   constexpr int kPerThread = kExpertsPerSortThread<kSortThreads>;
   __shared__ SortShared<kSortThreads> sh;
+  FP4MOE_TIMELINE_SPAN(TimelineKernel::kSort);
   ptx::wait_for_prior_grids();  // launched early (programmatic): inputs may not be ready yet
   ptx::allow_dependent_launch();
   int counts[kPerThread], skip[kPerThread];
