@@ -48,7 +48,8 @@ struct Variant {
 std::string variant_name(const MoeLayerOptions& options, GatherMode gather) {
   return to_string(options.finalize) + "/" + to_string(gather) +
          (options.activations == ActivationNumerics::kFp4 ? "/w4a4" : "") +
-         (options.programmatic_launch ? "" : "/plain") + (options.batch_invariant ? "/batch-invariant" : "");
+         (options.programmatic_launch ? "" : "/plain") + (options.batch_invariant ? "/batch-invariant" : "") +
+         (options.fused_decode ? "" : "/unfused");
 }
 
 }  // namespace
@@ -516,7 +517,8 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
   // programmatic dependent launch) and with fp4 activations (W4A4: the
   // quantising gather and SwiGLU epilogue): those three get a graph replay
   // too. Then the default made batch invariant (no split-K), to show what
-  // that costs.
+  // that costs, and without the fused decode kernel (separate launches at
+  // every T).
   std::vector<Variant> variants;
   for (FinalizeMode finalize : {FinalizeMode::kDeterministic, FinalizeMode::kAtomic})
     for (GatherMode gather : {GatherMode::kAuto, GatherMode::kFused, GatherMode::kSeparate}) {
@@ -534,6 +536,9 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
         Variant invariant = v;
         invariant.options.batch_invariant = true;
         variants.push_back(invariant);
+        Variant unfused = v;
+        unfused.options.fused_decode = false;
+        variants.push_back(unfused);
       }
     }
   if (opt.default_only) variants.resize(1);  // deterministic finalize, automatic gather, PDL
@@ -622,6 +627,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                 {"gemm2_config", plan.gemm2.config.to_string()},
                 {"gemm2_split_k", plan.gemm2.split_k},
                 {"gemm2_row_stages", describe_row_classes(plan.gemm2)},
+                {"fused_decode", plan.fused_decode},
                 {"time_us", m.time_us},
                 {"graph_us", with_graph ? nlohmann::json(m.graph_us) : nlohmann::json(nullptr)},
                 {"graph_eager_us", with_graph ? nlohmann::json(m.graph_eager_us) : nlohmann::json(nullptr)},

@@ -41,10 +41,10 @@ void add_bench_command(CLI::App& app) {
       "roofline and cuBLAS bf16, measured in the same run; with --layer, the whole MoE layer (routing "
       "included) against the sum of the two GEMMs' rooflines (needs a GPU).");
   cmd->add_flag("--layer", o->layer,
-                "Benchmark the whole MoE layer: 9 variants (finalize deterministic/atomic x gather "
+                "Benchmark the whole MoE layer: 10 variants (finalize deterministic/atomic x gather "
                 "auto/fused/separate, and the default with plain launches instead of programmatic dependent "
-                "launch, with fp4 activations (w4a4: quantising gather and SwiGLU epilogue) or made batch "
-                "invariant), stage split, CUDA-graph replays (default models: glm-5, deepseek-v3; "
+                "launch, with fp4 activations (w4a4: quantising gather and SwiGLU epilogue), made batch "
+                "invariant, or without the fused decode kernel (unfused)), stage split, CUDA-graph replays (default models: glm-5, deepseek-v3; "
                 "default tokens: 1 16 64 256 1024)");
   cmd->add_option("--models", o->models, "Models (default: all; with --layer glm-5 deepseek-v3): " + model_names());
   cmd->add_option("--tokens", o->options.tokens, "Token counts")->capture_default_str();

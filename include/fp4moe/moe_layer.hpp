@@ -77,6 +77,13 @@ struct MoeLayerOptions {
   // each may start while the previous one finishes, hiding launch gaps that
   // cost a decode-sized layer several microseconds. Off: plain launches.
   bool programmatic_launch = true;
+  // Forwards of at most kFusedDecodeMaxTokens tokens run GEMM1, GEMM2 and
+  // the combine as one persistent kernel whose GEMM2 units start streaming
+  // their weights while GEMM1 still runs (docs/design.md §4.8), where the
+  // plan's tile is compiled for it and the finalize is deterministic: the
+  // same output bits as the separate launches. Off: always the separate
+  // launches.
+  bool fused_decode = true;
   // Force tile configs (e.g. from `fp4moe plan`); otherwise the tuned choice
   // or the planner picks per token count. The epilogue field is ignored (set
   // by the layer). A forced config wins over the tune cache.
@@ -136,8 +143,15 @@ struct MoeLayerPlan {
   GemmPlan gemm2;        // [rows, inter] x [hidden, inter]^T -> finalize -> [T, hidden]
   PlanOrigin gemm1_origin;
   PlanOrigin gemm2_origin;
+  // Both GEMMs and the combine in one launch of gemm1's tile
+  // (MoeLayerOptions::fused_decode); the GEMMs' plans then hold that tile,
+  // unsplit.
+  bool fused_decode = false;
   std::string describe() const;  // multi-line, for the CLI
 };
+
+// The largest forward the fused decode kernel runs (MoeLayerOptions::fused_decode).
+inline constexpr int64_t kFusedDecodeMaxTokens = 16;
 
 // A layer's weights already in GPU memory, stacked per expert as inference
 // engines hold a ModelOpt NVFP4 MoE (device pointers of the current device;

@@ -56,22 +56,23 @@ const KernelEntry& find_kernel(const TileConfig& config) {
 using kernels::current_device;
 using kernels::DeviceInfo;
 
-// Raises the kernel's dynamic shared-memory limit to the model's size (once
+// Raises a kernel's dynamic shared-memory limit to the model's size (once
 // per device and kernel) and returns its resident blocks per SM.
-int occupancy(const KernelEntry& entry, int device) {
+int occupancy(const void* fn, int threads, int64_t smem_bytes, int device) {
   static std::mutex mutex;
   static std::map<std::pair<int, const void*>, int> cache;
   std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(device, reinterpret_cast<const void*>(entry.fn));
+  const auto key = std::make_pair(device, fn);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  FP4MOE_CUDA_CHECK(
-      cudaFuncSetAttribute(entry.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(entry.smem_bytes)));
+  FP4MOE_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
   int blocks = 0;
-  FP4MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, entry.fn, entry.config.warps * 32,
-                                                                  static_cast<size_t>(entry.smem_bytes)));
+  FP4MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, threads, static_cast<size_t>(smem_bytes)));
   cache.emplace(key, blocks);
   return blocks;
+}
+int occupancy(const KernelEntry& entry, int device) {
+  return occupancy(reinterpret_cast<const void*>(entry.fn), entry.config.warps * 32, entry.smem_bytes, device);
 }
 
 // Refuses, before any launch, a config whose family does not run on the
@@ -226,6 +227,57 @@ void validate_args(const GroupedGemmArgs& a, bool for_launch, Epilogue epilogue)
   }
 }
 
+// The kernel's parameters for a launch of `plan` (split-K and row-class
+// fields are the launch's), after the workspace checks; args validated.
+kernels::GroupedGemmParams launch_params(const GroupedGemmArgs& args, const GemmPlan& plan) {
+  const size_t workspace_needed = grouped_gemm_workspace_bytes(plan);
+  FP4MOE_CHECK(args.workspace_bytes >= workspace_needed, "grouped_gemm: workspace of ", args.workspace_bytes,
+               " B; this plan needs ", workspace_needed, " B");
+  FP4MOE_CHECK(reinterpret_cast<uintptr_t>(args.workspace) % 16 == 0, "grouped_gemm: workspace is not 16-byte aligned");
+
+  kernels::GroupedGemmParams p{};
+  p.weights = args.weights;
+  p.scales = args.scales;
+  p.global_scales = args.global_scales;
+  p.up_global_scales = args.up_global_scales;
+  p.act_quant_scales = args.act_quant_scales;
+  p.x = static_cast<const __nv_bfloat16*>(args.x);
+  p.gather_rows = args.gather_rows;
+  p.x_rows = static_cast<int>(args.gather_rows ? args.x_rows : args.num_rows);
+  p.expert_offsets = args.expert_offsets;
+  p.y = static_cast<__nv_bfloat16*>(args.y);
+  p.bias = args.bias;
+  p.activation = args.activation == Activation::kGptOss ? kernels::kActGptOss : kernels::kActSwiglu;
+  p.scatter_rows = args.scatter_rows;
+  p.row_weights = args.row_weights;
+  if (args.atomic_out)
+    p.out_f32 = args.out_f32;
+  else
+    p.out_bf16 = static_cast<__nv_bfloat16*>(args.out_bf16);
+  p.out_rows = static_cast<int>(args.out_rows);
+  p.out_row_divisor = args.out_row_divisor;
+  p.atomic_out = args.atomic_out ? 1 : 0;
+  auto* ws = static_cast<uint8_t*>(args.workspace);
+  p.error_flags = args.error_flags ? args.error_flags : reinterpret_cast<int32_t*>(ws);
+  p.tile_counters = reinterpret_cast<int32_t*>(ws + 16);
+  if (args.split_counters) {
+    FP4MOE_CHECK(plan.split_k == 1 || args.split_counters_capacity >= plan.max_tiles,
+                 "grouped_gemm: split_counters hold ", args.split_counters_capacity, " tiles; this plan needs ",
+                 plan.max_tiles);
+    p.tile_counters = args.split_counters;
+  }
+  p.partials = reinterpret_cast<float*>(ws + 16 + align16(static_cast<size_t>(plan.max_tiles) * sizeof(int32_t)));
+  p.num_experts = static_cast<int>(args.num_experts);
+  p.n = static_cast<int>(args.n);
+  p.k = static_cast<int>(args.k);
+  p.n_groups = static_cast<int>((args.n + layout::kPadN - 1) / layout::kPadN * layout::kPadN / 16);
+  p.k_frags = static_cast<int>((args.k + layout::kPadK - 1) / layout::kPadK * layout::kPadK / 64);
+  p.num_rows = static_cast<int>(args.num_rows);
+  p.early_weights = args.programmatic_launch && args.indices_before_previous_kernel ? 1 : 0;
+
+  return p;
+}
+
 }  // namespace
 
 GemmPlan plan_grouped_gemm(const GroupedGemmArgs& args, const std::optional<TileConfig>& forced, Epilogue epilogue) {
@@ -282,50 +334,7 @@ void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_
   }
   FP4MOE_CHECK(plan.split_k >= 1 && plan.split_k <= 64, "grouped_gemm: split_k = ", plan.split_k);
   if (args.num_rows == 0) return;
-  const size_t workspace_needed = grouped_gemm_workspace_bytes(plan);
-  FP4MOE_CHECK(args.workspace_bytes >= workspace_needed, "grouped_gemm: workspace of ", args.workspace_bytes,
-               " B; this plan needs ", workspace_needed, " B");
-  FP4MOE_CHECK(reinterpret_cast<uintptr_t>(args.workspace) % 16 == 0, "grouped_gemm: workspace is not 16-byte aligned");
-
-  kernels::GroupedGemmParams p{};
-  p.weights = args.weights;
-  p.scales = args.scales;
-  p.global_scales = args.global_scales;
-  p.up_global_scales = args.up_global_scales;
-  p.act_quant_scales = args.act_quant_scales;
-  p.x = static_cast<const __nv_bfloat16*>(args.x);
-  p.gather_rows = args.gather_rows;
-  p.x_rows = static_cast<int>(args.gather_rows ? args.x_rows : args.num_rows);
-  p.expert_offsets = args.expert_offsets;
-  p.y = static_cast<__nv_bfloat16*>(args.y);
-  p.bias = args.bias;
-  p.activation = args.activation == Activation::kGptOss ? kernels::kActGptOss : kernels::kActSwiglu;
-  p.scatter_rows = args.scatter_rows;
-  p.row_weights = args.row_weights;
-  if (args.atomic_out)
-    p.out_f32 = args.out_f32;
-  else
-    p.out_bf16 = static_cast<__nv_bfloat16*>(args.out_bf16);
-  p.out_rows = static_cast<int>(args.out_rows);
-  p.out_row_divisor = args.out_row_divisor;
-  p.atomic_out = args.atomic_out ? 1 : 0;
-  auto* ws = static_cast<uint8_t*>(args.workspace);
-  p.error_flags = args.error_flags ? args.error_flags : reinterpret_cast<int32_t*>(ws);
-  p.tile_counters = reinterpret_cast<int32_t*>(ws + 16);
-  if (args.split_counters) {
-    FP4MOE_CHECK(plan.split_k == 1 || args.split_counters_capacity >= plan.max_tiles,
-                 "grouped_gemm: split_counters hold ", args.split_counters_capacity, " tiles; this plan needs ",
-                 plan.max_tiles);
-    p.tile_counters = args.split_counters;
-  }
-  p.partials = reinterpret_cast<float*>(ws + 16 + align16(static_cast<size_t>(plan.max_tiles) * sizeof(int32_t)));
-  p.num_experts = static_cast<int>(args.num_experts);
-  p.n = static_cast<int>(args.n);
-  p.k = static_cast<int>(args.k);
-  p.n_groups = static_cast<int>((args.n + layout::kPadN - 1) / layout::kPadN * layout::kPadN / 16);
-  p.k_frags = static_cast<int>((args.k + layout::kPadK - 1) / layout::kPadK * layout::kPadK / 64);
-  p.num_rows = static_cast<int>(args.num_rows);
-  p.early_weights = args.programmatic_launch && args.indices_before_previous_kernel ? 1 : 0;
+  const kernels::GroupedGemmParams p = launch_params(args, plan);
 
   // One launch over the experts whose rows lie in [min_rows, max_rows].
   const auto launch = [&](const TileConfig& config, int split_k, int64_t tiles, int min_rows, int max_rows) {
@@ -380,6 +389,19 @@ KernelAttributes grouped_gemm_kernel_attributes(const TileConfig& config) {
   out.local_bytes = static_cast<int64_t>(attr.localSizeBytes);
   return out;
 }
+
+namespace kernels {
+
+GroupedGemmParams checked_launch_params(const GroupedGemmArgs& args, const GemmPlan& plan) {
+  validate_args(args, /*for_launch=*/true, plan.config.epilogue);
+  return launch_params(args, plan);
+}
+
+int resident_blocks(const void* fn, int threads, int64_t smem_bytes, int device) {
+  return occupancy(fn, threads, smem_bytes, device);
+}
+
+}  // namespace kernels
 
 bool local_arch_limits(ArchLimits* limits, std::string* device_name) {
   int count = 0;

@@ -155,6 +155,32 @@ size_t grouped_gemm_workspace_bytes(const GemmPlan& plan);
 // launch if CUDA reports an error.
 void grouped_gemm(const GroupedGemmArgs& args, const GemmPlan& plan, cudaStream_t stream);
 
+// The fused decode kernel (kernels/fused_decode.cuh, docs/design.md §4.8):
+// GEMM1 + SwiGLU (`gemm1`, the kSwiglu epilogue), GEMM2 + finalize
+// (`gemm2`: kFinalize storing bf16 (token, slot) rows, out_row_divisor 1,
+// its x gemm1's y) and, with `output`, the combine of each token's rows in
+// one persistent launch of `tile` (epilogue and split-K ignored: every unit
+// is a whole K). Both GEMMs share their experts and expert offsets.
+struct FusedDecodeArgs {
+  // Zero-initialised once, fused_decode_counter_ints() of them; the kernel
+  // leaves them zero.
+  int32_t* counters = nullptr;
+  int64_t counters_capacity = 0;
+  int64_t num_tokens = 0;
+  int rows_per_token = 0;  // gemm2's rows are (token, slot) pairs: num_rows = num_tokens * rows_per_token
+  // [num_tokens, rows_per_token] expert of each slot where some may have no
+  // row (ids outside [0, num_experts)); null: every slot has one.
+  const int32_t* slot_experts = nullptr;
+  // bf16 [num_tokens, gemm2.n]: each token's (token, slot) rows summed in
+  // slot order in fp32, rounded once (as launch_finalize_pairs); null: none.
+  void* output = nullptr;
+};
+bool fused_decode_compiled(const TileConfig& tile);  // the epilogue is ignored
+int64_t fused_decode_counter_ints(int64_t num_rows, int64_t num_tokens, int64_t gemm2_n);
+// Validates like grouped_gemm(), then launches on `stream`.
+void fused_decode(const GroupedGemmArgs& gemm1, const GroupedGemmArgs& gemm2, const FusedDecodeArgs& decode,
+                  const TileConfig& tile, cudaStream_t stream);
+
 // Device-side input errors seen by earlier launches using `workspace`
 // (offsets not monotone, or outside [0, num_rows]; gather or scatter rows out
 // of range); synchronises the stream.

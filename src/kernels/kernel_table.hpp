@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "fp4moe/plan.hpp"
+#include "kernels/grouped_gemm.hpp"
 
 namespace fp4moe::kernels {
 
@@ -22,5 +23,13 @@ struct GroupedGemmKernel {
 
 // The SM90a family (sm90_grouped_gemm.cu).
 const std::vector<GroupedGemmKernel>& sm90_kernels();
+
+// grouped_gemm.cu, for the launchers of other kernels built on the grouped
+// GEMM's units (fused_decode.cu): the kernel parameters of a launch of
+// `plan` (split-K and row-class fields left to the launch) from arguments
+// it validates as grouped_gemm() does; a kernel's resident blocks per SM at
+// its launch size, once its dynamic shared-memory limit is raised to it.
+GroupedGemmParams checked_launch_params(const GroupedGemmArgs& args, const GemmPlan& plan);
+int resident_blocks(const void* fn, int threads, int64_t smem_bytes, int device);
 
 }  // namespace fp4moe::kernels

@@ -26,6 +26,7 @@ const char* to_string(TimelineKernel kernel) {
     case TimelineKernel::kGemm2: return "gemm2";
     case TimelineKernel::kGemm: return "gemm";
     case TimelineKernel::kFinalize: return "finalize";
+    case TimelineKernel::kFusedDecode: return "fused_decode";
     case TimelineKernel::kCount: break;
   }
   return "?";

@@ -46,10 +46,26 @@ class TimelineSpan {
   TimelineRecord* record_ = nullptr;
 };
 
+// The block's span of `kernel` from `start` (a global_timer_ns() it took)
+// to now, by its thread 0: for parts of a kernel, as the fused decode
+// kernel's units of each GEMM.
+__device__ __forceinline__ void timeline_mark(TimelineKernel kernel, unsigned long long start) {
+  TimelineRecord* records = g_timeline_records;
+  if (records == nullptr || threadIdx.x != 0) return;
+  TimelineRecord* record =
+      records + static_cast<int>(kernel) * kTimelineMaxBlocks + min(blockIdx.x, kTimelineMaxBlocks - 1u);
+  atomicMin(&record->start, start);
+  atomicMax(&record->end, global_timer_ns());
+}
+
 }  // namespace
 }  // namespace fp4moe::kernels
 
 #define FP4MOE_TIMELINE_SPAN(kernel) const ::fp4moe::kernels::TimelineSpan fp4moe_timeline_span_(kernel)
+#define FP4MOE_TIMELINE_NOW() ::fp4moe::kernels::global_timer_ns()
+#define FP4MOE_TIMELINE_MARK(kernel, start) ::fp4moe::kernels::timeline_mark(kernel, start)
 #else
 #define FP4MOE_TIMELINE_SPAN(kernel) static_cast<void>(0)
+#define FP4MOE_TIMELINE_NOW() 0ull
+#define FP4MOE_TIMELINE_MARK(kernel, start) static_cast<void>(start)
 #endif

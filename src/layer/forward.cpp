@@ -5,6 +5,8 @@
 //   route (+ shared slots; or caller ids -> shared slots) -> sort pairs by expert
 //     -> [gather] -> GEMM1 + SwiGLU -> GEMM2 + finalize scatter -> finalize reduction
 //
+// where a small forward runs the last three as one fused decode launch
+// (MoeLayerPlan::fused_decode, docs/design.md §4.8),
 // and device_errors(), which reads the error words the launches leave in
 // the workspace header. Tested in tests/layer/test_moe_layer_forward.cpp,
 // test_moe_layer_determinism.cpp, test_moe_layer_workspace.cpp (GPU) and
@@ -194,11 +196,8 @@ void MoeLayer::Impl::run(const MoeForwardArgs& args, void* output, void* pair_ro
   g1.split_counters = gemm1_counters;
   g1.split_counters_capacity = kMaxSplitKTiles;
   g1.programmatic_launch = pdl;
-  grouped_gemm(g1, plan.gemm1, stream);
-  record(ev.gemm1, stream);
 
   const bool atomic = m.options.finalize == FinalizeMode::kAtomic;
-  if (atomic) FP4MOE_CUDA_CHECK(cudaMemsetAsync(accum, 0, static_cast<size_t>(T * m.hidden) * 4, stream));
   GroupedGemmArgs g2;
   g2.weights = m.w2.weights.get();
   g2.scales = m.w2.scales.get();
@@ -226,6 +225,25 @@ void MoeLayer::Impl::run(const MoeForwardArgs& args, void* output, void* pair_ro
   g2.split_counters_capacity = kMaxSplitKTiles;
   g2.programmatic_launch = pdl;
   g2.indices_before_previous_kernel = true;  // offsets, slots and weights come from the routing, before GEMM1
+
+  if (plan.fused_decode) {
+    FusedDecodeArgs d;
+    d.counters = gemm1_counters;  // and gemm2_counters after them
+    d.counters_capacity = 2 * kMaxSplitKTiles;
+    d.num_tokens = T;
+    d.rows_per_token = rows;
+    d.slot_experts = device_routing ? nullptr : topk_ids;  // (as the finalize below)
+    d.output = pair_rows ? nullptr : output;
+    fused_decode(g1, g2, d, plan.gemm1.config, stream);
+    // One launch: the GEMM1 and GEMM2 stages end with the combine.
+    record(ev.gemm1, stream);
+    record(ev.gemm2, stream);
+    if (!pair_rows) record(ev.end, stream);
+    return;
+  }
+  grouped_gemm(g1, plan.gemm1, stream);
+  record(ev.gemm1, stream);
+  if (atomic) FP4MOE_CUDA_CHECK(cudaMemsetAsync(accum, 0, static_cast<size_t>(T * m.hidden) * 4, stream));
   grouped_gemm(g2, plan.gemm2, stream);
   record(ev.gemm2, stream);
   if (pair_rows) return;

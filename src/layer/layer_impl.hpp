@@ -42,8 +42,9 @@ inline constexpr size_t kPlanCacheCapacity = 1024;
 inline constexpr size_t kAlign = 256;
 // Header: [layer error word, routing arrival counter | GEMM1 error word |
 // GEMM2 error word] (16 B each), then the GEMM1 and GEMM2 split-K counters
-// (kMaxSplitKTiles each: limit_split_k runs larger plans unsplit). All zero
-// between forwards.
+// (kMaxSplitKTiles each: limit_split_k runs larger plans unsplit), which
+// the fused decode kernel, whose units are never split, takes as its
+// counters (2 kMaxSplitKTiles). All zero between forwards.
 inline constexpr size_t kErrorWordsBytes = 48;
 inline constexpr size_t kHeaderBytes = (kErrorWordsBytes + 2 * kMaxSplitKTiles * 4 + kAlign - 1) / kAlign * kAlign;
 
@@ -126,6 +127,7 @@ struct MoeLayer::Impl {
   void read_tuned_choices(const std::string& path);
   GemmPlan plan_one_gemm(int gemm, int64_t num_tokens, PlanOrigin* origin) const;
   MoeLayerPlan make_plan(int64_t num_tokens) const;
+  void plan_fused_decode(MoeLayerPlan& p) const;
   std::shared_ptr<const MoeLayerPlan> plan(int64_t num_tokens) const;
 
   // workspace.cpp

@@ -29,6 +29,13 @@
   FP4MOE_PORTABLE_TILES(X, ::fp4moe::Epilogue::kSwiglu) \
   FP4MOE_PORTABLE_TILES(X, ::fp4moe::Epilogue::kFinalize)
 
+// The portable tiles the fused decode kernel (kernels/fused_decode.cuh) is
+// compiled for: the planner's tiles of small forwards, at both depths.
+// X(BLOCK_N, BLOCK_M, BLOCK_K, STAGES, WARPS)
+#define FP4MOE_FUSED_DECODE_TILES(X) \
+  X(128, 8, 256, 4, 4)               \
+  X(128, 8, 256, 3, 4)
+
 // The SM90a family (sm90_grouped_gemm.cuh): BLOCK_N is always kSm90BlockN
 // (two consumer warpgroups of 64 weight rows) and 12 warps.
 // X(BLOCK_M, BLOCK_K, STAGES, EPILOGUE)
