@@ -134,6 +134,8 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
               << "):\n";
     std::printf("  %7s %8s  %-33s %-35s %-20s %s\n", "tokens", "rows", "GEMM1", "GEMM2", "from (GEMM1, GEMM2)",
                 "why (GEMM1)");
+    std::cout << "  (\"fused\": both GEMMs and the combine in one launch of the fused decode kernel, docs/design.md "
+                 "§4.8)\n";
   }
   for (int64_t t : o.tokens) {
     // The layer's GEMMs, GEMM1 with the fused SwiGLU, GEMM2 with the fused
@@ -154,6 +156,17 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
       plans[gemm - 1] = limit_split_k(plans[gemm - 1], false);
     }
     const GemmProblem g1 = moe_gemm_problem(1, experts, topk, hidden, inter, t);
+    // The layer's fused decode launch (both GEMMs and the combine in one
+    // kernel of one tile, unsplit) where it applies (the deterministic
+    // finalize, the default).
+    const std::optional<TileConfig> fused =
+        fused_decode_tile(t, plans[0], sources[0] != "heuristic", plans[1], sources[1] != "heuristic");
+    if (fused)
+      for (int gemm : {1, 2}) {
+        TileConfig tile = *fused;
+        tile.epilogue = gemm == 1 ? Epilogue::kSwiglu : Epilogue::kFinalize;
+        plans[gemm - 1] = plan_gemm_with(moe_gemm_problem(gemm, experts, topk, hidden, inter, t), tile, num_sms, 2, 1);
+      }
     auto name = [](const GemmPlan& p) {
       return describe_row_classes(p) + p.config.to_string() + " sk" + std::to_string(p.split_k);
     };
@@ -168,11 +181,12 @@ void plan_one(const PlanOptions& o, const ArchLimits& arch, int num_sms, const s
                           {"rows", g1.num_rows},
                           {"expected_active_experts", g1.expected_active_experts},
                           {"gemm1", plan_json(plans[0], sources[0])},
-                          {"gemm2", plan_json(plans[1], sources[1])}});
+                          {"gemm2", plan_json(plans[1], sources[1])},
+                          {"fused_decode", fused.has_value()}});
     if (!out)
       std::printf("  %7lld %8lld  %-33s %-35s %-20s %s\n", static_cast<long long>(t),
                   static_cast<long long>(g1.num_rows), name(plans[0]).c_str(), name(plans[1]).c_str(),
-                  (sources[0] + ", " + sources[1]).c_str(), plans[0].reason().c_str());
+                  (sources[0] + ", " + sources[1] + (fused ? ", fused" : "")).c_str(), plans[0].reason().c_str());
   }
   if (out)
     out->push_back(j);

@@ -77,7 +77,7 @@ struct MoeLayerOptions {
   // each may start while the previous one finishes, hiding launch gaps that
   // cost a decode-sized layer several microseconds. Off: plain launches.
   bool programmatic_launch = true;
-  // Forwards of at most kFusedDecodeMaxTokens tokens run GEMM1, GEMM2 and
+  // Forwards of at most kFusedDecodeMaxTokens (fp4moe/plan.hpp) tokens run GEMM1, GEMM2 and
   // the combine as one persistent kernel whose GEMM2 units start streaming
   // their weights while GEMM1 still runs (docs/design.md §4.8), where the
   // plan's tile is compiled for it and the finalize is deterministic: the
@@ -149,9 +149,6 @@ struct MoeLayerPlan {
   bool fused_decode = false;
   std::string describe() const;  // multi-line, for the CLI
 };
-
-// The largest forward the fused decode kernel runs (MoeLayerOptions::fused_decode).
-inline constexpr int64_t kFusedDecodeMaxTokens = 16;
 
 // A layer's weights already in GPU memory, stacked per expert as inference
 // engines hold a ModelOpt NVFP4 MoE (device pointers of the current device;

@@ -70,6 +70,10 @@ struct TileConfig {
   bool operator==(const TileConfig&) const = default;
 };
 
+// The largest forward the layer runs as one fused decode launch
+// (MoeLayerOptions::fused_decode, docs/design.md §4.8).
+inline constexpr int64_t kFusedDecodeMaxTokens = 16;
+
 // The configurations compiled into the library (every tile shape with every
 // epilogue), in the order the planner considers them.
 const std::vector<TileConfig>& compiled_configs();

@@ -47,8 +47,6 @@ const DecodeKernel* find_decode_kernel(TileConfig tile) {
 
 }  // namespace
 
-bool fused_decode_compiled(const TileConfig& tile) { return find_decode_kernel(tile) != nullptr; }
-
 int64_t fused_decode_counter_ints(int64_t num_rows, int64_t num_tokens, int64_t gemm2_n) {
   // An m-tile holds at least one row: at most num_rows of them.
   return 2 + 2 * num_rows + num_tokens * ((gemm2_n + layout::kPadN - 1) / layout::kPadN);

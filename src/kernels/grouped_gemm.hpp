@@ -175,7 +175,6 @@ struct FusedDecodeArgs {
   // slot order in fp32, rounded once (as launch_finalize_pairs); null: none.
   void* output = nullptr;
 };
-bool fused_decode_compiled(const TileConfig& tile);  // the epilogue is ignored
 int64_t fused_decode_counter_ints(int64_t num_rows, int64_t num_tokens, int64_t gemm2_n);
 // Validates like grouped_gemm(), then launches on `stream`.
 void fused_decode(const GroupedGemmArgs& gemm1, const GroupedGemmArgs& gemm2, const FusedDecodeArgs& decode,

@@ -148,29 +148,21 @@ MoeLayerPlan MoeLayer::Impl::make_plan(int64_t num_tokens) const {
   return p;
 }
 
-// The fused decode kernel (MoeLayerOptions::fused_decode) takes a small
-// forward where one of its compiled tiles serves both GEMMs: the heuristic's
-// tile of GEMM1, else of GEMM2; a forced or tuned tile of the other GEMM
-// must be the same. Its counters live in the header's split-K counters.
+// The fused decode kernel (MoeLayerOptions::fused_decode; the tile rule is
+// the planner's, fused_decode_tile) needs the deterministic finalize and
+// room for its counters in the header's split-K counters.
 void MoeLayer::Impl::plan_fused_decode(MoeLayerPlan& p) const {
   if (!options.fused_decode || options.finalize != FinalizeMode::kDeterministic ||
-      p.num_tokens > kFusedDecodeMaxTokens ||
       fused_decode_counter_ints(p.num_rows, p.num_tokens, hidden) > 2 * kMaxSplitKTiles)
     return;
-  const auto heuristic = [](const PlanOrigin& o) { return o.kind == PlanOrigin::Kind::kHeuristic; };
-  const auto same_tile = [](TileConfig a, TileConfig b) {
-    b.epilogue = a.epilogue;
-    return a == b;
-  };
-  TileConfig tile = fused_decode_compiled(p.gemm1.config) ? p.gemm1.config : p.gemm2.config;
-  if (!fused_decode_compiled(tile)) return;
-  if (!(heuristic(p.gemm1_origin) || (same_tile(tile, p.gemm1.config) && p.gemm1.row_classes.empty())) ||
-      !(heuristic(p.gemm2_origin) || (same_tile(tile, p.gemm2.config) && p.gemm2.row_classes.empty())))
-    return;
+  const auto chosen = [](const PlanOrigin& o) { return o.kind != PlanOrigin::Kind::kHeuristic; };
+  std::optional<TileConfig> tile =
+      fused_decode_tile(p.num_tokens, p.gemm1, chosen(p.gemm1_origin), p.gemm2, chosen(p.gemm2_origin));
+  if (!tile) return;
   p.fused_decode = true;
-  tile.epilogue = Epilogue::kSwiglu;
+  tile->epilogue = Epilogue::kSwiglu;
   p.gemm1 = plan_grouped_gemm(problem(1, p.num_tokens), tile, 1);
-  tile.epilogue = Epilogue::kFinalize;
+  tile->epilogue = Epilogue::kFinalize;
   p.gemm2 = plan_grouped_gemm(problem(2, p.num_tokens), tile, 1);
 }
 

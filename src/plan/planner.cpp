@@ -193,6 +193,32 @@ GemmPlan limit_split_k(GemmPlan plan, bool batch_invariant) {
   return plan;
 }
 
+bool is_fused_decode_tile(TileConfig tile) {
+  tile.epilogue = Epilogue::kNone;
+  static const TileConfig tiles[] = {
+#define FP4MOE_X(BN, BM, BK, S, W) TileConfig{BN, BM, BK, S, W, Epilogue::kNone, KernelFamily::kPortable},
+      FP4MOE_FUSED_DECODE_TILES(FP4MOE_X)
+#undef FP4MOE_X
+  };
+  for (const TileConfig& t : tiles)
+    if (t == tile) return true;
+  return false;
+}
+
+std::optional<TileConfig> fused_decode_tile(int64_t num_tokens, const GemmPlan& gemm1, bool gemm1_chosen,
+                                            const GemmPlan& gemm2, bool gemm2_chosen) {
+  if (num_tokens > kFusedDecodeMaxTokens) return std::nullopt;
+  const TileConfig tile = is_fused_decode_tile(gemm1.config) ? gemm1.config : gemm2.config;
+  if (!is_fused_decode_tile(tile)) return std::nullopt;
+  const auto serves = [&](const GemmPlan& plan, bool chosen) {
+    TileConfig t = plan.config;
+    t.epilogue = tile.epilogue;
+    return !chosen || (t == tile && plan.row_classes.empty());
+  };
+  if (!serves(gemm1, gemm1_chosen) || !serves(gemm2, gemm2_chosen)) return std::nullopt;
+  return tile;
+}
+
 GemmProblem moe_gemm_problem(int gemm, int64_t num_experts, int top_k, int64_t hidden, int64_t inter,
                              int64_t num_tokens, bool batch_invariant) {
   FP4MOE_CHECK(gemm == 1 || gemm == 2, "moe_gemm_problem: gemm = ", gemm, "; expected 1 or 2");

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <optional>
+
 #include "fp4moe/plan.hpp"
 
 namespace fp4moe {
@@ -64,6 +66,17 @@ inline constexpr int64_t kMaxSplitKTiles = 4096;
 // layer (docs/design.md §3) and for plans with more than kMaxSplitKTiles
 // tiles; the reason then says so.
 GemmPlan limit_split_k(GemmPlan plan, bool batch_invariant);
+
+// The fused decode kernel (docs/design.md §4.8): whether `tile` is one it is
+// compiled for (FP4MOE_FUSED_DECODE_TILES; the epilogue is ignored), and the
+// tile it runs for a forward of num_tokens whose GEMMs were planned as
+// gemm1 and gemm2 (`chosen`: forced or tuned, else the heuristic's), or
+// nullopt: up to kFusedDecodeMaxTokens, the heuristic's decode tile of
+// GEMM1, else of GEMM2, where a chosen plan of the other GEMM has that tile
+// (and no row classes).
+bool is_fused_decode_tile(TileConfig tile);
+std::optional<TileConfig> fused_decode_tile(int64_t num_tokens, const GemmPlan& gemm1, bool gemm1_chosen,
+                                            const GemmPlan& gemm2, bool gemm2_chosen);
 
 // Expected number of experts that receive at least one of `num_tokens`
 // tokens with uniform top-k routing.
