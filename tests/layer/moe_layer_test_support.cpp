@@ -176,6 +176,25 @@ ModelData& model_data(const ModelShape& shape) {
   return *slot;
 }
 
+ForwardGraph::ForwardGraph(const MoeLayer& layer, const MoeForwardArgs& args, void* output,
+                           const DeviceBuffer<uint8_t>& workspace, cudaStream_t stream) {
+  FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    layer.forward(args, output, workspace.get(), workspace.bytes(), stream);
+  } catch (...) {
+    cudaStreamEndCapture(stream, &graph_);
+    if (graph_) cudaGraphDestroy(graph_);
+    throw;
+  }
+  FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph_));
+  FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+}
+
+ForwardGraph::~ForwardGraph() {
+  if (exec_) cudaGraphExecDestroy(exec_);
+  if (graph_) cudaGraphDestroy(graph_);
+}
+
 DeviceBuffer<uint8_t> make_workspace(const MoeLayer& layer, int64_t max_tokens) {
   DeviceBuffer<uint8_t> ws(layer.workspace_bytes(max_tokens));
   ws.fill_bytes(0);

@@ -205,6 +205,23 @@ struct DeviceInputs {
   }
 };
 
+// One layer.forward() captured into a CUDA graph on `stream` (ended and
+// released if the forward throws), replayed with launch(): a replay reads
+// whatever the argument buffers hold then.
+class ForwardGraph {
+ public:
+  ForwardGraph(const MoeLayer& layer, const MoeForwardArgs& args, void* output, const DeviceBuffer<uint8_t>& workspace,
+               cudaStream_t stream);
+  ~ForwardGraph();
+  ForwardGraph(const ForwardGraph&) = delete;
+  ForwardGraph& operator=(const ForwardGraph&) = delete;
+  void launch(cudaStream_t stream) const { FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 // A workspace for up to max_tokens tokens, zeroed once as the contract asks.
 DeviceBuffer<uint8_t> make_workspace(const MoeLayer& layer, int64_t max_tokens);
 

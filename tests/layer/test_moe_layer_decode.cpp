@@ -130,25 +130,18 @@ TEST(FusedDecodeGraph, ReplaysWithNewInputsEqualEagerForwards) {
     const TokenBatch second = data.make_batch(T);
     DeviceInputs inputs(first, data.correction_bias);
     const std::vector<uint16_t> eager_first = forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
-    cudaGraph_t graph = nullptr;
-    FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
-    layer.forward(inputs.device_routing(), output.get(), workspace.get(), workspace.bytes(), stream.get());
-    FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
-    cudaGraphExec_t exec = nullptr;
-    FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const ForwardGraph graph(layer, inputs.device_routing(), output.get(), workspace, stream.get());
     for (int replay = 0; replay < 4; ++replay) {
       const TokenBatch& batch = replay % 2 == 0 ? first : second;
       inputs.hidden_states.upload(batch.hidden_states, stream.get());
       inputs.router_logits.upload(batch.router_logits, stream.get());
       output.fill_bytes(0xFF, stream.get());
-      FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+      graph.launch(stream.get());
       const std::vector<uint16_t> replayed =
           output_rows(output.download(stream.get()), static_cast<size_t>(T * shape.hidden));
       expect_matches_reference(replayed, batch.reference, shape.hidden);
       if (replay % 2 == 0) EXPECT_EQ(first_difference(replayed, eager_first), -1) << "replay " << replay;
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
   }
 }
 

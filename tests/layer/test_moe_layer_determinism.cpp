@@ -129,15 +129,8 @@ TEST(MoeLayerDeterminism, PlainLaunchesGiveTheSameBits) {
 
     // The same forward captured in a graph (programmatic edges) and replayed.
     output.fill_bytes(0xFF, stream.get());
-    cudaGraph_t graph = nullptr;
-    FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
-    layer.forward(inputs.device_routing(), output.get(), workspace.get(), workspace.bytes(), stream.get());
-    FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
-    cudaGraphExec_t exec = nullptr;
-    FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int replay = 0; replay < 3; ++replay) FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
+    const ForwardGraph graph(layer, inputs.device_routing(), output.get(), workspace, stream.get());
+    for (int replay = 0; replay < 3; ++replay) graph.launch(stream.get());
     const std::vector<uint16_t> replayed = output_rows(output.download(stream.get()), with_pdl.size());
     EXPECT_EQ(first_difference(with_pdl, replayed), -1) << "graph replay differs";
   }
@@ -326,18 +319,7 @@ TEST(MoeLayerGraph, ReplaysWithNewInputsEqualEagerForwards) {
   expect_matches_reference(eager[2], b.reference, shape.hidden);
 
   const DeviceInputs live(a.hidden_states, a.router_logits, data.correction_bias, Routing{}, num_tokens);
-  cudaGraph_t graph = nullptr;
-  FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
-  try {
-    layer.forward(live.device_routing(), output.get(), workspace.get(), workspace.bytes(), stream.get());
-  } catch (...) {
-    cudaStreamEndCapture(stream.get(), &graph);
-    if (graph) cudaGraphDestroy(graph);
-    throw;
-  }
-  FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
-  cudaGraphExec_t exec = nullptr;
-  FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const ForwardGraph graph(layer, live.device_routing(), output.get(), workspace, stream.get());
 
   for (size_t i = 0; i < std::size(replays); ++i) {
     SCOPED_TRACE(std::string("replay with ") + replays[i].what);
@@ -348,13 +330,11 @@ TEST(MoeLayerGraph, ReplaysWithNewInputsEqualEagerForwards) {
     FP4MOE_CUDA_CHECK(cudaMemcpyAsync(live.router_logits.get(), logits.data(), logits.size() * sizeof(float),
                                       cudaMemcpyHostToDevice, stream.get()));
     output.fill_bytes(0xFF, stream.get());
-    FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+    graph.launch(stream.get());
     const std::vector<uint16_t> replayed = output.download(stream.get());
     EXPECT_EQ(first_difference(replayed, eager[i]), -1) << "the replay differs from the eager forward";
   }
   EXPECT_EQ(layer.device_errors(workspace.get(), stream.get()), "");
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
 }
 
 // ------------------------------------------------------------- two threads

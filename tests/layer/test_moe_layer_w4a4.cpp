@@ -184,18 +184,7 @@ TEST(MoeLayerW4a4, GraphReplaysEqualEagerForwards) {
   }
 
   const DeviceInputs live(a, data.correction_bias);
-  cudaGraph_t graph = nullptr;
-  FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
-  try {
-    layer.forward(live.device_routing(), output.get(), workspace.get(), workspace.bytes(), stream.get());
-  } catch (...) {
-    cudaStreamEndCapture(stream.get(), &graph);
-    if (graph) cudaGraphDestroy(graph);
-    throw;
-  }
-  FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
-  cudaGraphExec_t exec = nullptr;
-  FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const ForwardGraph graph(layer, live.device_routing(), output.get(), workspace, stream.get());
   for (size_t i = 0; i < std::size(batches); ++i) {
     SCOPED_TRACE(i == 0 ? "replay with inputs A" : "replay with inputs B");
     FP4MOE_CUDA_CHECK(cudaMemcpyAsync(live.hidden_states.get(), batches[i]->hidden_states.data(),
@@ -205,13 +194,11 @@ TEST(MoeLayerW4a4, GraphReplaysEqualEagerForwards) {
                                       batches[i]->router_logits.size() * sizeof(float), cudaMemcpyHostToDevice,
                                       stream.get()));
     output.fill_bytes(0xFF, stream.get());
-    FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+    graph.launch(stream.get());
     EXPECT_EQ(first_difference(output.download(stream.get()), eager[i]), -1)
         << "the W4A4 replay differs from the eager forward";
   }
   EXPECT_EQ(layer.device_errors(workspace.get(), stream.get()), "");
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
 }
 
 // kCheckpoint follows the format and the scales; kBf16 on a W4A4 checkpoint
