@@ -56,12 +56,14 @@ void caller_routing(DecodeRouting kind, const Routing& router, int64_t num_exper
   }
   *expected = *given;
   for (int64_t t = 0; t < router.num_tokens; ++t) {
-    const auto begin = router.topk_ids.begin() + t * top_k;
+    // The token's experts as the reference will see them, kept distinct.
+    const auto begin = expected->topk_ids.begin() + t * top_k;
     for (int s = 0; s < top_k; ++s) {
       const size_t pair = static_cast<size_t>(t * top_k + s);
       if (given->topk_ids[pair] >= 0) continue;
       int32_t unused = 0;
-      while (std::find(begin, begin + top_k, unused) != begin + top_k && unused + 1 < num_experts) ++unused;
+      while (std::find(begin, begin + top_k, unused) != begin + top_k) ++unused;
+      ASSERT_LT(unused, num_experts);
       expected->topk_ids[pair] = unused;
       expected->topk_weights[pair] = 0.0f;
     }
