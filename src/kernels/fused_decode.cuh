@@ -17,11 +17,13 @@
 // (ops/finalize.cu), so the forward is bit-identical with and without this
 // kernel for the same tile.
 //
-// Synchronisation: every unit's stores, then __threadfence() by every
-// thread and a barrier, then one atomic add (the split-K fix-up's pattern);
-// a waiter loads the counter with ld.acquire.gpu, then a barrier. The
-// counters (FusedDecodeParams) are zero at rest: the last user of each
-// resets it, so graph replays and the next forward find them zeroed.
+// Synchronisation: a unit's stores end in a barrier, after which one thread
+// counts the unit in with a release (red.release.gpu; the combine's count,
+// which also hands the rows to the last unit, with atom.acq_rel.gpu); a
+// waiter loads the counter with ld.acquire.gpu, then a barrier. No
+// sequentially consistent fence (__threadfence) per unit. The counters
+// (FusedDecodeParams) are zero at rest: the last user of each resets it, so
+// graph replays and the next forward find them zeroed.
 //
 // Tested in tests/layer/test_moe_layer_decode.cpp against the CPU reference
 // and against the chain of launches, bit for bit.
@@ -71,6 +73,16 @@ __device__ __forceinline__ int load_acquire(const int32_t* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+
+__device__ __forceinline__ void add_release(int32_t* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ int add_acq_rel(int32_t* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
 }
 
 // The slots of `token` that have rows, as bits (slot order).
@@ -149,9 +161,8 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
       const detail::WorkUnit u = detail::decode_unit<BLOCK_M>(p1, s_prefix, unit, n_tiles1, p1.k_frags / K_FRAGS);
       detail::portable_unit<BLOCK_N, BLOCK_M, BLOCK_K, STAGES, WARPS, Epilogue::kSwiglu>(p1, smem, s_prefix, u,
                                                                                          false, [] {});
-      __threadfence();
-      __syncthreads();
-      if (tid == 0) atomicAdd(gemm1_stored + s_prefix[u.expert] + u.m_tile, 1);
+      // (The unit ended in a barrier after its stores.)
+      if (tid == 0) detail::add_release(gemm1_stored + s_prefix[u.expert] + u.m_tile, 1);
       FP4MOE_TIMELINE_MARK(TimelineKernel::kGemm1, gemm1_start);
     } else {
       if (gemm2_start == 0) gemm2_start = FP4MOE_TIMELINE_NOW();
@@ -175,8 +186,6 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
             }
             __syncthreads();
           });
-      __threadfence();
-      __syncthreads();
       // The last of the m-tile's GEMM2 units resets both of its counters:
       // every other one has passed its wait.
       if (tid == 0 && atomicAdd(gemm2_run + m_tile, 1) == n_tiles2 - 1) {
@@ -191,9 +200,9 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
             const int t = out_row / d.rows_per_token;
             const int expected = __popc(detail::slots_with_rows(d, p2.num_experts, t));
             int32_t* arrivals = combine + static_cast<int64_t>(t) * n_tiles2 + u.n_tile;
-            if (atomicAdd(arrivals, 1) == expected - 1) {
+            // Releases this unit's rows; the last one acquires the others'.
+            if (detail::add_acq_rel(arrivals, 1) == expected - 1) {
               *arrivals = 0;
-              __threadfence();  // the other units' rows, read below
               token = t;
             }
           }
@@ -234,8 +243,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
   // The last block out resets the ticket: every block took its last ticket
   // before it counted itself out.
   if (tid == 0) {
-    __threadfence();
-    if (atomicAdd(finished, 1) == static_cast<int>(gridDim.x) - 1) {
+    if (detail::add_acq_rel(finished, 1) == static_cast<int>(gridDim.x) - 1) {
       *ticket = 0;
       *finished = 0;
     }
