@@ -479,7 +479,7 @@ void write_timeline(const std::vector<kernels::TimelineRecord>& records, const L
     }
     if (blocks == 0) continue;
     char line[200];
-    std::snprintf(line, sizeof line, "  timeline %-9s %5d blocks: start %8.2f .. %8.2f us, end %8.2f .. %8.2f us\n",
+    std::snprintf(line, sizeof line, "  timeline %-12s %5d blocks: start %8.2f .. %8.2f us, end %8.2f .. %8.2f us\n",
                   to_string(kernel), blocks, first_start, last_start, first_end, last_end);
     table << line;
   }

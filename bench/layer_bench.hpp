@@ -49,9 +49,9 @@
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/reference.hpp"
 #include "gemm_bench.hpp"
+#include "kernels/timeline.hpp"
 #include "layer/moe_layer_internals.hpp"  // MoeStageEvents
 #include "util/splitmix64.hpp"
-#include "kernels/timeline.hpp"
 
 namespace fp4moe::bench {
 
