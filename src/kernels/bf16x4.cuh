@@ -2,8 +2,8 @@
 // the low half of .x), and their conversions from and to fp32: the
 // deterministic combine's (token, slot) rows, written by GEMM2's finalize
 // epilogue (grouped_gemm_common.cuh, finalize_store) and summed by
-// finalize_pairs (ops/finalize.cu), which also writes the layer's bf16
-// output with them. Tested through tests/kernels/ops/test_finalize.cpp (bit
+// finalize_pairs (ops/finalize.cu) or the fused decode kernel's combine
+// (fused_decode.cuh), which also write the layer's bf16 output with them. Tested through tests/kernels/ops/test_finalize.cpp (bit
 // for bit) and the layer tests.
 #pragma once
 
@@ -22,12 +22,18 @@ __device__ __forceinline__ uint2 to_bf16x4(float4 v) {
   return make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
 }
 
-// Four bf16 read through the read-only path (ld.global.nc, one 8-byte load)
-// and widened to fp32, exactly: a bf16 is the high half of its fp32.
-__device__ __forceinline__ float4 ldg_bf16x4(const uint2* p) {
-  const uint2 bits = __ldg(p);
+// Four bf16 widened to fp32, exactly: a bf16 is the high half of its fp32.
+__device__ __forceinline__ float4 widen_bf16x4(uint2 bits) {
   return make_float4(__uint_as_float(bits.x << 16), __uint_as_float(bits.x & 0xFFFF0000u),
                      __uint_as_float(bits.y << 16), __uint_as_float(bits.y & 0xFFFF0000u));
 }
+
+// Four bf16 read through the read-only path (ld.global.nc, one 8-byte load),
+// widened: for rows an earlier kernel wrote.
+__device__ __forceinline__ float4 ldg_bf16x4(const uint2* p) { return widen_bf16x4(__ldg(p)); }
+
+// The same read from L2 (ld.global.cg): for rows other blocks of the same
+// kernel wrote (the fused decode kernel's combine, fused_decode.cuh).
+__device__ __forceinline__ float4 ldcg_bf16x4(const uint2* p) { return widen_bf16x4(__ldcg(p)); }
 
 }  // namespace fp4moe::kernels

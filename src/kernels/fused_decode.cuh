@@ -223,12 +223,12 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
             float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             for (int s = 0; s < d.rows_per_token; ++s) {
               if (!((slots >> s) & 1u)) continue;
-              const uint2 bits = __ldcg(reinterpret_cast<const uint2*>(
+              const float4 v = ldcg_bf16x4(reinterpret_cast<const uint2*>(
                   p2.out_bf16 + (static_cast<int64_t>(t) * d.rows_per_token + s) * p2.n + col));
-              sum.x += __uint_as_float(bits.x << 16);
-              sum.y += __uint_as_float(bits.x & 0xFFFF0000u);
-              sum.z += __uint_as_float(bits.y << 16);
-              sum.w += __uint_as_float(bits.y & 0xFFFF0000u);
+              sum.x += v.x;
+              sum.y += v.y;
+              sum.z += v.z;
+              sum.w += v.w;
             }
             *reinterpret_cast<uint2*>(d.output + static_cast<int64_t>(t) * p2.n + col) = to_bf16x4(sum);
           }
