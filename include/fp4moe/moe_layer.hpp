@@ -77,12 +77,12 @@ struct MoeLayerOptions {
   // each may start while the previous one finishes, hiding launch gaps that
   // cost a decode-sized layer several microseconds. Off: plain launches.
   bool programmatic_launch = true;
-  // Forwards of at most kFusedDecodeMaxTokens (fp4moe/plan.hpp) tokens run GEMM1, GEMM2 and
-  // the combine as one persistent kernel whose GEMM2 units start streaming
-  // their weights while GEMM1 still runs (docs/design.md §4.8), where the
-  // plan's tile is compiled for it and the finalize is deterministic: the
-  // same output bits as the separate launches. Off: always the separate
-  // launches.
+  // Forwards of kFusedDecodeMinTokens to kFusedDecodeMaxTokens (fp4moe/plan.hpp)
+  // tokens run GEMM1, GEMM2 and the combine as one persistent kernel whose
+  // GEMM2 units start streaming their weights while GEMM1 still runs
+  // (docs/design.md §4.8), where the plan's tile is compiled for it, neither
+  // GEMM splits K and the finalize is deterministic: the same output bits as
+  // the separate launches. Off: always the separate launches.
   bool fused_decode = true;
   // Force tile configs (e.g. from `fp4moe plan`); otherwise the tuned choice
   // or the planner picks per token count. The epilogue field is ignored (set

@@ -70,8 +70,11 @@ struct TileConfig {
   bool operator==(const TileConfig&) const = default;
 };
 
-// The largest forward the layer runs as one fused decode launch
-// (MoeLayerOptions::fused_decode, docs/design.md §4.8).
+// The forwards the layer runs as one fused decode launch
+// (MoeLayerOptions::fused_decode, docs/design.md §4.8): measured faster than
+// the separate launches from 2 to 16 tokens and slower at one
+// (docs/performance.md §5.27).
+inline constexpr int64_t kFusedDecodeMinTokens = 2;
 inline constexpr int64_t kFusedDecodeMaxTokens = 16;
 
 // The configurations compiled into the library (every tile shape with every

@@ -5,8 +5,6 @@
 #include "kernels/fused_decode.cuh"
 
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 #include <vector>
 
 #include "fp4moe/cuda_check.hpp"
@@ -45,16 +43,6 @@ const DecodeKernel* find_decode_kernel(TileConfig tile) {
   for (const DecodeKernel& k : decode_kernels())
     if (k.tile == tile) return &k;
   return nullptr;
-}
-
-// FP4MOE_DECODE_PREFETCH=0 turns off the waiting GEMM2 units' L2
-// prefetch (FusedDecodeParams::prefetch_while_waiting), for comparing.
-bool prefetch_while_waiting() {
-  static const bool on = [] {
-    const char* v = std::getenv("FP4MOE_DECODE_PREFETCH");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return on;
 }
 
 }  // namespace
@@ -123,7 +111,6 @@ void fused_decode(const GroupedGemmArgs& gemm1, const GroupedGemmArgs& gemm2, co
   d.output = static_cast<__nv_bfloat16*>(decode.output);
   d.num_tokens = static_cast<int>(decode.num_tokens);
   d.rows_per_token = decode.rows_per_token;
-  d.prefetch_while_waiting = prefetch_while_waiting() ? 1 : 0;
   // Units: at least one per GEMM per row's expert tile; more blocks than
   // units would only take a ticket and leave.
   const int64_t n_tiles = (gemm1.n + layout::kPadN - 1) / layout::kPadN + (gemm2.n + layout::kPadN - 1) / layout::kPadN;

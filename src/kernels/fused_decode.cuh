@@ -54,20 +54,9 @@ struct FusedDecodeParams {
   __nv_bfloat16* output;
   int num_tokens;
   int rows_per_token;
-  // A GEMM2 unit that has to wait for its GEMM1 rows first asks for the
-  // rest of its weights (past its first STAGES - 1 stages) in L2.
-  int prefetch_while_waiting;
 };
 
 namespace detail {
-
-// Asks for `bytes` (a multiple of 16) at `p` (16-byte aligned) to be
-// brought into L2 (SM90: one bulk prefetch; earlier GPUs: nothing).
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
 
 __device__ __forceinline__ int load_acquire(const int32_t* p) {
   int v;
@@ -171,19 +160,8 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
       const int m_tile = s_prefix[u.expert] + u.m_tile;
       detail::portable_unit<BLOCK_N, BLOCK_M, BLOCK_K, STAGES, WARPS, Epilogue::kFinalize>(
           p2, smem, s_prefix, u, true, [&] {
-            if (tid == 0 && detail::load_acquire(gemm1_stored + m_tile) < n_tiles1) {
-              if (d.prefetch_while_waiting && u.num_k_tiles > STAGES - 1) {
-                // The tile's stages are contiguous (fragment_layout.hpp).
-                constexpr int N_GROUPS = BLOCK_N / kFragRows;
-                constexpr uint32_t kWeightStage = K_FRAGS * N_GROUPS * kFragBytes;
-                constexpr uint32_t kScaleStage = K_FRAGS * N_GROUPS * kFragScaleBytes;
-                const int64_t frag0 = layout::fragment_index(u.expert, u.n_tile * N_GROUPS, 0, p2.n_groups, p2.k_frags);
-                const uint32_t rest = static_cast<uint32_t>(u.num_k_tiles - (STAGES - 1));
-                detail::prefetch_l2(p2.weights + frag0 * kFragBytes + (STAGES - 1) * kWeightStage, rest * kWeightStage);
-                detail::prefetch_l2(p2.scales + frag0 * kFragScaleBytes + (STAGES - 1) * kScaleStage, rest * kScaleStage);
-              }
+            if (tid == 0)
               while (detail::load_acquire(gemm1_stored + m_tile) < n_tiles1) __nanosleep(32);
-            }
             __syncthreads();
           });
       // The last of the m-tile's GEMM2 units resets both of its counters:

@@ -207,7 +207,10 @@ bool is_fused_decode_tile(TileConfig tile) {
 
 std::optional<TileConfig> fused_decode_tile(int64_t num_tokens, const GemmPlan& gemm1, bool gemm1_chosen,
                                             const GemmPlan& gemm2, bool gemm2_chosen) {
-  if (num_tokens > kFusedDecodeMaxTokens) return std::nullopt;
+  if (num_tokens < kFusedDecodeMinTokens || num_tokens > kFusedDecodeMaxTokens) return std::nullopt;
+  // A split plan fills SMs that the fused launch's unsplit units would
+  // leave idle (a small shape: few n-tiles).
+  if (gemm1.split_k > 1 || gemm2.split_k > 1) return std::nullopt;
   const TileConfig tile = is_fused_decode_tile(gemm1.config) ? gemm1.config : gemm2.config;
   if (!is_fused_decode_tile(tile)) return std::nullopt;
   const auto serves = [&](const GemmPlan& plan, bool chosen) {

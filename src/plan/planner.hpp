@@ -71,9 +71,10 @@ GemmPlan limit_split_k(GemmPlan plan, bool batch_invariant);
 // compiled for (FP4MOE_FUSED_DECODE_TILES; the epilogue is ignored), and the
 // tile it runs for a forward of num_tokens whose GEMMs were planned as
 // gemm1 and gemm2 (`chosen`: forced or tuned, else the heuristic's), or
-// nullopt: up to kFusedDecodeMaxTokens, the heuristic's decode tile of
-// GEMM1, else of GEMM2, where a chosen plan of the other GEMM has that tile
-// (and no row classes).
+// nullopt: from kFusedDecodeMinTokens to kFusedDecodeMaxTokens, where
+// neither plan splits K, the heuristic's decode tile of GEMM1, else of
+// GEMM2, where a chosen plan of the other GEMM has that tile (and no row
+// classes).
 bool is_fused_decode_tile(TileConfig tile);
 std::optional<TileConfig> fused_decode_tile(int64_t num_tokens, const GemmPlan& gemm1, bool gemm1_chosen,
                                             const GemmPlan& gemm2, bool gemm2_chosen);

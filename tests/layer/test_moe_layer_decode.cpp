@@ -1,6 +1,6 @@
 // GPU tests of the fused decode kernel (MoeLayerOptions::fused_decode,
-// src/kernels/fused_decode.cuh): on every decode size of the README (T = 1,
-// 2, 4, 8, 16) and every test model (gpt-oss's activation and biases
+// src/kernels/fused_decode.cuh): on every decode size of the README it runs
+// (T = 2, 4, 8, 16; T = 1 keeps the separate launches) and every test model (gpt-oss's activation and biases
 // included), with device routing and with caller routings that load one set
 // of experts with every token, skip slots, or leave a token without any
 // slot, the fused forward gives the bits of the separate launches and
@@ -22,7 +22,9 @@
 namespace fp4moe {
 namespace {
 
-constexpr int64_t kDecodeTokens[] = {1, 2, 4, 8, 16};
+// The README's decode sizes where the planner fuses (kFusedDecodeMinTokens ..).
+constexpr int64_t kDecodeTokens[] = {2, 4, 8, 16};
+static_assert(kDecodeTokens[0] == kFusedDecodeMinTokens && kDecodeTokens[3] == kFusedDecodeMaxTokens);
 
 // The planner's decode tile in both GEMMs, fused or not.
 MoeLayerOptions decode_options(const ModelShape& shape, bool fused) {
@@ -87,7 +89,6 @@ TEST_P(FusedDecode, EqualsSeparateLaunchesAndTheReference) {
     ASSERT_FALSE(separate.plan(T).fused_decode);
     const TokenBatch& batch = data.batch(T);
     for (const DecodeRouting kind : {DecodeRouting::kRouter, DecodeRouting::kHotExperts, DecodeRouting::kSkippedSlots}) {
-      if (kind == DecodeRouting::kSkippedSlots && T < 2) continue;
       Routing given, expected;
       caller_routing(kind, batch.routing, shape.num_experts, &given, &expected);
       const DeviceInputs inputs(batch.hidden_states, batch.router_logits, data.correction_bias, given, T);
@@ -116,7 +117,7 @@ INSTANTIATE_TEST_SUITE_P(Models, FusedDecode, ::testing::Values("DeepSeekV3", "G
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 // The kernel's counters are left at zero (the workspace's contract): graph
-// replays with new inputs between them equal eager forwards, at T = 1 and 16.
+// replays with new inputs between them equal eager forwards, at T = 2 and 16.
 TEST(FusedDecodeGraph, ReplaysWithNewInputsEqualEagerForwards) {
   FP4MOE_REQUIRE_GPU();
   const ModelShape& shape = shape_named("DeepSeekV3");
@@ -125,7 +126,7 @@ TEST(FusedDecodeGraph, ReplaysWithNewInputsEqualEagerForwards) {
   Stream stream;
   const DeviceBuffer<uint8_t> workspace = make_workspace(layer, 16);
   DeviceBuffer<uint16_t> output(static_cast<size_t>(16 * shape.hidden));
-  for (const int64_t T : {int64_t{1}, int64_t{16}}) {
+  for (const int64_t T : {kFusedDecodeMinTokens, kFusedDecodeMaxTokens}) {
     SCOPED_TRACE("T=" + std::to_string(T));
     ASSERT_TRUE(layer.plan(T).fused_decode);
     const TokenBatch first = data.make_batch(T);
@@ -147,26 +148,28 @@ TEST(FusedDecodeGraph, ReplaysWithNewInputsEqualEagerForwards) {
   }
 }
 
-// The planner runs the fused kernel up to kFusedDecodeMaxTokens, in the
-// deterministic finalize only, and not where a forced tile of the other GEMM
-// differs from the decode tile.
+// The planner runs the fused kernel from kFusedDecodeMinTokens to
+// kFusedDecodeMaxTokens, in the deterministic finalize only, and not where a
+// forced tile of the other GEMM differs from the decode tile (the rule
+// itself, split plans included: tests/plan/test_plan.cpp).
 TEST(FusedDecodePlan, WhereTheKernelRuns) {
   FP4MOE_REQUIRE_GPU();
   const ModelShape& shape = shape_named("GLM45");
   ModelData& data = model_data(shape);
   const MoeLayer layer = MoeLayer::prepare(data.weights, layer_options(shape));
-  EXPECT_TRUE(layer.plan(1).fused_decode) << layer.plan(1).describe();
+  EXPECT_FALSE(layer.plan(kFusedDecodeMinTokens - 1).fused_decode);
+  EXPECT_TRUE(layer.plan(kFusedDecodeMinTokens).fused_decode) << layer.plan(kFusedDecodeMinTokens).describe();
   EXPECT_TRUE(layer.plan(kFusedDecodeMaxTokens).fused_decode);
   EXPECT_FALSE(layer.plan(kFusedDecodeMaxTokens + 1).fused_decode);
-  EXPECT_NE(layer.plan(1).describe().find("fused decode"), std::string::npos);
-  EXPECT_EQ(layer.plan(1).gemm1.split_k, 1);
-  EXPECT_EQ(layer.plan(1).gemm2.split_k, 1);
+  EXPECT_NE(layer.plan(kFusedDecodeMinTokens).describe().find("fused decode"), std::string::npos);
+  EXPECT_EQ(layer.plan(kFusedDecodeMinTokens).gemm1.split_k, 1);
+  EXPECT_EQ(layer.plan(kFusedDecodeMinTokens).gemm2.split_k, 1);
 
   const MoeLayer atomic = MoeLayer::prepare(data.weights, layer_options(shape, FinalizeMode::kAtomic));
-  EXPECT_FALSE(atomic.plan(1).fused_decode);
+  EXPECT_FALSE(atomic.plan(kFusedDecodeMinTokens).fused_decode);
   MoeLayerOptions mixed = decode_options(shape, true);
   mixed.gemm2_config = TileConfig::parse("n128m32k128s4w4");
-  EXPECT_FALSE(MoeLayer::prepare(data.weights, mixed).plan(1).fused_decode);
+  EXPECT_FALSE(MoeLayer::prepare(data.weights, mixed).plan(kFusedDecodeMinTokens).fused_decode);
 }
 
 }  // namespace

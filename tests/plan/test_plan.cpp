@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -408,6 +409,37 @@ TEST(Planner, LimitSplitKAsTheLayerRunsIt) {
   const GemmPlan many = limit_split_k(plan, false);
   EXPECT_EQ(many.split_k, 1);
   EXPECT_EQ(many.reason(), plan.reason() + "; split-K off (more tiles than the workspace's counters)");
+}
+
+// fused_decode_tile: 2 ... 16 tokens, plans without split-K, the heuristic's
+// m8 tile of either GEMM, and a forced or tuned plan of the other only with
+// that tile.
+TEST(Planner, FusedDecodeTileWhereTheRuleSaysSo) {
+  const auto heuristic = [](int gemm, int64_t tokens) {
+    return plan_gemm(moe_gemm_problem(gemm, 256, 8, 6144, 2048, tokens), 232448, 132, 90);  // GLM-5
+  };
+  for (int64_t tokens : {kFusedDecodeMinTokens, int64_t{4}, kFusedDecodeMaxTokens}) {
+    const std::optional<TileConfig> tile =
+        fused_decode_tile(tokens, heuristic(1, tokens), false, heuristic(2, tokens), false);
+    ASSERT_TRUE(tile.has_value()) << tokens;
+    EXPECT_TRUE(is_fused_decode_tile(*tile));
+    EXPECT_EQ(*tile, heuristic(1, tokens).config) << tokens;
+  }
+  for (int64_t tokens : {kFusedDecodeMinTokens - 1, kFusedDecodeMaxTokens + 1})
+    EXPECT_FALSE(fused_decode_tile(tokens, heuristic(1, tokens), false, heuristic(2, tokens), false)) << tokens;
+
+  const GemmPlan g1 = heuristic(1, 4), g2 = heuristic(2, 4);
+  GemmPlan split = g2;
+  split.split_k = 2;
+  EXPECT_FALSE(fused_decode_tile(4, g1, false, split, false)) << "a split plan keeps its separate launch";
+  GemmPlan other = g2;
+  other.config = TileConfig::parse("n128m32k128s4w4-finalize");
+  EXPECT_TRUE(fused_decode_tile(4, g1, false, other, false)) << "the heuristic's other tile is replaced";
+  EXPECT_FALSE(fused_decode_tile(4, g1, false, other, true)) << "a forced or tuned other tile is kept";
+  GemmPlan same = g2;
+  same.config = g1.config;
+  same.config.epilogue = Epilogue::kFinalize;
+  EXPECT_TRUE(fused_decode_tile(4, g1, true, same, true)) << "both chosen with the decode tile";
 }
 
 // The reason is formatted when asked for, from the figures the planner kept

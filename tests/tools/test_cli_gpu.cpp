@@ -236,14 +236,16 @@ TEST_F(CliGpuTest, LayerBenchWritesOneJsonLinePerCase) {
     if (!j.at("graph_us").is_null()) {
       ++num_graphs;
       EXPECT_TRUE(j.at("variant") == "deterministic/auto" || j.at("variant") == "deterministic/auto/plain" ||
-                  j.at("variant") == "deterministic/auto/w4a4")
-          << "graph replays are for the default variant, without PDL and with fp4 activations: " << line;
+                  j.at("variant") == "deterministic/auto/w4a4" || j.at("variant") == "deterministic/auto/unfused")
+          << "graph replays are for the default variant, without PDL, with fp4 activations and without the fused "
+             "decode kernel: "
+          << line;
       EXPECT_GT(j.at("graph_us").get<double>(), 0.0) << line;
     }
   }
   EXPECT_TRUE(has_ceilings);
-  EXPECT_EQ(num_cases, 9 * 2) << "9 variants x 2 token counts";
-  EXPECT_EQ(num_graphs, 3 * 2) << "three graph replays per token count";
+  EXPECT_EQ(num_cases, 10 * 2) << "10 variants x 2 token counts";
+  EXPECT_EQ(num_graphs, 4 * 2) << "four graph replays per token count";
 }
 
 // Sets an environment variable for the runs of one scope (they inherit it).
