@@ -1,11 +1,13 @@
 // GPU tests of the fused decode kernel (MoeLayerOptions::fused_decode,
 // src/kernels/fused_decode.cuh): on every decode size of the README it runs
-// (T = 2, 4, 8, 16; T = 1 keeps the separate launches) and every test model (gpt-oss's activation and biases
-// included), with device routing and with caller routings that load one set
-// of experts with every token, skip slots, or leave a token without any
-// slot, the fused forward gives the bits of the separate launches and
-// matches the CPU reference; with a shared expert; graph replays equal
-// eager forwards; and the planner's choice. The shapes, data and helpers:
+// (T = 2, 4, 8, 16; T = 1 keeps the separate launches) and every test model
+// (gpt-oss's activation and biases included), with device routing and with
+// caller routings that load one set of experts with every token, skip
+// slots, or leave a token without any slot, the fused forward gives the bits
+// of the separate launches and matches the CPU reference; graph replays
+// equal eager forwards; and the planner's choice. With a shared expert and
+// with fp4 activations it runs at T = 3 in test_moe_layer_weights.cpp and
+// test_moe_layer_w4a4.cpp. The shapes, data and helpers:
 // tests/layer/moe_layer_test_support.hpp. Skipped, visibly, where no GPU
 // exists.
 #include <gtest/gtest.h>

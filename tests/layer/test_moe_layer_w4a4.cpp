@@ -136,6 +136,8 @@ TEST(MoeLayerW4a4, EveryCompiledConfigBothFinalizeModesMatchTheReference) {
                       : std::string("planner")) +
               " T=" + std::to_string(num_tokens);
           SCOPED_TRACE(what);
+          if (!forced && num_tokens == 3)  // the quantising gather, then the fused decode kernel (docs/design.md §4.8)
+            EXPECT_EQ(layer.plan(num_tokens).fused_decode, finalize == FinalizeMode::kDeterministic);
           if (forced) {
             const MoeLayerPlan plan = layer.plan(num_tokens);
             EXPECT_TRUE(same_tile(plan.gemm1.config, forced->first)) << "planned " << plan.gemm1.config.to_string();

@@ -74,6 +74,8 @@ TEST(MoeLayerSharedExpert, MatchesReference) {
       DeviceBuffer<uint16_t> output(static_cast<size_t>(kMax * c.shape.hidden));
       for (const int64_t T : {int64_t{1}, int64_t{3}, int64_t{64}, kMax}) {
         EXPECT_EQ(layer.plan(T).num_rows, T * (c.shape.routing.top_k + c.chunks));
+        if (T == 3)  // the shared expert's chunks through the fused decode kernel too (docs/design.md §4.8)
+          EXPECT_EQ(layer.plan(T).fused_decode, finalize == FinalizeMode::kDeterministic);
         const std::vector<uint16_t> hidden = testing::random_bf16(static_cast<size_t>(T * c.shape.hidden), rng);
         const std::vector<float> logits =
             draw_router_logits(T, c.shape.num_experts, correction_bias, c.shape.routing, rng);
