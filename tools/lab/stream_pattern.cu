@@ -1,19 +1,19 @@
-// How fast HBM streams under two access patterns with the same blocks and
-// the same bytes in flight: every block reading its own contiguous region
-// (as a decode-sized grouped GEMM's units do: one n-tile's K range each)
-// against all blocks sweeping the buffer together (the read peer's pattern).
-// A lab measurement for docs/performance.md §5.27 (why one block of the m8
-// GEMM streams at ~9 GB/s); not part of the build.
+// How fast HBM streams the m8 GEMM's weights without its math, under two
+// access patterns with the same blocks and the same bytes in flight: every
+// block reading its own contiguous region (as a decode-sized grouped GEMM's
+// units do: one n-tile's K range each) against all blocks sweeping the
+// buffer together (the read peer's pattern). A lab measurement for
+// docs/performance.md §5.27; not part of the build.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 tools/lab/stream_pattern.cu -o stream_pattern
-//   ./stream_pattern [MB] > table.txt      (default 107 MB: GLM-5 GEMM1's weights at T = 1)
+//   ./stream_pattern [MB]    (default 107: GLM-5 GEMM1's weights at T = 1)
 //
 // Each block has 128 threads; a chunk is 16 KB (8 copies of 16 B per
 // thread); a block keeps STAGES - 1 chunks in flight (cp.async into a ring
-// of STAGES chunks in shared memory, as the portable GEMM's mainloop). The L2 is flushed (a read
-// of 256 MB) before every timed pass; the median of 7 passes is printed,
-// one line per (pattern, blocks, stages), as `pattern blocks stages
-// kb_in_flight_per_block tb_per_s`.
+// of STAGES chunks in shared memory, as the portable GEMM's mainloop). The
+// L2 is flushed (a read of 256 MB) before every timed pass; the median of 7
+// passes is printed, one line per (pattern, blocks, stages), as `pattern
+// blocks stages kb_in_flight_per_block tb_per_s`.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -61,7 +61,8 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* data, int
       uint4* slot = ring + (i % STAGES) * (kLoadsPerChunk * kThreads);
 #pragma unroll
       for (int l = 0; l < kLoadsPerChunk; ++l)
-        copy_async_16(slot + l * kThreads + threadIdx.x, data + chunk * (kChunkBytes / 16) + l * kThreads + threadIdx.x);
+        copy_async_16(slot + l * kThreads + threadIdx.x,
+                      data + chunk * (kChunkBytes / 16) + l * kThreads + threadIdx.x);
     }
     commit();  // empty groups keep the count
   };
@@ -148,7 +149,8 @@ int main(int argc, char** argv) {
   // here is resident at once).
   run_both<3>(data, num_chunks, 256, sink, flush, flush_chunks, start, stop);
   run_both<3>(data, num_chunks, 4 * sms, sink, flush, flush_chunks, start, stop);
-  for (const int blocks : {256, 2 * sms, 3 * sms}) run_both<4>(data, num_chunks, blocks, sink, flush, flush_chunks, start, stop);
+  for (const int blocks : {256, 2 * sms, 3 * sms})
+    run_both<4>(data, num_chunks, blocks, sink, flush, flush_chunks, start, stop);
   for (const int blocks : {256, 2 * sms}) run_both<6>(data, num_chunks, blocks, sink, flush, flush_chunks, start, stop);
   run_both<12>(data, num_chunks, sms, sink, flush, flush_chunks, start, stop);
   return 0;
