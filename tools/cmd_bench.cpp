@@ -44,7 +44,8 @@ void add_bench_command(CLI::App& app) {
                 "Benchmark the whole MoE layer: 10 variants (finalize deterministic/atomic x gather "
                 "auto/fused/separate, and the default with plain launches instead of programmatic dependent "
                 "launch, with fp4 activations (w4a4: quantising gather and SwiGLU epilogue), made batch "
-                "invariant, or without the fused decode kernel (unfused)), stage split, CUDA-graph replays (default models: glm-5, deepseek-v3; "
+                "invariant, or without the fused decode kernel (unfused)), stage split, CUDA-graph replays (default "
+                "models: glm-5, deepseek-v3; "
                 "default tokens: 1 16 64 256 1024)");
   cmd->add_option("--models", o->models, "Models (default: all; with --layer glm-5 deepseek-v3): " + model_names());
   cmd->add_option("--tokens", o->options.tokens, "Token counts")->capture_default_str();

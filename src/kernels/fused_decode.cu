@@ -29,7 +29,7 @@ struct DecodeKernel {
 
 const std::vector<DecodeKernel>& decode_kernels() {
   static const std::vector<DecodeKernel> table = {
-#define FP4MOE_X(BN, BM, BK, S, W) \
+#define FP4MOE_X(BN, BM, BK, S, W)                                             \
   {TileConfig{BN, BM, BK, S, W, Epilogue::kFinalize, KernelFamily::kPortable}, \
    &kernels::portable_fused_decode_kernel<BN, BM, BK, S, W>},
       FP4MOE_FUSED_DECODE_TILES(FP4MOE_X)
@@ -55,7 +55,8 @@ int64_t fused_decode_counter_ints(int64_t num_rows, int64_t num_tokens, int64_t 
 void fused_decode(const GroupedGemmArgs& gemm1, const GroupedGemmArgs& gemm2, const FusedDecodeArgs& decode,
                   const TileConfig& tile, cudaStream_t stream) {
   const DecodeKernel* kernel = find_decode_kernel(tile);
-  FP4MOE_CHECK(kernel != nullptr, "fused_decode: tile ", tile.to_string(), " is not compiled for the fused decode kernel");
+  FP4MOE_CHECK(kernel != nullptr, "fused_decode: tile ", tile.to_string(),
+               " is not compiled for the fused decode kernel");
   FP4MOE_CHECK(gemm1.num_experts == gemm2.num_experts && gemm1.expert_offsets == gemm2.expert_offsets &&
                    gemm1.num_rows == gemm2.num_rows,
                "fused_decode: both GEMMs must share their experts, expert offsets and rows");
@@ -69,8 +70,8 @@ void fused_decode(const GroupedGemmArgs& gemm1, const GroupedGemmArgs& gemm2, co
                "; expected num_tokens * rows_per_token = the GEMMs' rows (", gemm2.num_rows,
                ") and at most 32 rows per token");
   const int64_t counters = fused_decode_counter_ints(gemm2.num_rows, decode.num_tokens, gemm2.n);
-  FP4MOE_CHECK(decode.counters != nullptr && decode.counters_capacity >= counters, "fused_decode: ",
-               decode.counters_capacity, " counters given; ", counters, " needed");
+  FP4MOE_CHECK(decode.counters != nullptr && decode.counters_capacity >= counters,
+               "fused_decode: ", decode.counters_capacity, " counters given; ", counters, " needed");
   FP4MOE_CHECK(decode.output == nullptr || reinterpret_cast<uintptr_t>(decode.output) % 16 == 0,
                "fused_decode: output must be 16-byte aligned");
 

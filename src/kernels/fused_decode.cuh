@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
   extern __shared__ __align__(128) uint8_t smem[];
   int32_t* s_prefix = reinterpret_cast<int32_t*>(smem + L.schedule_offset);  // (kMaxExperts + 1)
   int32_t* s_warp_sums = s_prefix + kMaxExperts + 1;                         // (32)
-  int32_t* s_flag = reinterpret_cast<int32_t*>(smem + L.flag_offset);       // [0] split-K's; [1] the ticket
+  int32_t* s_flag = reinterpret_cast<int32_t*>(smem + L.flag_offset);        // [0] split-K's; [1] the ticket
   // After a GEMM2 unit: per row, the token this block combines, or -1 (the
   // unit's gather rows are dead by then).
   int32_t* s_combine = reinterpret_cast<int32_t*>(smem + L.rows_offset);
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
 
   int32_t* ticket = d.counters;
   int32_t* finished = d.counters + 1;
-  int32_t* gemm1_stored = d.counters + 2;            // [max_m_tiles]
+  int32_t* gemm1_stored = d.counters + 2;             // [max_m_tiles]
   int32_t* gemm2_run = gemm1_stored + d.max_m_tiles;  // [max_m_tiles]
   int32_t* combine = gemm2_run + d.max_m_tiles;       // [num_tokens][n_tiles2]
   const int n_tiles1 = (p1.n + BLOCK_N - 1) / BLOCK_N;
@@ -148,8 +148,8 @@ __global__ void __launch_bounds__(WARPS * 32, 2)
     if (unit < units1) {
       if (gemm1_start == 0) gemm1_start = FP4MOE_TIMELINE_NOW();
       const detail::WorkUnit u = detail::decode_unit<BLOCK_M>(p1, s_prefix, unit, n_tiles1, p1.k_frags / K_FRAGS);
-      detail::portable_unit<BLOCK_N, BLOCK_M, BLOCK_K, STAGES, WARPS, Epilogue::kSwiglu>(p1, smem, s_prefix, u,
-                                                                                         false, [] {});
+      detail::portable_unit<BLOCK_N, BLOCK_M, BLOCK_K, STAGES, WARPS, Epilogue::kSwiglu>(p1, smem, s_prefix, u, false,
+                                                                                         [] {});
       // (The unit ended in a barrier after its stores.)
       if (tid == 0) detail::add_release(gemm1_stored + s_prefix[u.expert] + u.m_tile, 1);
       FP4MOE_TIMELINE_MARK(TimelineKernel::kGemm1, gemm1_start);

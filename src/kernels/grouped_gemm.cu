@@ -65,9 +65,11 @@ int occupancy(const void* fn, int threads, int64_t smem_bytes, int device) {
   const auto key = std::make_pair(device, fn);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  FP4MOE_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+  FP4MOE_CUDA_CHECK(
+      cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
   int blocks = 0;
-  FP4MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, threads, static_cast<size_t>(smem_bytes)));
+  FP4MOE_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, threads, static_cast<size_t>(smem_bytes)));
   cache.emplace(key, blocks);
   return blocks;
 }

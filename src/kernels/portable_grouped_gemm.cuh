@@ -89,10 +89,10 @@ __device__ __forceinline__ void portable_unit(const GroupedGemmParams& p, uint8_
   uint8_t* s_scales = smem + L.scale_offset;    // (STAGES, K_FRAGS, N_GROUPS, 64 B)
   uint8_t* s_act = smem + L.act_offset;         // (STAGES, BLOCK_M, BLOCK_K) bf16, swizzled
   __nv_bfloat16* s_out = reinterpret_cast<__nv_bfloat16*>(smem + L.epilogue_offset);  // (BLOCK_M, epi_row_elems) bf16
-  float* s_out_f32 = reinterpret_cast<float*>(smem + L.epilogue_offset);     // kFinalize: (BLOCK_M, epi_row_elems) fp32
-  int32_t* s_gather = reinterpret_cast<int32_t*>(smem + L.rows_offset);      // (BLOCK_M) x row per tile row
-  int32_t* s_out_row = s_gather + BLOCK_M;                                   // (BLOCK_M) kFinalize output row, -1: none
-  float* s_row_weight = reinterpret_cast<float*>(s_out_row + BLOCK_M);       // (BLOCK_M) router weight
+  float* s_out_f32 = reinterpret_cast<float*>(smem + L.epilogue_offset);  // kFinalize: (BLOCK_M, epi_row_elems) fp32
+  int32_t* s_gather = reinterpret_cast<int32_t*>(smem + L.rows_offset);   // (BLOCK_M) x row per tile row
+  int32_t* s_out_row = s_gather + BLOCK_M;                                // (BLOCK_M) kFinalize output row, -1: none
+  float* s_row_weight = reinterpret_cast<float*>(s_out_row + BLOCK_M);    // (BLOCK_M) router weight
   int32_t* s_flag = reinterpret_cast<int32_t*>(smem + L.flag_offset);
 
   const int tid = threadIdx.x;
@@ -142,8 +142,7 @@ __device__ __forceinline__ void portable_unit(const GroupedGemmParams& p, uint8_
 
   // The tile's fragments, (K_pad/64, N_GROUPS) in the prepared layout: a
   // stage is one contiguous block.
-  const size_t tile_frag0 =
-      static_cast<size_t>(layout::fragment_index(e, n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
+  const size_t tile_frag0 = static_cast<size_t>(layout::fragment_index(e, n_tile * N_GROUPS, 0, p.n_groups, p.k_frags));
   const uint8_t* g_weights = p.weights + tile_frag0 * kFragBytes;
   const uint8_t* g_scales = p.scales + tile_frag0 * kFragScaleBytes;
 
@@ -248,8 +247,7 @@ __device__ __forceinline__ void portable_unit(const GroupedGemmParams& p, uint8_
         uint32_t b[TOKEN_TILES][2];
 #pragma unroll
         for (int nt = 0; nt < TOKEN_TILES; nt += 2) {
-          const uint32_t addr =
-              a_stage + ldsm_lane_offset + ldsm_ks_offset[ks] + kf * 8 * 16 + nt * 8 * X_CHUNKS * 16;
+          const uint32_t addr = a_stage + ldsm_lane_offset + ldsm_ks_offset[ks] + kf * 8 * 16 + nt * 8 * X_CHUNKS * 16;
           if constexpr (TOKEN_TILES == 1) {
             uint32_t v[2];
             ptx::ldmatrix_x2(v, addr);

@@ -19,15 +19,24 @@ Units& units() {
 
 const char* to_string(TimelineKernel kernel) {
   switch (kernel) {
-    case TimelineKernel::kRouting: return "routing";
-    case TimelineKernel::kSort: return "sort";
-    case TimelineKernel::kGather: return "gather";
-    case TimelineKernel::kGemm1: return "gemm1";
-    case TimelineKernel::kGemm2: return "gemm2";
-    case TimelineKernel::kGemm: return "gemm";
-    case TimelineKernel::kFinalize: return "finalize";
-    case TimelineKernel::kFusedDecode: return "fused_decode";
-    case TimelineKernel::kCount: break;
+    case TimelineKernel::kRouting:
+      return "routing";
+    case TimelineKernel::kSort:
+      return "sort";
+    case TimelineKernel::kGather:
+      return "gather";
+    case TimelineKernel::kGemm1:
+      return "gemm1";
+    case TimelineKernel::kGemm2:
+      return "gemm2";
+    case TimelineKernel::kGemm:
+      return "gemm";
+    case TimelineKernel::kFinalize:
+      return "finalize";
+    case TimelineKernel::kFusedDecode:
+      return "fused_decode";
+    case TimelineKernel::kCount:
+      break;
   }
   return "?";
 }

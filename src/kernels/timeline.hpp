@@ -14,7 +14,17 @@ namespace fp4moe::kernels {
 
 // kGemm1 and kGemm2 also mark the fused decode kernel's units of each GEMM
 // (per block: its first unit's start to its last unit's end).
-enum class TimelineKernel : uint32_t { kRouting, kSort, kGather, kGemm1, kGemm2, kGemm, kFinalize, kFusedDecode, kCount };
+enum class TimelineKernel : uint32_t {
+  kRouting,
+  kSort,
+  kGather,
+  kGemm1,
+  kGemm2,
+  kGemm,
+  kFinalize,
+  kFusedDecode,
+  kCount
+};
 const char* to_string(TimelineKernel kernel);
 
 inline constexpr int kTimelineMaxBlocks = 2048;  // blocks beyond share the last record

@@ -90,7 +90,8 @@ TEST_P(FusedDecode, EqualsSeparateLaunchesAndTheReference) {
     ASSERT_TRUE(fused.plan(T).fused_decode) << "T=" << T << ": " << fused.plan(T).describe();
     ASSERT_FALSE(separate.plan(T).fused_decode);
     const TokenBatch& batch = data.batch(T);
-    for (const DecodeRouting kind : {DecodeRouting::kRouter, DecodeRouting::kHotExperts, DecodeRouting::kSkippedSlots}) {
+    for (const DecodeRouting kind :
+         {DecodeRouting::kRouter, DecodeRouting::kHotExperts, DecodeRouting::kSkippedSlots}) {
       Routing given, expected;
       caller_routing(kind, batch.routing, shape.num_experts, &given, &expected);
       const DeviceInputs inputs(batch.hidden_states, batch.router_logits, data.correction_bias, given, T);
@@ -115,7 +116,8 @@ TEST_P(FusedDecode, EqualsSeparateLaunchesAndTheReference) {
   EXPECT_EQ(fused.device_errors(workspace.get(), stream.get()), "");
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, FusedDecode, ::testing::Values("DeepSeekV3", "GLM45", "Qwen3_30B", "GptOss", "Mixtral"),
+INSTANTIATE_TEST_SUITE_P(Models, FusedDecode,
+                         ::testing::Values("DeepSeekV3", "GLM45", "Qwen3_30B", "GptOss", "Mixtral"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 // The kernel's counters are left at zero (the workspace's contract): graph
@@ -134,7 +136,8 @@ TEST(FusedDecodeGraph, ReplaysWithNewInputsEqualEagerForwards) {
     const TokenBatch first = data.make_batch(T);
     const TokenBatch second = data.make_batch(T);
     DeviceInputs inputs(first, data.correction_bias);
-    const std::vector<uint16_t> eager_first = forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
+    const std::vector<uint16_t> eager_first =
+        forward_bits(layer, inputs.device_routing(), output, workspace, stream.get());
     const ForwardGraph graph(layer, inputs.device_routing(), output.get(), workspace, stream.get());
     for (int replay = 0; replay < 4; ++replay) {
       const TokenBatch& batch = replay % 2 == 0 ? first : second;
