@@ -92,15 +92,10 @@ void fused_decode(const GroupedGemmArgs& gemm1, const GroupedGemmArgs& gemm2, co
   if (gemm1.num_rows == 0) return;
 
   const kernels::DeviceInfo dev = kernels::current_device();
-  FP4MOE_CHECK(family_runs_on(KernelFamily::kPortable, kernels::compute_capability(dev)),
-               "fused_decode: needs compute capability 8.0 or newer");
   const int64_t smem = portable_smem_layout(kernel->tile.block_n, kernel->tile.block_m, kernel->tile.block_k,
                                             kernel->tile.stages, Epilogue::kFinalize)
                            .total_bytes;
-  if (smem > dev.smem_per_block)
-    FP4MOE_THROW("fused_decode: tile ", kernel->tile.to_string(), " needs ", smem,
-                 " B of shared memory per block but this GPU allows ", dev.smem_per_block, " B:\n",
-                 format_layout(kernel->tile, dev.smem_per_block));
+  kernels::check_fits_device(kernel->tile, smem, dev);
   const int threads = kernel->tile.warps * 32;
   const int blocks_per_sm =
       std::max(1, kernels::resident_blocks(reinterpret_cast<const void*>(kernel->fn), threads, smem, dev.device));

@@ -77,21 +77,8 @@ int occupancy(const KernelEntry& entry, int device) {
   return occupancy(reinterpret_cast<const void*>(entry.fn), entry.config.warps * 32, entry.smem_bytes, device);
 }
 
-// Refuses, before any launch, a config whose family does not run on the
-// device or that does not fit it, with the region-by-region breakdown.
 void check_fits_device(const KernelEntry& entry, const DeviceInfo& dev) {
-  const TileConfig& config = entry.config;
-  FP4MOE_CHECK(family_runs_on(config.family, kernels::compute_capability(dev)), "tile config ", config.to_string(),
-               " is of the ", to_string(config.family), " family, which needs ",
-               config.family == KernelFamily::kSm90 ? "an SM90 GPU (H100/H200, compute capability 9.0)"
-                                                    : "compute capability 8.0 or newer",
-               "; this GPU has compute capability ", dev.cc_major, ".", dev.cc_minor);
-  // The table's size is the model's (kernel_table()); the breakdown is built
-  // only for the refusal, so a launch does no string work.
-  if (entry.smem_bytes > dev.smem_per_block)
-    FP4MOE_THROW("tile config ", config.to_string(), " needs ", entry.smem_bytes,
-                 " B of shared memory per block but this GPU allows ", dev.smem_per_block, " B:\n",
-                 format_layout(config, dev.smem_per_block));
+  kernels::check_fits_device(entry.config, entry.smem_bytes, dev);
 }
 
 GemmProblem problem_of(const GroupedGemmArgs& a, Epilogue epilogue) {
@@ -393,6 +380,20 @@ KernelAttributes grouped_gemm_kernel_attributes(const TileConfig& config) {
 }
 
 namespace kernels {
+
+void check_fits_device(const TileConfig& config, int64_t smem_bytes, const DeviceInfo& dev) {
+  FP4MOE_CHECK(family_runs_on(config.family, compute_capability(dev)), "tile config ", config.to_string(),
+               " is of the ", to_string(config.family), " family, which needs ",
+               config.family == KernelFamily::kSm90 ? "an SM90 GPU (H100/H200, compute capability 9.0)"
+                                                    : "compute capability 8.0 or newer",
+               "; this GPU has compute capability ", dev.cc_major, ".", dev.cc_minor);
+  // The kernel's size is the model's (kernel_table()); the breakdown is
+  // built only for the refusal, so a launch does no string work.
+  if (smem_bytes > dev.smem_per_block)
+    FP4MOE_THROW("tile config ", config.to_string(), " needs ", smem_bytes,
+                 " B of shared memory per block but this GPU allows ", dev.smem_per_block, " B:\n",
+                 format_layout(config, dev.smem_per_block));
+}
 
 GroupedGemmParams checked_launch_params(const GroupedGemmArgs& args, const GemmPlan& plan) {
   validate_args(args, /*for_launch=*/true, plan.config.epilogue);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "fp4moe/plan.hpp"
+#include "kernels/device_info.hpp"
 #include "kernels/grouped_gemm.hpp"
 
 namespace fp4moe::kernels {
@@ -29,7 +30,11 @@ const std::vector<GroupedGemmKernel>& sm90_kernels();
 // `plan` (split-K and row-class fields left to the launch) from arguments
 // it validates as grouped_gemm() does; a kernel's resident blocks per SM at
 // its launch size, once its dynamic shared-memory limit is raised to it.
+// And the refusal, before any launch, of a config whose family does not run
+// on `dev` or whose `smem_bytes` do not fit it (with the region-by-region
+// breakdown).
 GroupedGemmParams checked_launch_params(const GroupedGemmArgs& args, const GemmPlan& plan);
 int resident_blocks(const void* fn, int threads, int64_t smem_bytes, int device);
+void check_fits_device(const TileConfig& config, int64_t smem_bytes, const DeviceInfo& dev);
 
 }  // namespace fp4moe::kernels
