@@ -49,8 +49,21 @@ struct Ceilings {
   double copy_bytes_per_s = 0;
   double read_bytes_per_s = 0;
   double bf16_flops_per_s = 0;
+  // The same GEMM back to back for 1.5 s, timed over the last 0.75 s: the
+  // rate the GPU holds under its power limit. The flushed medians above run
+  // at burst clocks; a forward of a few milliseconds or more, repeated, runs
+  // at the limit (an H100 SXM: 676 against 800 TFLOP/s, 1.38 GHz at 700 W;
+  // docs/performance.md §5.28). Reported beside the roofline, which keeps
+  // bf16_flops_per_s.
+  double bf16_sustained_flops_per_s = 0;
   double memory_bytes_per_s() const { return std::max(copy_bytes_per_s, read_bytes_per_s); }
-  // "memory 3.12 TB/s (copy 3.05, read 3.12), cuBLAS bf16 794 TFLOP/s (8192^3)"
+  // These ceilings with the sustained arithmetic rate.
+  Ceilings sustained() const {
+    Ceilings c = *this;
+    c.bf16_flops_per_s = bf16_sustained_flops_per_s;
+    return c;
+  }
+  // "memory 3.12 TB/s (copy 3.05, read 3.12), cuBLAS bf16 794 TFLOP/s (8192^3; 676 sustained)"
   std::string describe() const;
 };
 
@@ -70,6 +83,9 @@ class L2Flusher {
 // `stream`, each preceded by an L2 flush; one untimed warm-up call first.
 double time_median_us(const std::function<void()>& launch, int iterations, const L2Flusher& flusher,
                       cudaStream_t stream = nullptr);
+// Time, in us, of one call of `launch` (which may enqueue many kernels) on
+// `stream`, between two CUDA events; no flush, no warm-up.
+double time_span_us(const std::function<void()>& launch, cudaStream_t stream = nullptr);
 // The same for several launches taken in turn (round i times launch 0, 1,
 // ... each after its own flush), so that they share the GPU's state (clocks,
 // temperature) and their medians compare like for like; one median per launch.

@@ -439,6 +439,10 @@ LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t
     m.launch_floor_us = launch_floor_us(4, layer.options().programmatic_launch, nullptr, 50);
   }
   m.efficiency = m.roofline.roof_us / m.time_us;
+  m.efficiency_sustained = layer_roofline(layer.hidden(), layer.inter(), tokens, tokens * layer.top_k(),
+                                          m.expert_load.active, ceilings.sustained())
+                               .roof_us /
+                           m.time_us;
   if (m.roofline.memory_bound(ceilings)) m.read_peer_us = time_stream_read_us(m.roofline.bytes(), iterations, flusher);
   m.nonfinite_outputs = timer.count_nonfinite_outputs(tokens);
   const std::string errors = timer.device_errors();
@@ -507,7 +511,9 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
            "bias; hot = rows of the hottest expert / the mean, med = the median active expert's / the mean\n";
   if (opt.config)
     table << "# tile config forced for both GEMMs (--config): " << opt.config->to_string() << "; no row classes\n";
-  table << "model         variant                routing      T act   hot  med   time_us  graph_us   roof_us   eff | "
+  table << "# sus = efficiency against the roofline at the sustained bf16 rate (the GPU at its power limit)\n";
+  table << "model         variant                routing      T act   hot  med   time_us  graph_us   roof_us   eff  "
+           "sus | "
            "route+sort gather    gemm1    gemm2  final |  out%\n";
   if (json) {
     *json << ceilings_json_line(gpu, date, ceil) << std::endl;
@@ -571,15 +577,15 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
           const std::string graph_us = graph_text;
           char line[512];
           const LayerTimer::ExpertLoad& el = m.expert_load;
-          std::snprintf(line, sizeof line,
-                        "%-13s %-22s %-9s %6lld %3lld %5.2f %4.2f %9.1f %9s %9.1f %5.2f | %10.1f %6.1f %8.1f %8.1f "
-                        "%6.1f | %4.0f%%\n",
-                        shape.name.c_str(), variant_name(options, variant.gather).c_str(), to_string(load).c_str(),
-                        static_cast<long long>(tokens), static_cast<long long>(m.roofline.active_experts),
-                        static_cast<double>(el.max_rows) / el.mean_rows,
-                        static_cast<double>(el.median_rows) / el.mean_rows, m.time_us, graph_us.c_str(),
-                        m.roofline.roof_us, m.efficiency, s.route_sort_us, s.gather_us, s.gemm1_us, s.gemm2_us,
-                        s.finalize_us, 100.0 * s.outside_gemm_share());
+          std::snprintf(
+              line, sizeof line,
+              "%-13s %-22s %-9s %6lld %3lld %5.2f %4.2f %9.1f %9s %9.1f %5.2f %4.2f | %10.1f %6.1f %8.1f %8.1f "
+              "%6.1f | %4.0f%%\n",
+              shape.name.c_str(), variant_name(options, variant.gather).c_str(), to_string(load).c_str(),
+              static_cast<long long>(tokens), static_cast<long long>(m.roofline.active_experts),
+              static_cast<double>(el.max_rows) / el.mean_rows, static_cast<double>(el.median_rows) / el.mean_rows,
+              m.time_us, graph_us.c_str(), m.roofline.roof_us, m.efficiency, m.efficiency_sustained, s.route_sort_us,
+              s.gather_us, s.gemm1_us, s.gemm2_us, s.finalize_us, 100.0 * s.outside_gemm_share());
           table << line;
           if (with_graph)
             table << "  graph replay " << m.graph_us << " us against eager forwards taken in turn with it "
@@ -639,6 +645,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                 {"gemm2_roof_us", m.roofline.gemm2_roof_us},
                 {"combine_roof_us", m.roofline.combine_roof_us},
                 {"efficiency", m.efficiency},
+                {"efficiency_sustained", m.efficiency_sustained},
                 {"read_peer_us", m.read_peer_us > 0 ? nlohmann::json(m.read_peer_us) : nlohmann::json(nullptr)},
                 {"read_peer_efficiency",
                  m.read_peer_us > 0 ? nlohmann::json(m.roofline.roof_us / m.read_peer_us) : nlohmann::json(nullptr)},
@@ -654,6 +661,7 @@ void run_layer_bench(const LayerBenchOptions& opt, std::ostream& table, std::ost
                 {"copy_tbps", ceil.copy_bytes_per_s / 1e12},
                 {"memory_tbps", ceil.memory_bytes_per_s() / 1e12},
                 {"bf16_tflops", ceil.bf16_flops_per_s / 1e12},
+                {"bf16_sustained_tflops", ceil.bf16_sustained_flops_per_s / 1e12},
                 {"iterations", opt.iterations}};
             *json << j.dump() << std::endl;
           }

@@ -233,6 +233,9 @@ struct LayerMeasurement {
   StageTimes stages;
   LayerTimer::ExpertLoad expert_load;
   double efficiency = 0;  // roof_us / time_us
+  // Against the roofline at the sustained bf16 rate (Ceilings::sustained):
+  // where the GPU's power limit, not the burst rate, bounds the arithmetic.
+  double efficiency_sustained = 0;
   // Where the layer is memory-bound: one streaming read of all its bytes
   // (time_stream_read_us), the one-stream peer of the forward's kernels;
   // 0 elsewhere.
