@@ -104,8 +104,10 @@ def run_line(gemm, layer):
         ceil, cases = data
         memory = (f"memory {ceil['memory_tbps']:.2f} TB/s (copy {ceil['copy_tbps']:.2f}, read "
                   f"{ceil['read_tbps']:.2f})" if "memory_tbps" in ceil else f"copy {ceil['copy_tbps']:.2f} TB/s")
+        sustained = (f" ({ceil['bf16_sustained_tflops']:.0f} sustained)" if "bf16_sustained_tflops" in ceil
+                     else "")
         text = (f"{what}: {ceil.get('gpu', '?')}, {ceil.get('date', '?')}, {memory}, "
-                f"cuBLAS bf16 {ceil['bf16_tflops']:.0f} TFLOP/s")
+                f"cuBLAS bf16 {ceil['bf16_tflops']:.0f} TFLOP/s{sustained}")
         if what == "GEMM":
             good = sum(c["efficiency"] >= TARGET for c in cases)
             text += f"; {good} of {len(cases)} points ≥ {TARGET}"
@@ -182,10 +184,12 @@ def layer_table(cases):
 def stages_table(cases):
     cases = default_layer_cases(cases)
     with_load = any("expert_rows_max" in c for c in cases)
+    with_sustained = any("efficiency_sustained" in c for c in cases)
     header = ["model", "routing", "T", "active experts"] + (
         ["rows per active expert, median / max"] if with_load else []) + [
-        "time µs", "graph µs (/ eager in turn)", "roofline µs", "eff", "route + sort", "gather", "GEMM1", "GEMM2",
-        "finalize", "outside GEMMs"]
+        "time µs", "graph µs (/ eager in turn)", "roofline µs", "eff"] + (
+        ["eff, sustained bf16"] if with_sustained else []) + [
+        "route + sort", "gather", "GEMM1", "GEMM2", "finalize", "outside GEMMs"]
     rows = []
     for model in ordered_models(cases):
         for load in ordered_loads(cases):
@@ -201,8 +205,10 @@ def stages_table(cases):
                     graph = f"{c['graph_us']:.1f}"
                     if c.get("graph_eager_us"):
                         graph += f" ({c['graph_us'] / c['graph_eager_us']:.2f}×)"
-                row += [f"{c['time_us']:.1f}", graph, f"{c['roof_us']:.1f}", f2(c["efficiency"]),
-                        f"{s['route_sort']:.1f}", f"{s['gather']:.1f}", f"{s['gemm1']:.1f}", f"{s['gemm2']:.1f}",
+                row += [f"{c['time_us']:.1f}", graph, f"{c['roof_us']:.1f}", f2(c["efficiency"])]
+                if with_sustained:
+                    row.append(f2(c["efficiency_sustained"]) if "efficiency_sustained" in c else "–")
+                row += [f"{s['route_sort']:.1f}", f"{s['gather']:.1f}", f"{s['gemm1']:.1f}", f"{s['gemm2']:.1f}",
                         f"{s['finalize']:.1f}", f"{100 * c['outside_gemm_share']:.0f} %"]
                 rows.append(row)
     return markdown(header, rows)
