@@ -338,34 +338,24 @@ Ceilings measure_ceilings(const L2Flusher& flusher) {
   fill_random_bf16(ma.get(), ma.size(), 2);
   fill_random_bf16(mb.get(), mb.size(), 3);
   const float alpha = 1.0f, beta = 0.0f;
-  double gemm_us = 0;
+  const auto gemm = [&] {
+    BENCH_CUBLAS_CHECK(cublasGemmEx(cublas, CUBLAS_OP_N, CUBLAS_OP_N, dim, dim, dim, &alpha, ma.get(), CUDA_R_16BF, dim,
+                                    mb.get(), CUDA_R_16BF, dim, &beta, mc.get(), CUDA_R_16BF, dim, CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
+  };
+  const double flops = 2.0 * dim * dim * static_cast<double>(dim);
   try {
-    gemm_us = time_median_us(
-        [&] {
-          BENCH_CUBLAS_CHECK(cublasGemmEx(cublas, CUBLAS_OP_N, CUBLAS_OP_N, dim, dim, dim, &alpha, ma.get(),
-                                          CUDA_R_16BF, dim, mb.get(), CUDA_R_16BF, dim, &beta, mc.get(), CUDA_R_16BF,
-                                          dim, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-        },
-        10, flusher);
-  } catch (...) {
-    cublasDestroy(cublas);
-    throw;
-  }
-  c.bf16_flops_per_s = 2.0 * dim * dim * static_cast<double>(dim) / (gemm_us * 1e-6);
-  // Sustained: 0.75 s of back-to-back GEMMs brings the GPU to its power
-  // limit (the clocks settle within a few hundred ms), the next 0.75 s are
-  // timed.
-  try {
+    const double gemm_us = time_median_us(gemm, 10, flusher);
+    c.bf16_flops_per_s = flops / (gemm_us * 1e-6);
+    // Sustained: 0.75 s of back-to-back GEMMs brings the GPU to its power
+    // limit (the clocks settle within a few hundred ms), the next 0.75 s are
+    // timed.
     const int count = static_cast<int>(0.75e6 / gemm_us) + 1;
-    const auto run = [&](int n) {
-      for (int i = 0; i < n; ++i)
-        BENCH_CUBLAS_CHECK(cublasGemmEx(cublas, CUBLAS_OP_N, CUBLAS_OP_N, dim, dim, dim, &alpha, ma.get(), CUDA_R_16BF,
-                                        dim, mb.get(), CUDA_R_16BF, dim, &beta, mc.get(), CUDA_R_16BF, dim,
-                                        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    const auto run = [&] {
+      for (int i = 0; i < count; ++i) gemm();
     };
-    run(count);
-    const double sustained_us = time_span_us([&] { run(count); }) / count;
-    c.bf16_sustained_flops_per_s = 2.0 * dim * dim * static_cast<double>(dim) / (sustained_us * 1e-6);
+    run();
+    c.bf16_sustained_flops_per_s = flops * count / (time_span_us(run) * 1e-6);
   } catch (...) {
     cublasDestroy(cublas);
     throw;
