@@ -220,6 +220,9 @@ TEST_F(CliGpuTest, LayerBenchWritesOneJsonLinePerCase) {
     if (j.at("kind") == "ceilings") {
       has_ceilings = true;
       EXPECT_GT(j.at("copy_tbps").get<double>(), 0.0);
+      // Held for 0.75 s the GEMM runs at most as fast as in flushed bursts.
+      EXPECT_GT(j.at("bf16_sustained_tflops").get<double>(), 0.0) << line;
+      EXPECT_LE(j.at("bf16_sustained_tflops").get<double>(), 1.05 * j.at("bf16_tflops").get<double>()) << line;
       continue;
     }
     ASSERT_EQ(j.at("kind"), "moe_layer") << line;
@@ -228,6 +231,8 @@ TEST_F(CliGpuTest, LayerBenchWritesOneJsonLinePerCase) {
     EXPECT_GT(j.at("time_us").get<double>(), 0.0) << line;
     EXPECT_GT(j.at("roof_us").get<double>(), 0.0) << line;
     EXPECT_GT(j.at("efficiency").get<double>(), 0.0) << line;
+    // The roofline at the sustained rate is at least as long as at the burst rate (equal where memory-bound).
+    EXPECT_GE(j.at("efficiency_sustained").get<double>(), 0.95 * j.at("efficiency").get<double>()) << line;
     EXPECT_EQ(j.at("nonfinite_outputs").get<int64_t>(), 0) << line;
     const nlohmann::json& stages = j.at("stage_us");
     for (const char* stage : {"route_sort", "gather", "gemm1", "gemm2", "finalize", "total"})
