@@ -425,8 +425,10 @@ LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t
   LayerMeasurement m;
   m.tokens = tokens;
   m.expert_load = timer.expert_load(tokens);
-  m.roofline =
-      layer_roofline(layer.hidden(), layer.inter(), tokens, tokens * layer.top_k(), m.expert_load.active, ceilings);
+  const auto roofline_at = [&](const Ceilings& c) {
+    return layer_roofline(layer.hidden(), layer.inter(), tokens, tokens * layer.top_k(), m.expert_load.active, c);
+  };
+  m.roofline = roofline_at(ceilings);
   m.time_us = timer.time_forward_us(tokens, iterations, flusher);
   m.stages = timer.time_stages(tokens, iterations, flusher);
   if (with_graph) {
@@ -439,10 +441,7 @@ LayerMeasurement measure_layer(LayerTimer& timer, const MoeLayer& layer, int64_t
     m.launch_floor_us = launch_floor_us(4, layer.options().programmatic_launch, nullptr, 50);
   }
   m.efficiency = m.roofline.roof_us / m.time_us;
-  m.efficiency_sustained = layer_roofline(layer.hidden(), layer.inter(), tokens, tokens * layer.top_k(),
-                                          m.expert_load.active, ceilings.sustained())
-                               .roof_us /
-                           m.time_us;
+  m.efficiency_sustained = roofline_at(ceilings.sustained()).roof_us / m.time_us;
   if (m.roofline.memory_bound(ceilings)) m.read_peer_us = time_stream_read_us(m.roofline.bytes(), iterations, flusher);
   m.nonfinite_outputs = timer.count_nonfinite_outputs(tokens);
   const std::string errors = timer.device_errors();
