@@ -52,12 +52,12 @@ enum Form { kFull, kNoDeq, kNoMma, kSplit, kDeep, kArrive, kWarpArrive };
 // Stages per loop body: a multiple of the groups in flight (sm90/consumer.cuh's NOTE).
 template <Form FORM>
 constexpr int kStagesPerBody = FORM == kDeep ? 3 : 2;
-template <int WGS, Form FORM>
+// Fragments of a stage one warpgroup runs: four warpgroups split them in two pairs.
+template <int WGS>
 constexpr int kMyFrags = WGS == 4 ? 1 : kKFrags;
 // Fragments one warpgroup runs.
 template <int WGS, Form FORM>
-constexpr int kRunFragments =
-    kFragments / kMyFrags<WGS, FORM> / kStagesPerBody<FORM>* kStagesPerBody<FORM>* kMyFrags<WGS, FORM>;
+constexpr int kRunFragments = kFragments / kMyFrags<WGS> / kStagesPerBody<FORM>* kStagesPerBody<FORM>* kMyFrags<WGS>;
 
 template <int WIDTH>
 constexpr int kActStage = kKFrags* WIDTH * 128;
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(WGS * 128, 1) consumer_loop(long long* cycles,
   const int lane = tid % 32;
   const int group = (warpgroup % 2) * 4 + (tid % 128) / 32;
   // Four warpgroups split each stage's fragments between two pairs.
-  constexpr int MY_FRAGS = kMyFrags<WGS, FORM>;
+  constexpr int MY_FRAGS = kMyFrags<WGS>;
   constexpr int SPB = kStagesPerBody<FORM>;
   const int kf0 = WGS == 4 ? warpgroup / 2 : 0;
   const uint32_t act_base = ptx::smem_u32(smem);
