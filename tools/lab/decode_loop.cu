@@ -29,7 +29,10 @@
 // over the blocks, and dequantised weights per cycle per SM over the two
 // blocks; for the ring forms also the launch's time (events) and the weight
 // and scale bytes it read per second. Medians of seven launches, the ring
-// forms' each after a 256 MB write that evicts the L2.
+// forms' each after a 256 MB write that evicts the L2: its dirty lines are
+// written back during the launch, so the ring forms' rates read low in
+// absolute terms (an H100 ran the ring at 2.21 TB/s so, 2.46-2.52 without
+// the flush); compare the forms within one run.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
