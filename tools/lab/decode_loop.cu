@@ -18,6 +18,11 @@
 //   ring-bulk the ring with each stage's weights and scales as two bulk
 //             copies (cp.async.bulk, one thread, an mbarrier per stage)
 //   copy-bulk the same without the loop
+//   ring-mbar the cp.async ring without the block barrier per stage: each
+//             thread's copies arrive on the stage's "full" mbarrier
+//             (cp.async.mbarrier.arrive), each warp on its "free" one after
+//             reading it, and a refill waits for the slot's "free" only
+//   copy-mbar the same without the loop
 // A lab measurement for docs/performance.md §5.27; not part of the build.
 //
 //   nvcc -O3 -std=c++20 -gencode arch=compute_90a,code=sm_90a -Isrc -Iinclude \
@@ -62,18 +67,20 @@ constexpr int kWeightStage = kKFrags * kGroups * kFragBytes;      // 16 KB
 constexpr int kScaleStage = kKFrags * kGroups * kFragScaleBytes;  // 2 KB
 constexpr int kActStage = 8 * 256 * 2;                            // 8 rows x 256 k, bf16
 constexpr int kStageBytes = kWeightStage + kScaleStage + kActStage;
-constexpr int kSmemBytes = kStages * kStageBytes + kStages * 8;  // + the bulk forms' mbarriers
-constexpr int kUnitStages = 6144 / 256;                          // one unit's stages: GLM-5 GEMM1's k
-constexpr int kLoopStages = 2048;                                // stages of the forms without a ring
+constexpr int kSmemBytes = kStages * kStageBytes + kStages * 16;  // + the bulk and mbar forms' mbarriers
+constexpr int kUnitStages = 6144 / 256;                           // one unit's stages: GLM-5 GEMM1's k
+constexpr int kLoopStages = 2048;                                 // stages of the forms without a ring
 
-enum Form { kFull, kNoBar, kNoDeq, kNoMma, kRingL2, kRing, kCopy, kRingW, kRingBulk, kCopyBulk };
+enum Form { kFull, kNoBar, kNoDeq, kNoMma, kRingL2, kRing, kCopy, kRingW, kRingBulk, kCopyBulk, kRingMbar, kCopyMbar };
 
 template <Form FORM>
 constexpr bool kHasRing = FORM >= kRingL2;
 template <Form FORM>
 constexpr bool kBulk = FORM == kRingBulk || FORM == kCopyBulk;
 template <Form FORM>
-constexpr bool kMath = FORM != kCopy&& FORM != kCopyBulk;
+constexpr bool kMbar = FORM == kRingMbar || FORM == kCopyMbar;
+template <Form FORM>
+constexpr bool kMath = FORM != kCopy&& FORM != kCopyBulk&& FORM != kCopyMbar;
 
 // One stage of math: K_FRAGS fragments of the warp's two row groups.
 template <Form FORM>
@@ -132,7 +139,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint8_t* s_weights = smem;
   uint8_t* s_scales = smem + kStages * kWeightStage;
   uint8_t* s_act = s_scales + kStages * kScaleStage;
-  const uint32_t full_bar = ptx::smem_u32(s_act + kStages * kActStage);  // kBulk: stage s's at + 8 s
+  const uint32_t full_bar = ptx::smem_u32(s_act + kStages * kActStage);  // kBulk, kMbar: stage s's at + 8 s
+  const uint32_t free_bar = full_bar + kStages * 8;                      // kMbar: stage s's at + 8 s
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -169,6 +177,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       ptx::cp_async_16(ptx::smem_u32(s_act + stage * kActStage) + (r * 32 + (c ^ (r % 8))) * 16,
                        x + static_cast<size_t>(r) * 6144 + kt * 256 + c * 8, 16);
     }
+    if constexpr (kMbar<FORM>) ptx::cp_async_arrive_noinc(full_bar + 8 * stage);
   };
 
   if constexpr (!kHasRing<FORM>) {
@@ -178,8 +187,11 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int i = tid; i < kStages * kScaleStage; i += kThreads) s_scales[i] = 0x70;
     for (int i = tid; i < kStages * kActStage / 4; i += kThreads) reinterpret_cast<uint32_t*>(s_act)[i] = 0;
   }
-  if (kBulk<FORM> && tid == 0) {
-    for (int s = 0; s < kStages; ++s) ptx::mbarrier_init(full_bar + 8 * s, 1);
+  if ((kBulk<FORM> || kMbar<FORM>)&&tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(full_bar + 8 * s, kMbar<FORM> ? kThreads : 1);
+      ptx::mbarrier_init(free_bar + 8 * s, kWarps);
+    }
     ptx::fence_barrier_init();
   }
   __syncthreads();
@@ -195,7 +207,17 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   for (int it = 0; it < stages; ++it) {
     const int stage = it % kStages;
-    if constexpr (kHasRing<FORM>) {
+    if constexpr (kMbar<FORM>) {
+      // The refill of the slot read in the previous iteration waits only
+      // for every warp to have read it; then this stage's copies.
+      const int next = it + kStages - 1;
+      if (next < stages) {
+        const int slot = next % kStages;
+        if (it >= 1) ptx::mbarrier_wait(free_bar + 8 * slot, ((it - 1) / kStages) % 2);
+        load(slot, next);
+      }
+      ptx::mbarrier_wait(full_bar + 8 * stage, (it / kStages) % 2);
+    } else if constexpr (kHasRing<FORM>) {
       ptx::cp_async_wait<kStages - 2>();
       if constexpr (kBulk<FORM>) ptx::mbarrier_wait(full_bar + 8 * stage, (it / kStages) % 2);
       __syncthreads();
@@ -208,6 +230,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     if constexpr (kMath<FORM>)
       stage_math<FORM>(s_weights + stage * kWeightStage, s_scales + stage * kScaleStage,
                        ptx::smem_u32(s_act + stage * kActStage), acc, warp, lane);
+    if constexpr (kMbar<FORM>) {
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(free_bar + 8 * stage);
+    }
   }
   ptx::cp_async_wait_all();
   __syncthreads();
@@ -328,6 +354,8 @@ int main() {
   run<kRingW>("ring-w", b);
   run<kRingBulk>("ring-bulk", b);
   run<kCopyBulk>("copy-bulk", b);
+  run<kRingMbar>("ring-mbar", b);
+  run<kCopyMbar>("copy-mbar", b);
   run<kRing>("ring", b);
   return 0;
 }
