@@ -10,7 +10,7 @@
 //   nodeq     the raw code words as A (no dequantisation)
 //   nomma     dequantisation only (registers kept alive, no mma)
 //   ring-l2   the loop behind its cp.async ring, every block re-reading its
-//             own 64 KB of weights and scales (from L2)
+//             first three stages, 54 KB of weights and scales (from L2)
 //   ring      the loop behind its cp.async ring, every block streaming its
 //             own unit of 128 rows x 6144 k (GLM-5 GEMM1's shape) from HBM
 //   copy      the same ring without the loop (what the memory delivers)
