@@ -80,7 +80,7 @@ constexpr bool kBulk = FORM == kRingBulk || FORM == kCopyBulk;
 template <Form FORM>
 constexpr bool kMbar = FORM == kRingMbar || FORM == kCopyMbar;
 template <Form FORM>
-constexpr bool kMath = FORM != kCopy&& FORM != kCopyBulk&& FORM != kCopyMbar;
+constexpr bool kMath = !(FORM == kCopy || FORM == kCopyBulk || FORM == kCopyMbar);
 
 // One stage of math: K_FRAGS fragments of the warp's two row groups.
 template <Form FORM>
@@ -187,12 +187,14 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int i = tid; i < kStages * kScaleStage; i += kThreads) s_scales[i] = 0x70;
     for (int i = tid; i < kStages * kActStage / 4; i += kThreads) reinterpret_cast<uint32_t*>(s_act)[i] = 0;
   }
-  if ((kBulk<FORM> || kMbar<FORM>)&&tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(full_bar + 8 * s, kMbar<FORM> ? kThreads : 1);
-      ptx::mbarrier_init(free_bar + 8 * s, kWarps);
+  if constexpr (kBulk<FORM> || kMbar<FORM>) {
+    if (tid == 0) {
+      for (int s = 0; s < kStages; ++s) {
+        ptx::mbarrier_init(full_bar + 8 * s, kMbar<FORM> ? kThreads : 1);
+        ptx::mbarrier_init(free_bar + 8 * s, kWarps);
+      }
+      ptx::fence_barrier_init();
     }
-    ptx::fence_barrier_init();
   }
   __syncthreads();
   float acc[kRowTiles][4] = {};
